@@ -1,0 +1,49 @@
+# accelnode — build, test and benchmark entry points.
+#   make deps     Python virtualenv in .venv with accelnode installed (editable)
+#   make tools    external test peers built from their Go modules into .tools/bin (cached)
+#   make proto    regenerate accelnode/pb from proto/*.proto
+#   make demo     run the device plugin on a simulated TPU host and show what kubelet sees
+#   make test     every test (unit + integration against real peers)
+#   make bench    every benchmark; `make bench GROUP=device_plugin` for one group
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TOOLS_DIR := $(CURDIR)/.tools
+TOOLS_BIN := $(TOOLS_DIR)/bin
+export PATH := $(TOOLS_BIN):$(PATH)
+export ACCELNODE_TOOLS_BIN := $(TOOLS_BIN)
+GROUP ?=
+TESTS ?= tests
+PYTEST_ARGS ?=
+
+TOOLS :=
+# Each tools/mk/*.mk adds its binaries to TOOLS and says how to build them.
+include $(wildcard tools/mk/*.mk)
+
+.PHONY: deps tools proto demo test bench clean
+
+deps: $(VENV)/.stamp
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+tools: $(TOOLS)
+
+PROTOS := $(wildcard proto/*.proto)
+proto: deps
+	$(PY) -m accelnode.protogen --out accelnode/pb $(PROTOS)
+
+demo: deps
+	$(PY) -m device_plugin.demo
+
+test: deps tools
+	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
+
+bench: deps tools
+	$(PY) bench/run.py $(GROUP)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .bench

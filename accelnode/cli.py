@@ -1,0 +1,123 @@
+"""The ``accelnode`` command: one entry point, a subcommand per component.
+
+Every long flag ``--foo-bar`` of a subcommand may also be given as the environment variable
+``ACCELNODE_FOO_BAR``; a flag on the command line wins over the environment. Each component
+module exposes ``register(subparsers)``, which adds its parser and sets ``func`` to a callable
+taking the parsed namespace and returning an exit code. Components are imported only when
+their subcommand runs (``--help`` imports only the light ``cli`` modules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from . import __version__, exitcodes, log as alog
+
+# subcommand name -> module that registers it (in the order `--help` lists them)
+COMPONENTS = [
+    "device_plugin.cli",
+    "csi_driver.cli",
+    "agent.cli",
+    "agent.cache_cli",
+]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(option: str) -> str:
+    return "ACCELNODE_" + option.lstrip("-").replace("-", "_").upper()
+
+
+def apply_env(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give every long option of ``parser`` an ACCELNODE_* environment equivalent.
+
+    The env value becomes the option's default (so the command line still wins) and the
+    option's help text names the variable. Bad env values fail like bad flags.
+    """
+    for action in parser._actions:  # argparse has no public accessor
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or action.dest in ("help", "version"):
+            continue
+        name = env_name(longs[0])
+        action.help = (action.help or "") + f" [env {name}]"
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            low = raw.strip().lower()
+            if low not in _TRUE | _FALSE:
+                parser.error(f"{name}={raw!r}: expected true or false")
+            val = low in _TRUE
+            action.default = val if isinstance(action, argparse._StoreTrueAction) else not val
+        elif isinstance(action, argparse._AppendAction):
+            action.default = [action.type(v) if action.type else v for v in raw.split(",") if v]
+        else:
+            try:
+                val = action.type(raw) if action.type else raw
+            except (TypeError, ValueError) as e:
+                parser.error(f"{name}={raw!r}: {e}")
+            if action.choices is not None and val not in action.choices:
+                parser.error(f"{name}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+            action.default = val
+            action.required = False
+    return parser
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    """Flags every daemon shares: logging."""
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="minimum level to log (default: %(default)s)")
+    g.add_argument("--log-format", default="json", choices=["json", "text"],
+                   help="one JSON object per line, or key=value text (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="accelnode",
+        description="Node-level software for Kubernetes accelerator nodes.",
+        epilog="Every --flag of a subcommand can also be set as ACCELNODE_FLAG (upper case, '-' -> '_').\n\n"
+        + exitcodes.HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"accelnode {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for modname in COMPONENTS:
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name == modname:  # component not built yet in this tree
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return exitcodes.USAGE
+    if hasattr(args, "log_level"):
+        alog.setup(args.log_level, args.log_format)
+    try:
+        return int(args.func(args) or 0)
+    except exitcodes.CLIError as e:
+        print(f"accelnode {args.command}: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        return exitcodes.INTERRUPTED
+    except Exception as e:  # last resort: one line, not a traceback, unless debugging
+        logging.getLogger("accelnode").debug("unhandled error", exc_info=True)
+        print(f"accelnode {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return exitcodes.FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

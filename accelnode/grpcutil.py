@@ -1,0 +1,74 @@
+"""gRPC over unix sockets, the way kubelet's peers expect it.
+
+* A stale socket file is removed before listening (never a non-socket file: that is an error).
+* :func:`serve_unix` returns only after a client has connected to the new socket, so a
+  caller may register with kubelet knowing the endpoint answers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+
+def remove_stale_socket(path: str | os.PathLike) -> None:
+    p = Path(path)
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(f"{p} exists and is not a socket; refusing to remove it")
+    p.unlink()
+
+
+def wait_listening(path: str | os.PathLike, timeout: float = 5.0) -> None:
+    """Block until a unix-socket connect to ``path`` succeeds (proof that the server listens)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(0.5)
+            s.connect(str(path))
+            return
+        except OSError as e:
+            last = e
+            time.sleep(0.005)
+        finally:
+            s.close()
+    raise TimeoutError(f"nothing listens on {path} after {timeout}s: {last}")
+
+
+def serve_unix(path: str | os.PathLike, add_servicers, *, max_workers: int = 8, options=None) -> grpc.Server:
+    """Start a gRPC server on unix socket ``path``.
+
+    ``add_servicers(server)`` registers the servicers. The socket directory must exist.
+    Returns a started server that has been proven to accept connections.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"socket directory {path.parent} does not exist")
+    remove_stale_socket(path)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options or [])
+    add_servicers(server)
+    if server.add_insecure_port(f"unix://{path}") == 0:
+        raise OSError(f"cannot listen on unix socket {path}")
+    server.start()
+    wait_listening(path)
+    return server
+
+
+def unix_channel(path: str | os.PathLike, options=None) -> grpc.Channel:
+    """A channel to a unix socket path (``unix://`` prefix optional)."""
+    target = str(path)
+    if not target.startswith("unix:"):
+        target = f"unix://{target}"
+    return grpc.insecure_channel(target, options=options or [])

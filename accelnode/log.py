@@ -1,0 +1,76 @@
+"""One structured log format for every daemon.
+
+Each record is one line: JSON (``--log-format json``, the default for daemons) or
+``key=value`` text. Extra fields are passed as keyword arguments through :func:`kv`::
+
+    log.info("registered with kubelet", extra=kv(resource="google.com/tpu", endpoint=sock))
+
+Secrets never go through here: callers pass names and digests, never tokens or passwords.
+A last-line defence masks values of fields whose names look secret.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+_SECRET_WORDS = ("token", "password", "secret", "authorization", "auth")
+
+
+def kv(**fields) -> dict:
+    """Wrap structured fields for ``logging``'s ``extra=`` argument."""
+    return {"fields": fields}
+
+
+def _fields(record: logging.LogRecord) -> dict:
+    out = dict(getattr(record, "fields", {}) or {})
+    for k, v in vars(record).items():
+        if k not in _STD and k != "fields":
+            out[k] = v
+    for k in list(out):
+        if any(w in k.lower() for w in _SECRET_WORDS):
+            out[k] = "<redacted>"
+    return out
+
+
+class JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        doc.update(_fields(record))
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str, separators=(",", ":"))
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%H:%M:%S", time.localtime(record.created))
+        parts = [f"{ts}.{int(record.msecs):03d}", record.levelname.lower(), record.name, record.getMessage()]
+        for k, v in _fields(record).items():
+            s = str(v)
+            parts.append(f"{k}={json.dumps(s) if (' ' in s or not s) else s}")
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup(level: str = "info", fmt: str = "json", stream=None) -> None:
+    """Configure the root logger once for a process."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # grpc and urllib3 are chatty at debug; keep them at warning unless asked.
+    for name in ("urllib3", "grpc", "asyncio"):
+        logging.getLogger(name).setLevel(logging.WARNING if level != "debug" else logging.DEBUG)

@@ -1,0 +1,1 @@
+"""Cluster controller (TPU node groups, cache objects, admission webhooks). Built in a later wave."""

@@ -1,0 +1,1 @@
+"""kubelet device plugin offering TPU chips as ``google.com/tpu``."""

@@ -1,0 +1,52 @@
+"""Shared test setup.
+
+Fixture modules live in ``tests/fixtures/`` (registry, control plane, simulated hosts) and are
+loaded for every test. A test that needs a prerequisite (root, mounts, a built tool) calls
+:func:`require`: a missing prerequisite FAILS the test, loudly, so CI can never pass by
+skipping. A developer may set ACCELNODE_ALLOW_SKIP=1 to turn those failures into skips locally.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS_BIN = Path(os.environ.get("ACCELNODE_TOOLS_BIN", ROOT / ".tools" / "bin"))
+
+pytest_plugins = sorted(
+    f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
+)
+
+
+def require(condition: bool, what: str) -> None:
+    """Fail (or, with ACCELNODE_ALLOW_SKIP=1, skip) when a prerequisite is missing."""
+    if condition:
+        return
+    msg = f"prerequisite missing: {what}"
+    if os.environ.get("ACCELNODE_ALLOW_SKIP") == "1":
+        pytest.skip(msg)
+    pytest.fail(msg + " (install it with `make tools` / .ci/run; ACCELNODE_ALLOW_SKIP=1 skips locally)")
+
+
+def require_root() -> None:
+    require(os.geteuid() == 0, "root (mknod, mounts)")
+
+
+def tool(name: str) -> str:
+    """Path of an external tool from .tools/bin (or PATH); fails loudly when absent."""
+    p = TOOLS_BIN / name
+    if p.exists():
+        return str(p)
+    found = shutil.which(name)
+    require(found is not None, f"tool {name!r} (expected in {TOOLS_BIN})")
+    return found
+
+
+def accelnode_cmd() -> list[str]:
+    """argv prefix that runs the real `accelnode` CLI of this checkout."""
+    return [sys.executable, "-m", "accelnode"]
