@@ -1,0 +1,436 @@
+"""A real, throwaway Kubernetes control plane on loopback: etcd + kube-apiserver.
+
+Used by the pytest fixture (``tests/fixtures/cluster.py``) and by ``make cluster``
+(``python -m accelnode.devcluster``). Both binaries are the real ones, built from their Go
+modules into ``.tools/bin`` by ``make tools`` (``tools/mk/k8s.mk``).
+
+What one :class:`ControlPlane` sets up in its work directory:
+
+- a CA, a serving certificate for 127.0.0.1/localhost and the in-cluster service names, and
+  an ECDSA key that signs service-account tokens;
+- etcd on two free loopback ports (client, peer), data in ``etcd/`` (removed on stop);
+- kube-apiserver on a free loopback port with client-certificate authentication, RBAC
+  authorization, service-account token issuing and an audit log of every write
+  (``audit.log``);
+- one client certificate and kubeconfig per identity in :data:`IDENTITIES`.
+
+The component identities carry the user name and groups a pod running as the component's
+ServiceAccount gets, so the ClusterRoleBindings in ``daemonsets/`` apply to them unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as dt
+import ipaddress
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+NAMESPACE = "accelnode-system"
+SERVICE_CIDR = "10.96.0.0/12"
+SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` Service
+ISSUER = "https://kubernetes.default.svc.cluster.local"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A client-certificate identity: CN becomes the user name, each O a group."""
+
+    name: str
+    user: str
+    groups: tuple[str, ...]
+
+
+def _service_account(component: str) -> Identity:
+    sa = f"accelnode-{component}"
+    return Identity(
+        component,
+        f"system:serviceaccount:{NAMESPACE}:{sa}",
+        ("system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}"),
+    )
+
+
+IDENTITIES = (
+    Identity("admin", "accelnode-admin", ("system:masters",)),
+    *(_service_account(c) for c in ("device-plugin", "csi", "agent", "controller")),
+)
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane could not start (the message carries the log tail)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# certificates
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    path.chmod(0o600)
+
+
+def _cert(subject: x509.Name, key, issuer: x509.Name, signer, *, ca: bool, extensions=()) -> x509.Certificate:
+    now = dt.datetime.now(dt.timezone.utc)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=7))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, key_cert_sign=ca, crl_sign=ca, content_commitment=False,
+                key_encipherment=False, data_encipherment=False, key_agreement=False,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+    )
+    for ext in extensions:
+        b = b.add_extension(ext, critical=False)
+    return b.sign(signer, hashes.SHA256())
+
+
+class _PKI:
+    """CA, serving pair, service-account signing key and client pairs under one directory."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._ca_key = _key()
+        self._ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "accelnode-devcluster-ca")])
+        ca = _cert(self._ca_name, self._ca_key, self._ca_name, self._ca_key, ca=True)
+        self.ca = root / "ca.crt"
+        self.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+
+        self.sa_key = root / "sa.key"
+        self.sa_pub = root / "sa.pub"
+        sa = _key()
+        _write_key(self.sa_key, sa)
+        self.sa_pub.write_bytes(
+            sa.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
+
+        names = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                 "kubernetes.default.svc.cluster.local"]
+        san = x509.SubjectAlternativeName(
+            [x509.DNSName(n) for n in names]
+            + [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", SERVICE_IP)]
+        )
+        self.serving = self._pair("apiserver", x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]),
+                                  ExtendedKeyUsageOID.SERVER_AUTH, san)
+
+    def client(self, ident: Identity) -> tuple[Path, Path]:
+        attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, g) for g in ident.groups]
+        attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, ident.user))
+        return self._pair(f"client-{ident.name}", x509.Name(attrs), ExtendedKeyUsageOID.CLIENT_AUTH)
+
+    def _pair(self, stem: str, subject: x509.Name, usage, *extra) -> tuple[Path, Path]:
+        key = _key()
+        cert = _cert(subject, key, self._ca_name, self._ca_key, ca=False,
+                     extensions=(x509.ExtendedKeyUsage([usage]), *extra))
+        crt, keyfile = self.root / f"{stem}.crt", self.root / f"{stem}.key"
+        crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_key(keyfile, key)
+        return crt, keyfile
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+_AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"]},
+        {"level": "None"},
+    ],
+}
+
+
+def _die_with_parent() -> None:
+    """Child side of Popen: get SIGTERM if the launching process dies without cleaning up."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class _Proc:
+    """One server process with its log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path):
+        self.name, self.argv, self.log = name, argv, log
+        self.popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        # Own session: a terminal's Ctrl-C reaches only our process, which stops the servers in
+        # order (kube-apiserver before etcd).
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True, preexec_fn=_die_with_parent)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def failure(self, why: str) -> ControlPlaneError:
+        return ControlPlaneError(f"{self.name} {why}; last lines of {self.log}:\n{_tail(self.log)}")
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self.popen = None
+
+
+class ControlPlane:
+    """etcd + kube-apiserver on loopback, owned by this object.
+
+    ``start()`` returns once ``/readyz`` answers 200 and the ``default`` namespace exists, or
+    raises :class:`ControlPlaneError` with the failing server's log tail. ``stop()`` ends both
+    (SIGTERM, then SIGKILL), waits for them and removes the etcd data. Safe to call twice.
+    """
+
+    def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0):
+        self.workdir = Path(workdir)
+        self.tools_bin = Path(tools_bin)
+        self.start_timeout = start_timeout
+        self.port = free_port()
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.audit_log = self.workdir / "audit.log"
+        self._etcd: _Proc | None = None
+        self._apiserver: _Proc | None = None
+        self._kubeconfigs: dict[str, Path] = {}
+        self._clients: dict[str, tuple[Path, Path]] = {}
+        self.pki: _PKI | None = None
+
+    # -- public surface ------------------------------------------------------------------------
+
+    @property
+    def ca_file(self) -> Path:
+        assert self.pki is not None, "start() first"
+        return self.pki.ca
+
+    def kubeconfig(self, identity: str = "admin") -> Path:
+        """Path of the kubeconfig for one of :data:`IDENTITIES` (by ``Identity.name``)."""
+        try:
+            return self._kubeconfigs[identity]
+        except KeyError:
+            raise KeyError(f"no identity {identity!r}; known: {sorted(self._kubeconfigs)}") from None
+
+    def start(self) -> None:
+        etcd, apiserver = self._binary("etcd"), self._binary("kube-apiserver")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.pki = _PKI(self.workdir / "pki")
+        for ident in IDENTITIES:
+            self._clients[ident.name] = self.pki.client(ident)
+            self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(_AUDIT_POLICY))
+        client, peer = free_port(), free_port()
+        self._etcd = _Proc("etcd", [
+            etcd, "--name=devcluster", f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{client}", f"--advertise-client-urls=http://127.0.0.1:{client}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}", f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=devcluster=http://127.0.0.1:{peer}",
+            "--unsafe-no-fsync", "--log-level=warn",
+        ], self.workdir / "etcd.log")
+        self._apiserver = _Proc("kube-apiserver", [
+            apiserver, "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
+            f"--etcd-servers=http://127.0.0.1:{client}",
+            f"--cert-dir={self.workdir / 'apiserver-certs'}",
+            f"--tls-cert-file={self.pki.serving[0]}", f"--tls-private-key-file={self.pki.serving[1]}",
+            f"--client-ca-file={self.pki.ca}",
+            "--authorization-mode=RBAC", "--anonymous-auth=false",
+            f"--service-account-issuer={ISSUER}", f"--service-account-key-file={self.pki.sa_pub}",
+            f"--service-account-signing-key-file={self.pki.sa_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # No controller-manager runs, so nothing creates the `default` ServiceAccount that
+            # this admission plugin would insist on for every pod.
+            "--disable-admission-plugins=ServiceAccount",
+            "--allow-privileged=true", "--profiling=false",
+            f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
+        ], self.workdir / "kube-apiserver.log")
+        try:
+            self._etcd.start()
+            self._wait(self._etcd, f"http://127.0.0.1:{client}/readyz", None)
+            self.start_apiserver()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_apiserver(self) -> None:
+        """(Re)start kube-apiserver on the same port and wait until it is ready."""
+        assert self._apiserver is not None, "start() first"
+        self._apiserver.start()
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        ctx.load_cert_chain(*self._clients["admin"])
+        self._wait(self._apiserver, f"{self.url}/readyz", ctx)
+        self._wait(self._apiserver, f"{self.url}/api/v1/namespaces/default", ctx)
+
+    def stop_apiserver(self) -> None:
+        """Stop kube-apiserver only (etcd keeps the data): clients see the API go away."""
+        if self._apiserver is not None:
+            self._apiserver.stop()
+
+    def stop(self) -> None:
+        for proc in (self._apiserver, self._etcd):
+            if proc is not None:
+                proc.stop()
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
+
+    def check_running(self) -> None:
+        """Raise :class:`ControlPlaneError` if etcd or kube-apiserver has exited."""
+        for proc in (self._etcd, self._apiserver):
+            if proc is not None and not proc.alive():
+                raise proc.failure("exited")
+
+    def __enter__(self) -> "ControlPlane":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _binary(self, name: str) -> str:
+        path = self.tools_bin / name
+        if not os.access(path, os.X_OK):
+            raise ControlPlaneError(f"{path} is missing: build it with `make tools`")
+        return str(path)
+
+    def _write_kubeconfig(self, ident: Identity) -> Path:
+        crt, key = self._clients[ident.name]
+        doc = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "devcluster", "cluster": {"server": self.url, "certificate-authority": str(self.pki.ca)}}],
+            "users": [{"name": ident.name, "user": {"client-certificate": str(crt), "client-key": str(key)}}],
+            "contexts": [{"name": ident.name, "context": {"cluster": "devcluster", "user": ident.name}}],
+            "current-context": ident.name,
+        }
+        path = self.workdir / f"kubeconfig-{ident.name}"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        path.chmod(0o600)
+        return path
+
+    def _wait(self, proc: _Proc, url: str, ctx: ssl.SSLContext | None) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise proc.failure("exited during startup")
+            try:
+                with urllib.request.urlopen(url, context=ctx, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}"
+            except urllib.error.HTTPError as e:
+                last = f"HTTP {e.code}: {e.read(300).decode(errors='replace')}"
+            except OSError as e:
+                last = str(e)
+            time.sleep(0.25)
+        raise proc.failure(f"not ready at {url} after {self.start_timeout:.0f}s ({last})")
+
+
+# ---------------------------------------------------------------------------------------------
+# `make cluster`
+
+
+def main(argv: list[str] | None = None) -> int:
+    root = Path(__file__).resolve().parent.parent
+    p = argparse.ArgumentParser(
+        prog="python -m accelnode.devcluster",
+        description="Run a local etcd + kube-apiserver in the foreground until Ctrl-C.")
+    p.add_argument("--tools-bin", type=Path, default=Path(os.environ.get("ACCELNODE_TOOLS_BIN", root / ".tools/bin")),
+                   help="where etcd and kube-apiserver are (default: .tools/bin)")
+    p.add_argument("--dir", type=Path, help="work directory (default: a new temporary directory, removed at exit)")
+    args = p.parse_args(argv)
+    workdir = args.dir or Path(tempfile.mkdtemp(prefix="accelnode-cluster-"))
+    cp = ControlPlane(workdir, args.tools_bin)
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cp.start()
+    except ControlPlaneError as e:
+        print(f"devcluster: {e}", file=sys.stderr)
+        return 1
+    try:
+        print(f"""kube-apiserver ready at {cp.url} (work directory {workdir})
+
+  export KUBECONFIG={cp.kubeconfig('admin')}
+  alias kubectl={args.tools_bin / 'kubectl'}   # built from the apiserver's release
+  kubectl apply -f {root / 'daemonsets/crds'}
+  kubectl get --raw /readyz
+
+Kubeconfigs for the component identities (RBAC applies to them):""")
+        for ident in IDENTITIES[1:]:
+            print(f"  {ident.name:14} {cp.kubeconfig(ident.name)}  ({ident.user})")
+        print(f"Logs: {workdir}/kube-apiserver.log, {workdir}/etcd.log, audit {cp.audit_log}\nCtrl-C stops it.",
+              flush=True)
+        while stop["signal"] is None:
+            cp.check_running()
+            time.sleep(0.5)
+        return 0
+    except ControlPlaneError as e:
+        print(f"devcluster: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cp.stop()
+        if args.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print("devcluster: stopped", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

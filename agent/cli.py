@@ -1,0 +1,66 @@
+"""``accelnode agent``: the node's cache agent, serving proto/agent.proto on a unix socket."""
+
+from __future__ import annotations
+
+import argparse
+
+from accelnode import cli as acli
+from accelnode import exitcodes
+
+
+def register(sub) -> None:
+    p = sub.add_parser("agent", help="serve the node's cache store to the CSI driver (local gRPC API)",
+                       description=__doc__)
+    p.add_argument("--store", required=True, metavar="DIR", help="root of the node's cache store")
+    p.add_argument("--socket", required=True, metavar="PATH", help="unix socket to serve the agent API on")
+    p.add_argument("--plain-http", action="store_true", help="talk to registries over plain HTTP (tests only)")
+    p.add_argument("--registry-config", metavar="FILE",
+                   help="Docker-style config.json with registry credentials")
+    p.add_argument("--registry-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="deadline of one registry request (default: %(default)s)")
+    p.add_argument("--sysfs-root", default="/sys", help="sysfs to read accelerators from (default: %(default)s)")
+    p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
+    p.add_argument("--metrics-address", default="127.0.0.1:9811", metavar="HOST:PORT",
+                   help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
+    acli.add_common(p)
+    acli.apply_env(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry
+
+    from accelnode import grpcutil
+    from accelnode.httpserve import MetricsServer
+    from accelnode.log import kv
+
+    from . import accelerators, service
+    from .registry import RegistryOptions
+    from .store import CacheStore
+
+    log = logging.getLogger("accelnode.agent")
+    sock = Path(args.socket)
+    if not sock.parent.is_dir():
+        raise exitcodes.CLIError(f"socket directory {sock.parent} does not exist", exitcodes.PREREQUISITE)
+    store = CacheStore(args.store, registry=RegistryOptions(
+        plain_http=args.plain_http, config_file=args.registry_config, timeout=args.registry_timeout))
+    registry = CollectorRegistry()
+    svc = service.AgentService(store, accelerators.detect(args.sysfs_root, args.dev_root),
+                               service.Metrics(registry))
+    server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(svc, s), max_workers=32)
+    metrics = MetricsServer(args.metrics_address, registry, lambda: (True, "")).start()
+    log.info("agent serving", extra=kv(socket=str(sock), store=args.store,
+                                       accelerators=[str(a) for a in svc.accelerators]))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("agent stopping")
+    server.stop(grace=5).wait()
+    metrics.stop()
+    return exitcodes.OK

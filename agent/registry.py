@@ -1,0 +1,391 @@
+"""OCI distribution client for the cache store, on top of oras-py's session and auth backends.
+
+oras-py's own request path retries for minutes and has no timeouts, so every request here goes
+through :meth:`Registry.request`: one deadline for the whole operation, per-request socket
+timeouts derived from it, and our own retry with backoff on connection failures and 5xx. Auth
+uses oras-py's backends (bearer tokens, anonymous or from credentials; basic auth) with the
+credentials of a Docker config file (also the shape of a ``kubernetes.io/dockerconfigjson``
+Secret). Blobs are streamed through :class:`BlobStream`, which verifies size and digest while
+the bytes flow and resumes a cut connection with an HTTP range request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+import oras.auth
+import oras.auth.utils
+import oras.provider
+import requests
+import urllib3
+
+from accelnode.log import kv
+
+from .errors import AuthError, ImageNotFound, IntegrityError, InvalidReference, RegistryUnavailable
+
+log = logging.getLogger("accelnode.agent.registry")
+
+MANIFEST_TYPES = (
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+)
+INDEX_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+)
+MAX_MANIFEST_BYTES = 4 << 20
+CHUNK = 1 << 20
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+_REF = re.compile(
+    r"^(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?)/"
+    r"(?P<repo>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
+    r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
+)
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class RegistryOptions:
+    plain_http: bool = False  # talk HTTP instead of HTTPS (only when asked for)
+    config_file: str | None = None  # Docker config JSON with credentials
+    timeout: float = 60.0  # total deadline of one pull or push, seconds
+
+
+@dataclass(frozen=True)
+class Reference:
+    host: str
+    repository: str
+    tag: str | None = None
+    digest: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Reference:
+        m = _REF.match(text or "")
+        if not m or ("." not in m["host"] and ":" not in m["host"] and m["host"] != "localhost"):
+            raise InvalidReference(
+                "not an image reference: expected HOST[:PORT]/REPOSITORY[:TAG][@sha256:HEX]", text)
+        return cls(m["host"], m["repo"], m["tag"], m["digest"])
+
+    @property
+    def ref(self) -> str:
+        """What the manifest endpoint is asked for: the digest when pinned, else the tag."""
+        return self.digest or self.tag or "latest"
+
+    def pinned(self, digest: str) -> str:
+        return f"{self.host}/{self.repository}@{digest}"
+
+    def __str__(self) -> str:
+        return (f"{self.host}/{self.repository}" + (f":{self.tag}" if self.tag else "")
+                + (f"@{self.digest}" if self.digest else ""))
+
+
+def check_digest(digest: str, image: str | None = None) -> str:
+    if not isinstance(digest, str) or not DIGEST.match(digest):
+        raise InvalidReference(f"not a sha256 digest: {digest!r}", image)
+    return digest
+
+
+class Deadline:
+    """One monotonic deadline shared by every request of an operation."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return self.end - time.monotonic()
+
+    def check(self, image: str, doing: str) -> float:
+        left = self.remaining()
+        if left <= 0:
+            raise RegistryUnavailable(f"gave up {doing} after the {self.seconds:g}s deadline", image)
+        return left
+
+
+class _Session(requests.Session):
+    """A session whose requests (including oras-py's token requests) never outlive the deadline."""
+
+    deadline: Deadline | None = None
+
+    def request(self, method, url, **kw):
+        if self.deadline is not None and kw.get("timeout") is None:
+            left = max(self.deadline.remaining(), 0.05)
+            kw["timeout"] = (min(left, 10.0), min(left, 30.0))
+        return super().request(method, url, **kw)
+
+
+class Registry:
+    """Requests against one registry host with a deadline, auth and retries."""
+
+    def __init__(self, host: str, options: RegistryOptions, deadline: Deadline | None = None):
+        self.host = host
+        self.options = options
+        self.deadline = deadline or Deadline(options.timeout)
+        self.scheme = "http" if options.plain_http else "https"
+        self._oras: oras.provider.Registry | None = None
+
+    # -- connection and auth -------------------------------------------------------------
+
+    def _client(self, image: str) -> oras.provider.Registry:
+        """Ping /v2/ once and pick the oras-py auth backend the registry's challenge asks for."""
+        if self._oras is not None:
+            return self._oras
+        url = f"{self.scheme}://{self.host}/v2/"
+        resp = self._send(requests.Session(), "GET", url, image, "contacting the registry", {})
+        challenge = resp.headers.get("Www-Authenticate", "")
+        backend = "basic" if resp.status_code == 401 and challenge.lower().startswith("basic") else "token"
+        client = oras.provider.Registry(hostname=self.host, insecure=self.options.plain_http, auth_backend=backend)
+        session = _Session()
+        session.deadline = self.deadline
+        session.cookies.set_policy(client.session.cookies.get_policy())
+        client.session = client.auth.session = session
+        configs = [self.options.config_file] if self.options.config_file else None
+        client.auth.load_configs(client.get_container(f"{self.host}/x"), configs=configs)
+        entry = (client.auth._auth_config.get("auths") or {}).get(self.host) or {}
+        if not getattr(client.auth, "_basic_auth", None) and entry.get("username"):
+            # dockerconfigjson Secrets often carry username/password instead of "auth"
+            client.auth.set_basic_auth(entry["username"], entry.get("password", ""))
+        if backend == "basic" and not getattr(client.auth, "_basic_auth", None):
+            raise AuthError(f"registry {self.host} requires credentials and none were found"
+                            + (f" in {self.options.config_file}" if configs else " (use --registry-config)"), image)
+        self._oras = client
+        return client
+
+    def _send(self, session, method, url, image, doing, headers, **kw) -> requests.Response:
+        """One request with retries on connection errors and retryable statuses, within the deadline."""
+        delay = 0.2
+        while True:
+            left = self.deadline.check(image, doing)
+            try:
+                resp = session.request(method, url, headers=headers, timeout=(min(left, 10.0), min(left, 30.0)), **kw)
+                if resp.status_code not in _RETRY_STATUS:
+                    return resp
+                problem = f"HTTP {resp.status_code}"
+                resp.close()
+            except requests.RequestException as e:
+                problem = _describe(e)
+            log.info("registry request failed, retrying", extra=kv(image=image, doing=doing, problem=problem,
+                                                                  retry_in=round(delay, 2)))
+            if self.deadline.remaining() <= delay:
+                raise RegistryUnavailable(f"{doing}: {problem} (gave up within the {self.deadline.seconds:g}s deadline)", image)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def request(self, method: str, path: str, image: str, doing: str, *, headers=None, ok=(200,), **kw):
+        """An authenticated request to ``/v2/<path>``; maps 401/403/404 to our errors."""
+        client = self._client(image)
+        url = f"{self.scheme}://{self.host}/v2/{path}"
+        headers = dict(headers or {})
+        for attempt in range(2):
+            headers.update(client.auth.get_auth_header() if _has_creds(client.auth) else {})
+            resp = self._send(client.session, method, url, image, doing, headers, **kw)
+            if resp.status_code not in (401, 403) or attempt:
+                break
+            try:
+                headers, changed = client.auth.authenticate_request(resp, headers, refresh=True)
+            except (requests.RequestException, ValueError) as e:
+                raise AuthError(f"{doing}: token request failed: {_describe(e)}", image) from None
+            resp.close()
+            if not changed:
+                break
+        if resp.status_code in ok:
+            return resp
+        body = resp.text[:300] if not kw.get("stream") else ""
+        resp.close()
+        if resp.status_code in (401, 403):
+            raise AuthError(f"{doing}: registry refused our credentials (HTTP {resp.status_code})", image)
+        if resp.status_code == 404:
+            raise ImageNotFound(f"{doing}: not found in the registry (HTTP 404)", image)
+        raise RegistryUnavailable(f"{doing}: unexpected HTTP {resp.status_code}: {body.strip()}", image)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def get_manifest(self, ref: Reference, image: str, *, limit: int = MAX_MANIFEST_BYTES,
+                     digest: str | None = None) -> tuple[bytes, str, str]:
+        """Fetch a manifest or index: (raw bytes, media type, digest), digest- and size-checked."""
+        want = digest or ref.digest
+        accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
+        resp = self.request("GET", f"{ref.repository}/manifests/{want or ref.ref}", image, "fetching the manifest",
+                            headers={"Accept": accept}, stream=True)
+        with resp:
+            declared = int(resp.headers.get("Content-Length") or 0)
+            if declared > limit:
+                raise IntegrityError(f"manifest is {declared} bytes, over the {limit}-byte limit", image)
+            body = b""
+            for chunk in resp.iter_content(65536):
+                body += chunk
+                if len(body) > limit:
+                    raise IntegrityError(f"manifest is over the {limit}-byte limit", image)
+        actual = "sha256:" + hashlib.sha256(body).hexdigest()
+        if want and actual != want:
+            raise IntegrityError(f"manifest digest mismatch: asked for {want}, content is {actual}", image)
+        media_type = resp.headers.get("Content-Type", "").split(";")[0].strip()
+        return body, media_type, actual
+
+    def open_blob(self, repository: str, descriptor: dict, image: str, *, limit: int | None = None) -> BlobStream:
+        return BlobStream(self, repository, descriptor, image, limit)
+
+    def read_blob(self, repository: str, descriptor: dict, image: str, *, limit: int) -> bytes:
+        """A small blob (a config) read whole, verified."""
+        with self.open_blob(repository, descriptor, image, limit=limit) as blob:
+            data = blob.read_all()
+        return data
+
+    # -- writing (build/push) ----------------------------------------------------------------
+
+    def blob_exists(self, repository: str, digest: str, image: str) -> bool:
+        resp = self.request("HEAD", f"{repository}/blobs/{digest}", image, "checking a blob", ok=(200, 404))
+        resp.close()
+        return resp.status_code == 200
+
+    def upload_blob(self, repository: str, digest: str, data, image: str) -> None:
+        """Monolithic upload (POST then PUT) of bytes or a binary file object."""
+        if self.blob_exists(repository, digest, image):
+            return
+        resp = self.request("POST", f"{repository}/blobs/uploads/", image, "starting a blob upload", ok=(202,))
+        location = resp.headers["Location"]
+        resp.close()
+        sep = "&" if "?" in location else "?"
+        if location.startswith("/v2/"):
+            location = location[len("/v2/"):]
+        elif "://" in location:
+            location = location.split("/v2/", 1)[1]
+        if hasattr(data, "seek"):
+            data.seek(0)
+        self.request("PUT", f"{location}{sep}digest={digest}", image, f"uploading blob {digest}", ok=(201,),
+                     data=data, headers={"Content-Type": "application/octet-stream"}).close()
+
+    def put_manifest(self, repository: str, ref: str, body: bytes, media_type: str, image: str) -> str:
+        self.request("PUT", f"{repository}/manifests/{ref}", image, "uploading the manifest", ok=(201,),
+                     data=body, headers={"Content-Type": media_type}).close()
+        return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def _has_creds(auth) -> bool:
+    return bool(getattr(auth, "token", None) or (isinstance(auth, oras.auth.BasicAuth)
+                                                 and getattr(auth, "_basic_auth", None)))
+
+
+def _describe(e: BaseException) -> str:
+    """A short cause for a requests/urllib3 exception (their str() nests several reprs)."""
+    text = str(e)
+    for key in ("Connection refused", "timed out", "Name or service not known", "Connection reset",
+                "IncompleteRead", "Connection broken", "Max retries exceeded"):
+        if key in text:
+            return f"{type(e).__name__}: {key}"
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+class BlobStream:
+    """A file-like reader of one blob that verifies it as it streams.
+
+    ``read(n)`` returns raw (still compressed) blob bytes. A connection cut or a retryable
+    status mid-blob reopens the blob with ``Range: bytes=<offset>-`` (or skips ahead when the
+    registry ignores ranges) after a backoff, within the registry's deadline. Reading past the
+    declared size, a short stream, or a digest mismatch raise :class:`IntegrityError`.
+    """
+
+    def __init__(self, registry: Registry, repository: str, descriptor: dict, image: str, limit: int | None):
+        self.registry = registry
+        self.repository = repository
+        self.image = image
+        self.digest = check_digest(descriptor.get("digest"), image)
+        size = descriptor.get("size")
+        if not isinstance(size, int) or size < 0:
+            raise IntegrityError(f"blob {self.digest}: descriptor has no valid size", image)
+        if limit is not None and size > limit:
+            raise IntegrityError(f"blob {self.digest} is {size} bytes, over the {limit}-byte limit", image)
+        self.size = size
+        self.offset = 0
+        self._hash = hashlib.sha256()
+        self._resp: requests.Response | None = None
+        self._verified = False
+        self.on_read = None  # called with the byte count of every chunk (progress)
+
+    def _open(self) -> None:
+        headers = {"Range": f"bytes={self.offset}-"} if self.offset else {}
+        resp = self.registry.request("GET", f"{self.repository}/blobs/{self.digest}", self.image,
+                                     f"downloading blob {self.digest}", headers=headers, ok=(200, 206), stream=True)
+        length = resp.headers.get("Content-Length")
+        expect = self.size - (self.offset if resp.status_code == 206 else 0)
+        if length is not None and int(length) != expect:
+            resp.close()
+            raise IntegrityError(f"blob {self.digest}: registry sends {length} bytes, manifest says {self.size}"
+                                 + (f" (resuming at {self.offset})" if self.offset else ""), self.image)
+        if resp.status_code == 200 and self.offset:  # range ignored: skip what we already have
+            skip = self.offset
+            while skip:
+                got = resp.raw.read(min(skip, CHUNK))
+                if not got:
+                    break
+                skip -= len(got)
+        self._resp = resp
+
+    def read(self, n: int = CHUNK) -> bytes:
+        want = min(n if n and n > 0 else CHUNK, self.size - self.offset + 1)
+        delay = 0.2
+        while True:
+            self.registry.deadline.check(self.image, f"downloading blob {self.digest}")
+            try:
+                if self._resp is None:
+                    self._open()
+                data = self._resp.raw.read(want, decode_content=False)
+                break
+            except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+                problem = _describe(e)
+            self.close()
+            log.info("blob download interrupted, resuming", extra=kv(image=self.image, digest=self.digest,
+                                                                     offset=self.offset, problem=problem))
+            if self.registry.deadline.remaining() <= delay:
+                raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} "
+                                          f"(gave up within the {self.registry.deadline.seconds:g}s deadline)", self.image)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        if not data:
+            self._finish()
+            return b""
+        self.offset += len(data)
+        if self.offset > self.size:
+            raise IntegrityError(f"blob {self.digest} is longer than the {self.size} bytes its descriptor says",
+                                 self.image)
+        self._hash.update(data)
+        if self.on_read is not None:
+            self.on_read(len(data))
+        return data
+
+    def _finish(self) -> None:
+        if self._verified:
+            return
+        if self.offset != self.size:
+            raise IntegrityError(f"blob {self.digest} truncated: got {self.offset} of {self.size} bytes", self.image)
+        actual = "sha256:" + self._hash.hexdigest()
+        if actual != self.digest:
+            raise IntegrityError(f"blob digest mismatch: expected {self.digest}, content is {actual}", self.image)
+        self._verified = True
+
+    def read_all(self) -> bytes:
+        parts = []
+        while chunk := self.read(CHUNK):
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def drain(self) -> None:
+        """Read and verify whatever is left (trailing bytes after a tar's end blocks count too)."""
+        while self.read(CHUNK):
+            pass
+
+    def close(self) -> None:
+        if self._resp is not None:
+            self._resp.close()
+            self._resp = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

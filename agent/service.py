@@ -1,0 +1,222 @@
+"""The agent's gRPC service (``proto/agent.proto``) over the node's cache store.
+
+* EnsureCache answers from what is installed when it can. Otherwise it starts one background
+  pull per reference digest (later callers join it) and waits at most ``wait_seconds`` for it,
+  answering PULLING when the pull is still running. A failed pull is reported to everyone who
+  waited on it; the next EnsureCache starts a fresh one.
+* References are the store's durable references, so they survive restarts of the agent and of
+  the CSI driver. A volume id holds one digest at one target path; asking again with other
+  values is ALREADY_EXISTS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from accelnode.log import kv
+from accelnode.pb import agent_pb2 as pb
+from accelnode.pb import agent_pb2_grpc as pb_grpc
+
+from . import compat, errors
+from .accelerators import Accelerator
+
+log = logging.getLogger("accelnode.agent")
+
+DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+Ensure = pb.EnsureCacheResponse
+
+FAILURES = [
+    (errors.ImageNotFound, Ensure.NOT_FOUND),
+    (errors.RegistryUnavailable, Ensure.REGISTRY_UNAVAILABLE),
+    (errors.AuthError, Ensure.DENIED),
+    (errors.InvalidReference, Ensure.INVALID_REFERENCE),
+    ((errors.IntegrityError, errors.HostileContent), Ensure.BAD_CONTENT),
+]
+
+
+@dataclass
+class Pull:
+    """One background pull of one reference digest."""
+
+    image: str
+    started: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    response: Ensure | None = None  # set when done
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.pulls = Counter("accelnode_agent_pulls", "Pulls started, by result", ["result"], registry=registry)
+        self.pull_seconds = Histogram("accelnode_agent_pull_seconds", "Duration of pulls", registry=registry,
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+        self.ensure = Counter("accelnode_agent_ensure", "EnsureCache answers, by state", ["state"],
+                              registry=registry)
+        self.references = Gauge("accelnode_agent_references", "Volumes holding a cache", registry=registry)
+
+
+class AgentService(pb_grpc.AgentServicer):
+    def __init__(self, store, accelerators: list[Accelerator], metrics: Metrics):
+        self.store = store
+        self.accelerators = accelerators
+        self.metrics = metrics
+        self._targets = [a.target() for a in accelerators if a.arch]
+        self._lock = threading.Lock()
+        self._ready: dict[str, Ensure] = {}  # reference digest -> READY/INCOMPATIBLE answer
+        self._pulls: dict[str, Pull] = {}  # reference digest -> latest pull
+        metrics.references.set(len(store.references()))
+
+    # -- EnsureCache ---------------------------------------------------------------------
+
+    def EnsureCache(self, request, context):  # noqa: N802 (gRPC naming)
+        image = request.image
+        if not image:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "image is required")
+        if not DIGEST_PINNED.match(image):
+            return self._answer(Ensure(state=Ensure.FAILED, failure=Ensure.INVALID_REFERENCE,
+                                       message=f"{image}: not a digest-pinned reference (…@sha256:<64 hex>)"))
+        key = image.rsplit("@", 1)[1]
+        answer = self._ready.get(key)
+        if answer is None or (answer.path and not os.path.isdir(answer.path)):  # gone: removed by gc
+            answer = self._from_store(key)
+        if answer is None:
+            pull = self._pull(key, image)
+            if pull.done.wait(max(0.0, request.wait_seconds)):
+                answer = pull.response
+            else:
+                answer = Ensure(state=Ensure.PULLING, digest=key,
+                                message=f"{image}: pull in progress for {time.monotonic() - pull.started:.1f}s")
+        return self._answer(answer)
+
+    def _answer(self, answer: Ensure) -> Ensure:
+        self.metrics.ensure.labels(Ensure.State.Name(answer.state)).inc()
+        return answer
+
+    def _from_store(self, key: str) -> Ensure | None:
+        inst = self.store.installed(key)
+        if inst is None:
+            return None
+        answer = self._judge(inst)
+        self._ready[key] = answer
+        return answer
+
+    def _judge(self, inst) -> Ensure:
+        mismatch = compat.check(inst.targets, self.accelerators)
+        if mismatch:
+            return Ensure(state=Ensure.INCOMPATIBLE, digest=inst.digest, expected=mismatch.expected,
+                          found=mismatch.found, message=f"{inst.image}: {mismatch}")
+        return Ensure(state=Ensure.READY, digest=inst.digest, path=str(inst.path), size_bytes=inst.size_bytes)
+
+    def _pull(self, key: str, image: str) -> Pull:
+        with self._lock:
+            pull = self._pulls.get(key)
+            if pull is None or pull.done.is_set():
+                pull = self._pulls[key] = Pull(image)
+                threading.Thread(target=self._run_pull, args=(key, pull), name=f"pull-{key[7:19]}",
+                                 daemon=True).start()
+            return pull
+
+    def _run_pull(self, key: str, pull: Pull) -> None:
+        log.info("pull started", extra=kv(image=pull.image))
+        try:
+            inst = self.store.ensure(pull.image, accelerators=self._targets or None)
+        except errors.NoMatchingManifest as e:
+            response = Ensure(state=Ensure.INCOMPATIBLE, digest=key, message=str(e), expected="a platform the image index lists",
+                              found=compat.describe_node(self.accelerators))
+        except Exception as e:  # every failure is reported to the callers, none kills the agent
+            response = Ensure(state=Ensure.FAILED, digest=key, failure=_failure(e), message=str(e))
+        else:
+            response = self._judge(inst)
+            self._ready[key] = response
+        result = Ensure.State.Name(response.state).lower()
+        self.metrics.pulls.labels(result).inc()
+        self.metrics.pull_seconds.observe(time.monotonic() - pull.started)
+        log.log(logging.INFO if response.state == Ensure.READY else logging.WARNING, "pull finished",
+                extra=kv(image=pull.image, result=result, message=response.message,
+                         seconds=round(time.monotonic() - pull.started, 3)))
+        pull.response = response
+        pull.done.set()
+
+    # -- references ----------------------------------------------------------------------
+
+    def AcquireReference(self, request, context):  # noqa: N802
+        for name in ("volume_id", "digest"):
+            if not getattr(request, name):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
+        meta = {"namespace": request.pod.namespace, "name": request.pod.name, "uid": request.pod.uid,
+                "target_path": request.target_path}
+        with self._lock:
+            refs = self.store.references()
+            other = next((v for v, m in refs.items() if request.target_path and m.get("target_path") ==
+                          request.target_path and v != request.volume_id), None)
+            if other is not None:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"target path {request.target_path} is already published for volume {other}")
+            held = refs.get(request.volume_id)
+            if held is not None:
+                if any(held.get(k) != v for k, v in dict(meta, digest=request.digest).items()):
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                  f"volume {request.volume_id} already holds {held.get('digest')} for pod "
+                                  f"{held.get('namespace')}/{held.get('name')} at {held.get('target_path')}")
+                return pb.AcquireReferenceResponse()
+            if self.store.installed(request.digest) is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"{request.digest} is not installed on this node")
+            self.store.acquire(request.digest, request.volume_id, meta)
+            self.metrics.references.inc()
+        log.info("reference acquired", extra=kv(volume_id=request.volume_id, digest=request.digest,
+                                                 pod=f"{request.pod.namespace}/{request.pod.name}"))
+        return pb.AcquireReferenceResponse()
+
+    def ReleaseReference(self, request, context):  # noqa: N802
+        if not request.volume_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_id is required")
+        with self._lock:
+            held = request.volume_id in self.store.references()
+            if held:
+                self.store.release(request.volume_id)
+                self.metrics.references.dec()
+        if held:
+            log.info("reference released", extra=kv(volume_id=request.volume_id))
+        return pb.ReleaseReferenceResponse(released=held)
+
+    # -- ListCaches ----------------------------------------------------------------------
+
+    def ListCaches(self, request, context):  # noqa: N802
+        refs: dict[str, list] = {}
+        for vid, meta in self.store.references().items():
+            pod = pb.PodRef(namespace=meta.get("namespace", ""), name=meta.get("name", ""), uid=meta.get("uid", ""))
+            refs.setdefault(meta.get("digest"), []).append(
+                pb.Reference(volume_id=vid, pod=pod, target_path=meta.get("target_path", "")))
+        caches = []
+        for inst in self.store.list():
+            caches.append(pb.CacheInfo(
+                image=inst.image, digest=inst.digest, state=pb.CacheInfo.INSTALLED, path=str(inst.path),
+                kind=inst.kind, size_bytes=inst.size_bytes, references=refs.get(inst.digest, []),
+                compatible=compat.check(inst.targets, self.accelerators) is None))
+        with self._lock:
+            pulls = list(self._pulls.items())
+        for key, pull in pulls:
+            if not pull.done.is_set():
+                caches.append(pb.CacheInfo(image=pull.image, digest=key, state=pb.CacheInfo.PULLING))
+            elif pull.response.state == Ensure.FAILED:
+                caches.append(pb.CacheInfo(image=pull.image, digest=key, state=pb.CacheInfo.FAILED,
+                                           message=pull.response.message))
+        return pb.ListCachesResponse(caches=caches, accelerators=[str(a) for a in self.accelerators])
+
+
+def _failure(e: Exception) -> int:
+    for kinds, failure in FAILURES:
+        if isinstance(e, kinds):
+            return failure
+    return Ensure.INTERNAL
+
+
+def add_to_server(service: AgentService, server: grpc.Server) -> None:
+    pb_grpc.add_AgentServicer_to_server(service, server)

@@ -1,0 +1,120 @@
+"""Cache store benchmark against a real local registry (Debian docker-registry).
+
+- cold pull + install of a 512 MiB cache in 8 gzip layers (``accelnode cache pull`` in a
+  subprocess), as a ratio to the Go ``oras`` CLI copying the same image to an OCI layout plus
+  ``tar -xzf`` of its layers, measured in the same run (best of 2 each, interleaved);
+- peak RSS of our pull process (from wait4's rusage);
+- ``ensure`` of an already-installed digest with a freshly opened store (median of 200).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TOTAL = 512 << 20
+FILES = 64
+LAYERS = 8
+
+
+def make_cache(root: Path) -> None:
+    """512 MiB of kernel-like files: half random (compiled binaries), half varied text (PTX, JSON)."""
+    rng = random.Random(7)
+    words = [f"{w}{i}" for i in range(512) for w in ("ld.global.f32 %r", "mad.lo.s32 %rd", "@%p bra $L__BB", "st.shared")]
+    text = "\n".join(rng.choice(words) + f", {rng.randrange(1 << 20)};" for _ in range(60_000)).encode()
+    kdir = root / "io.triton.cache"
+    kdir.mkdir(parents=True)
+    per_file = TOTAL // FILES
+    for i in range(FILES):
+        d = kdir / f"{i:02d}{rng.getrandbits(64):016x}"
+        d.mkdir()
+        with open(d / "kernel.cubin", "wb") as f:
+            left = per_file
+            while left:
+                n = min(left, 1 << 20)
+                f.write(os.urandom(n // 2) + text[rng.randrange(len(text) - n):][: n - n // 2])
+                left -= n
+        (d / "kernel.json").write_text('{"target": {"backend": "cuda", "arch": 90, "warp_size": 32}}')
+
+
+def timed(cmd: list[str], **kw) -> tuple[float, int]:
+    """Wall seconds and peak RSS (KiB) of a child process."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, **kw)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.monotonic() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{cmd[:4]}... exited {os.waitstatus_to_exitcode(status)}")
+    return elapsed, usage.ru_maxrss
+
+
+def oras_pull_untar(oras: str, image: str, work: Path) -> float:
+    layout, out = work / "layout", work / "out"
+    start = time.monotonic()
+    timed([oras, "copy", "--from-plain-http", image, "--to-oci-layout", f"{layout}:bench"], stderr=subprocess.DEVNULL)
+    out.mkdir()
+    index = json.loads((layout / "index.json").read_text())
+    manifest = json.loads((layout / "blobs" / index["manifests"][0]["digest"].replace(":", "/")).read_text())
+    for layer in manifest["layers"]:
+        timed(["tar", "-xzf", str(layout / "blobs" / layer["digest"].replace(":", "/")), "-C", str(out)])
+    return time.monotonic() - start
+
+
+def main() -> None:
+    from agent.registry import RegistryOptions
+    from agent.store import CacheStore
+    from tests.fixtures.registry import RunningRegistry
+
+    oras = str(Path(os.environ.get("ACCELNODE_TOOLS_BIN", ROOT / ".tools" / "bin")) / "oras")
+    if not os.path.exists(oras):
+        raise RuntimeError(f"{oras} missing: run `make tools`")
+    work = Path(tempfile.mkdtemp(prefix="bench-cache.", dir=os.environ.get("ACCELNODE_BENCH_DIR")))
+    (work / "registry").mkdir()
+    reg = RunningRegistry(work / "registry")
+    try:
+        make_cache(work / "src")
+        image = reg.push(work / "src", "bench/cache512", layers=LAYERS)
+        shutil.rmtree(work / "src")
+        ours, theirs, rss = [], [], []
+        for run in range(2):
+            w = work / f"oras{run}"
+            w.mkdir()
+            theirs.append(oras_pull_untar(oras, image, w))
+            shutil.rmtree(w)
+            cmd = [sys.executable, "-m", "accelnode", "cache", "pull", image, "--plain-http", "--log-level", "warning",
+                   "--store", str(work / f"store{run}")]
+            secs, peak_kib = timed(cmd, cwd=ROOT)
+            ours.append(secs)
+            rss.append(peak_kib)
+        store_dir = work / "store0"
+        opts = RegistryOptions(plain_http=True)
+        samples = []
+        for _ in range(200):
+            start = time.perf_counter()
+            CacheStore(store_dir, registry=opts).ensure(image)
+            samples.append(time.perf_counter() - start)
+        ratio = min(ours) / min(theirs)
+        print(f"BENCH cache cold_pull_512mib_s={min(ours):.2f}", flush=True)
+        print(f"BENCH cache oras_pull_untar_512mib_s={min(theirs):.2f}", flush=True)
+        print(f"BENCH cache cold_pull_ratio_vs_oras={ratio:.2f} target_cold_pull_ratio_vs_oras=1.0", flush=True)
+        print(f"BENCH cache pull_peak_rss_mb={max(rss) / 1024:.1f} target_pull_peak_rss_mb=100", flush=True)
+        print(f"BENCH cache present_install_ms={statistics.median(samples) * 1000:.2f} "
+              f"target_present_install_ms=20", flush=True)
+    finally:
+        reg.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""CSI driver benchmarks: the real ``accelnode csi`` + ``accelnode agent`` on a simulated v5e-4 host,
+a real registry (Debian docker-registry) and real read-only bind mounts (needs root).
+
+Metrics:
+* warm publish p50/p99 over 200 publishes of an installed cache (kubelet-shaped requests);
+* cold publish of a 512 MiB cache (kubelet retrying while the agent pulls) as a ratio to the
+  cache store's pull of the same image alone, in the same run;
+* 50 concurrent publishes of one uncached digest: registry downloads of its blobs (counted on
+  the wire by a proxy) and pulls the agent started — both must be 1;
+* idle memory of csi + agent together: RSS, and PSS (shared library pages counted once).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+
+from agent.store import CacheStore
+from tests.csi.conftest import Node, SlowProxy, make_cache, unmount_below
+from tests.fixtures.registry import RunningRegistry
+
+G = "csi"
+WARM_PUBLISHES = 200
+CONCURRENT = 50
+COLD_MIB = 512
+TARGETS = {"warm_publish_p99_ms": 20, "cold_publish_ratio": 1.05, "concurrent_downloads": 1, "idle_rss_mb": 60}
+
+
+def emit(metric: str, value, fmt: str = ".2f") -> None:
+    print(f"BENCH {G} {metric}={value:{fmt}}", flush=True)
+    if metric in TARGETS:
+        print(f"BENCH {G} target_{metric}={TARGETS[metric]}", flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def publish_until_ok(stub, req, tries: int = 600) -> None:
+    """What kubelet does: retry a publish answered UNAVAILABLE (pull still running)."""
+    for _ in range(tries):
+        try:
+            stub.NodePublishVolume(req, timeout=150)
+            return
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+    raise RuntimeError(f"publish of {req.volume_id} still unavailable after {tries} tries")
+
+
+def tpu_cache(root: Path, files: dict[str, bytes]) -> Path:
+    return make_cache(root, files)
+
+
+def push(reg: RunningRegistry, src: Path, repo: str) -> str:
+    return reg.push(src, repo, kind="jax", targets=[{"backend": "tpu", "arch": "v5e"}], compression="zstd")
+
+
+def warm(node: Node, image: str) -> None:
+    stub = node.node_stub()
+    publish_until_ok(stub, node.volume(image, pod_name="warmup").publish_request())
+    vols = [node.volume(image, pod_name=f"w-{i}") for i in range(WARM_PUBLISHES)]
+    took = []
+    for v in vols:
+        req = v.publish_request()
+        t0 = time.perf_counter()
+        stub.NodePublishVolume(req, timeout=30)
+        took.append((time.perf_counter() - t0) * 1000)
+    emit("warm_publish_p50_ms", statistics.median(took))
+    emit("warm_publish_p99_ms", pct(took, 99))
+    took = []
+    for v in vols:
+        t0 = time.perf_counter()
+        stub.NodeUnpublishVolume(v.unpublish_request(), timeout=30)
+        took.append((time.perf_counter() - t0) * 1000)
+    emit("unpublish_p50_ms", statistics.median(took))
+
+
+def cold(node: Node, reg: RunningRegistry, tmp: Path) -> None:
+    src = tmp / "cold"
+    files = {f"xla/module_{i:03d}.bin": os.urandom(1 << 20) for i in range(COLD_MIB)}
+    image = push(reg, tpu_cache(src, files), "bench/jax-v5e-512m")
+    accels = [{"backend": "tpu", "arch": "v5e"}]
+    alone = []
+    for i in range(2):  # before and after the publish: both see the same page cache and disk
+        if i:
+            t0 = time.perf_counter()
+            publish_until_ok(node.node_stub(), node.volume(image, pod_name="cold").publish_request())
+            publish = time.perf_counter() - t0
+        os.sync()
+        t0 = time.perf_counter()
+        CacheStore(tmp / f"store-alone-{i}", registry=reg.options()).ensure(image, accelerators=accels)
+        alone.append(time.perf_counter() - t0)
+        os.sync()
+    print(f"# store pulls alone: {alone}; cold publish: {publish}", flush=True)
+    alone = statistics.mean(alone)
+    emit("store_pull_512mib_s", alone)
+    emit("cold_publish_512mib_s", publish)
+    emit("cold_publish_ratio", publish / alone, ".3f")
+
+
+def concurrent(node: Node, reg: RunningRegistry, tmp: Path) -> None:
+    proxy = SlowProxy(reg.host, rate=None)
+    try:
+        src = tpu_cache(tmp / "conc", {f"xla/m{i}.bin": os.urandom(1 << 20) for i in range(32)})
+        image = push(reg, src, "bench/jax-v5e-concurrent").replace(reg.host, proxy.host)
+        stub = node.node_stub()
+        vols = [node.volume(image, pod_name=f"c-{i}") for i in range(CONCURRENT)]
+        before = agent_pulls(node)
+        start = threading.Barrier(CONCURRENT)
+        errors = []
+
+        def one(v):
+            start.wait()
+            try:
+                publish_until_ok(stub, v.publish_request())
+            except Exception as e:  # reported below, never silently dropped
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(v,)) for v in vols]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        emit("concurrent_50_all_published_s", time.perf_counter() - t0)
+        if errors:
+            raise RuntimeError(f"{len(errors)} concurrent publishes failed: {errors[0]}")
+        emit("concurrent_downloads", max(proxy.blob_gets.values()), "d")
+        emit("concurrent_agent_pulls", agent_pulls(node) - before, "d")
+        for v in vols:
+            stub.NodeUnpublishVolume(v.unpublish_request(), timeout=30)
+    finally:
+        proxy.close()
+
+
+def agent_pulls(node: Node) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.agent_metrics_port}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return int(sum(float(x.split()[-1]) for x in lines if x.startswith("accelnode_agent_pulls_total{")))
+
+
+def idle_memory(tmp: Path) -> None:
+    node = Node(tmp / "idle")
+    try:
+        node.agent.start()
+        node.csi.start()
+        node.identity_stub().Probe(__import__("csi_driver.api").api.csi.ProbeRequest(), timeout=10)
+        time.sleep(2)
+        procs = [psutil.Process(d.proc.pid) for d in (node.agent, node.csi)]
+        infos = [p.memory_full_info() for p in procs]
+        emit("idle_rss_mb", sum(i.rss for i in infos) / 2**20)
+        emit("idle_pss_mb", sum(i.pss for i in infos) / 2**20)
+        emit("idle_rss_agent_mb", infos[0].rss / 2**20)
+        emit("idle_rss_csi_mb", infos[1].rss / 2**20)
+    finally:
+        node.close()
+
+
+def main() -> None:
+    if os.geteuid() != 0:
+        raise SystemExit("bench csi needs root (simulated host device nodes, bind mounts)")
+    with tempfile.TemporaryDirectory(prefix="bench-csi.") as td:
+        tmp = Path(td)
+        (tmp / "registry").mkdir()
+        reg = RunningRegistry(tmp / "registry")
+        node = Node(tmp / "node")
+        try:
+            node.agent.start()
+            node.csi.start()
+            small = push(reg, tpu_cache(tmp / "small", {"xla/module.bin": b"\x7fXLA" * 4096}), "bench/jax-v5e")
+            warm(node, small)
+            concurrent(node, reg, tmp)
+            cold(node, reg, tmp)
+        finally:
+            node.close()
+            reg.stop()
+            unmount_below(tmp)
+        idle_memory(tmp)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""``accelnode csi``: the CSI node plugin ``csi.gkm.io`` (Identity + Node on a unix socket).
+
+It registers itself with kubelet through the plugin-registration socket and asks the node agent
+(``accelnode agent``) for caches; it never writes the cache store itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from accelnode import cli as acli
+from accelnode import exitcodes
+
+DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("csi", help="CSI node plugin csi.gkm.io: mounts caches read-only into pods",
+                       description=__doc__)
+    p.add_argument("--endpoint", required=True, metavar="unix://PATH", help="CSI socket to serve on")
+    p.add_argument("--node-id", required=True, metavar="NAME", help="this node's name (NodeGetInfo)")
+    p.add_argument("--agent-socket", required=True, metavar="PATH", help="the node agent's unix socket")
+    p.add_argument("--plugins-registry", default=DEFAULT_REGISTRY, metavar="DIR",
+                   help="kubelet's plugin registration directory; empty: do not register "
+                        "(default: %(default)s)")
+    p.add_argument("--kubelet-endpoint", default="", metavar="PATH",
+                   help="the CSI socket's path as kubelet sees it (default: the --endpoint path)")
+    p.add_argument("--pull-wait", type=float, default=20.0, metavar="SECONDS",
+                   help="how long a publish waits for a pull before answering UNAVAILABLE (default: %(default)s)")
+    p.add_argument("--metrics-address", default="127.0.0.1:9810", metavar="HOST:PORT",
+                   help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
+    acli.add_common(p)
+    acli.apply_env(p)
+    p.set_defaults(func=run)
+
+
+def socket_from_endpoint(endpoint: str) -> str:
+    """``unix:///p``, ``unix:/p`` or a bare path -> ``/p``."""
+    path = endpoint[len("unix:"):] if endpoint.startswith("unix:") else endpoint
+    if path.startswith("//"):
+        path = path[2:]
+    if not path.startswith("/"):
+        raise exitcodes.CLIError(f"--endpoint {endpoint!r}: expected unix:///ABSOLUTE/PATH", exitcodes.USAGE)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry
+
+    from accelnode import grpcutil
+    from accelnode.httpserve import MetricsServer
+    from accelnode.log import kv
+
+    from . import identity, node, registration, resolve
+    from .api import csi_grpc, reg_grpc
+    from .metrics import Metrics
+
+    log = logging.getLogger("accelnode.csi")
+    sock = socket_from_endpoint(args.endpoint)
+    reg_dir = Path(args.plugins_registry) if args.plugins_registry else None
+    if reg_dir is not None and not reg_dir.is_dir():
+        raise exitcodes.CLIError(f"plugin registration directory {reg_dir} does not exist", exitcodes.PREREQUISITE)
+    Path(sock).parent.mkdir(parents=True, exist_ok=True)
+
+    metrics = Metrics(CollectorRegistry())
+    channel = grpcutil.unix_channel(args.agent_socket, options=[
+        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000)])
+    agent = node.AgentClient(channel, args.agent_socket)
+    servicers = [
+        (identity.IdentityServer(agent.stub, args.agent_socket), csi_grpc.IdentityServicer,
+         csi_grpc.add_IdentityServicer_to_server),
+        (identity.ControllerCapabilities(), csi_grpc.ControllerServicer, csi_grpc.add_ControllerServicer_to_server),
+        (node.NodeServer(args.node_id, agent, resolve.AttributeResolver(), pull_wait=args.pull_wait),
+         csi_grpc.NodeServicer, csi_grpc.add_NodeServicer_to_server),
+    ]
+    for servicer, base, _ in servicers:
+        metrics.instrument(servicer, base)
+    server = grpcutil.serve_unix(sock, lambda s: [add(svc, s) for svc, _, add in servicers], max_workers=16)
+    log.info("CSI driver serving", extra=kv(endpoint=sock, node_id=args.node_id, agent=args.agent_socket))
+
+    registered = threading.Event()
+    reg_server = None
+    if reg_dir is not None:
+        def on_status(ok: bool) -> None:
+            metrics.registered.set(1 if ok else 0)
+            registered.set() if ok else registered.clear()
+
+        reg_servicer = registration.RegistrationServer(args.kubelet_endpoint or sock, on_status)
+        reg_server = grpcutil.serve_unix(registration.socket_path(reg_dir),
+                                         lambda s: reg_grpc.add_RegistrationServicer_to_server(reg_servicer, s),
+                                         max_workers=2)
+        log.info("waiting for kubelet's plugin watcher", extra=kv(socket=str(registration.socket_path(reg_dir))))
+
+    def ready() -> tuple[bool, str]:
+        if reg_dir is not None and not registered.is_set():
+            return False, "not registered with kubelet"
+        return True, ""
+
+    http = MetricsServer(args.metrics_address, metrics.registry, ready).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("CSI driver stopping")
+    if reg_server is not None:
+        reg_server.stop(grace=1).wait()
+        grpcutil.remove_stale_socket(registration.socket_path(reg_dir))  # kubelet deregisters us
+    server.stop(grace=5).wait()
+    http.stop()
+    return exitcodes.OK

@@ -1,0 +1,103 @@
+"""``accelnode device-plugin``: offer this node's TPU chips to kubelet as ``google.com/tpu``."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from accelnode import cli as acli
+from accelnode import exitcodes
+
+# kubelet accepts an extended resource name: <domain>/<name>, outside kubernetes.io
+_RESOURCE = re.compile(r"^(?!(?:[^/]*\.)?kubernetes\.io/)[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def _tick(raw: str) -> float:
+    v = float(raw)
+    if not 0.005 <= v <= 0.05:
+        raise argparse.ArgumentTypeError(f"{raw}: must be between 0.005 and 0.05 seconds")
+    return v
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "device-plugin",
+        help="kubelet device plugin for TPU chips (google.com/tpu)",
+        description="Discover the TPU chips of this node, watch their health, and offer them to kubelet "
+        "through the device-plugin API v1beta1 on a unix socket in --kubelet-dir. Runs until SIGTERM/SIGINT.",
+    )
+    p.add_argument("--sysfs-root", default="/sys", help="where sysfs is mounted (default: %(default)s)")
+    p.add_argument("--dev-root", default="/dev", help="where device nodes live (default: %(default)s)")
+    p.add_argument("--kubelet-dir", default="/var/lib/kubelet/device-plugins",
+                   help="kubelet's device-plugin directory: kubelet.sock and our socket (default: %(default)s)")
+    p.add_argument("--socket-name", default="accelnode-tpu.sock",
+                   help="file name of our socket in --kubelet-dir (default: %(default)s)")
+    p.add_argument("--resource-name", default="google.com/tpu",
+                   help="extended resource to offer (default: %(default)s)")
+    p.add_argument("--accelerator-type", default=None,
+                   help="slice type for TPU_ACCELERATOR_TYPE, e.g. v5litepod-16 (default: not set)")
+    p.add_argument("--topology", default=None,
+                   help="slice topology for TPU_TOPOLOGY/TPU_HOST_BOUNDS, e.g. 4x4 or 2x2x2 (default: not set)")
+    p.add_argument("--metrics-address", default="127.0.0.1:2112",
+                   help="HOST:PORT for /metrics, /healthz, /readyz; empty disables (default: %(default)s)")
+    p.add_argument("--health-interval", type=_tick, default=0.05,
+                   help="seconds between sysfs health reads, 0.005-0.05 (default: %(default)s)")
+    acli.add_common(p)
+    acli.apply_env(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import signal
+    import threading
+    from pathlib import Path
+
+    from accelnode.httpserve import MetricsServer
+
+    from .metrics import Metrics
+    from .server import Plugin
+    from .topology import NodeConfig
+
+    if not _RESOURCE.match(args.resource_name):
+        raise exitcodes.CLIError(f"--resource-name {args.resource_name!r} is not an extended resource name "
+                                 "(<domain>/<name> outside kubernetes.io)", exitcodes.USAGE)
+    if "/" in args.socket_name or args.socket_name in ("", ".", "..", "kubelet.sock"):
+        raise exitcodes.CLIError(f"--socket-name {args.socket_name!r} must be a plain file name other than "
+                                 "kubelet.sock", exitcodes.USAGE)
+    config = NodeConfig(accelerator_type=args.accelerator_type or None, topology=args.topology or None)
+    try:
+        config.validate()
+    except ValueError as e:
+        raise exitcodes.CLIError(f"--topology: {e}", exitcodes.USAGE) from None
+    sysfs, dev, kdir = Path(args.sysfs_root), Path(args.dev_root), Path(args.kubelet_dir)
+    for flag, d in (("--sysfs-root", sysfs), ("--dev-root", dev)):
+        if not d.is_dir():
+            raise exitcodes.CLIError(f"{flag} {d} is not a directory", exitcodes.PREREQUISITE)
+    if not (sysfs / "bus/pci/devices").is_dir():
+        raise exitcodes.CLIError(f"--sysfs-root {sysfs} has no bus/pci/devices: not a sysfs tree",
+                                 exitcodes.PREREQUISITE)
+    try:
+        kdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise exitcodes.CLIError(f"--kubelet-dir {kdir}: {e.strerror}", exitcodes.PREREQUISITE) from None
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics = Metrics()
+    plugin = Plugin(sysfs_root=sysfs, dev_root=dev, kubelet_dir=kdir, config=config, metrics=metrics,
+                    resource=args.resource_name, socket_name=args.socket_name, tick=args.health_interval)
+    http = None
+    try:
+        if args.metrics_address:
+            http = MetricsServer(args.metrics_address, metrics.registry, plugin.ready).start()
+        try:
+            plugin.start()
+        except FileExistsError as e:  # something that is not a socket sits where ours goes
+            raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
+        stop.wait()
+    finally:
+        plugin.stop()
+        if http is not None:
+            http.stop()
+    return exitcodes.OK

@@ -1,0 +1,158 @@
+"""What wakes the device plugin: inotify on /dev and the kubelet dir, udev where it runs, and a
+short sysfs tick (sysfs attributes give no inotify events).
+
+:class:`Watcher` runs one loop on its own thread: it sleeps in ``select`` on the inotify fd, the
+udev monitor (when ``/run/udev`` exists and the sysfs root is the real ``/sys``) and a wake pipe,
+at most ``tick`` seconds; every wake-up rescans the inventory and reports a changed chip list
+to ``on_devices``; inotify events in the kubelet dir are reported to ``on_kubelet``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import select
+import struct
+import threading
+from pathlib import Path
+from typing import Callable
+
+from accelnode.log import kv
+
+from .health import ChipState, Inventory
+
+log = logging.getLogger("accelnode.device_plugin")
+
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_IGNORED, IN_ISDIR = 0x400, 0x8000, 0x40000000
+IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+DIR_EVENTS = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of NUL-padded name)
+
+
+class Inotify:
+    """A minimal inotify(7) binding: watch directories, read (wd, mask, name) events."""
+
+    def __init__(self):
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self._libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        fd = self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_init1: {os.strerror(ctypes.get_errno())}")
+        self.fd = fd
+
+    def add_watch(self, path: str | os.PathLike, mask: int = DIR_EVENTS) -> int | None:
+        """Watch descriptor for ``path``, or None when it does not exist (yet)."""
+        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), mask)
+        if wd < 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOENT, errno.ENOTDIR):
+                return None
+            raise OSError(err, f"inotify_add_watch {path}: {os.strerror(err)}")
+        return wd
+
+    def read(self) -> list[tuple[int, int, str]]:
+        try:
+            buf = os.read(self.fd, 64 * 1024)
+        except BlockingIOError:
+            return []
+        events, off = [], 0
+        while off < len(buf):
+            wd, mask, _cookie, length = _EVENT.unpack_from(buf, off)
+            off += _EVENT.size
+            name = buf[off:off + length].rstrip(b"\0").decode(errors="replace")
+            off += length
+            events.append((wd, mask, name))
+        return events
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def udev_monitor(sysfs_root: Path):
+    """A pyudev monitor for PCI/VFIO/accel events, where udev runs and we look at the real /sys."""
+    if not Path("/run/udev/control").exists() or sysfs_root.resolve() != Path("/sys"):
+        return None
+    import pyudev
+
+    mon = pyudev.Monitor.from_netlink(pyudev.Context())
+    for subsystem in ("pci", "vfio", "accel"):
+        mon.filter_by(subsystem)
+    mon.start()
+    return mon
+
+
+class Watcher:
+    def __init__(self, inventory: Inventory, kubelet_dir: Path,
+                 on_devices: Callable[[tuple[ChipState, ...]], None], on_kubelet: Callable[[], None],
+                 tick: float = 0.05):
+        self.inventory = inventory
+        self.kubelet_dir = kubelet_dir
+        self.on_devices = on_devices
+        self.on_kubelet = on_kubelet
+        self.tick = tick
+        self._ino = Inotify()
+        self._udev = udev_monitor(inventory.sysfs_root)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = threading.Event()
+        self._wds: dict[int, Path] = {}
+        self._thread = threading.Thread(target=self._run, name="watcher", daemon=True)
+        self.last: tuple[ChipState, ...] | None = None
+
+    def start(self) -> "Watcher":
+        self._watch_dirs()
+        self.last = self.inventory.scan()
+        self.on_devices(self.last)
+        log.info("watching for device and kubelet changes",
+                 extra=kv(udev=self._udev is not None, inotify_dirs=sorted(map(str, self._wds.values())),
+                          sysfs_tick_ms=round(self.tick * 1000)))
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+        self._thread.join(5)
+        for fd in (self._ino.fd, self._wake_r, self._wake_w):
+            os.close(fd)
+
+    def _watch_dirs(self) -> None:
+        """(Re)arm watches on the kubelet dir, the dev root and dev/vfio, when they exist."""
+        have = set(self._wds.values())
+        for d in (self.kubelet_dir, self.inventory.dev_root, self.inventory.dev_root / "vfio"):
+            if d not in have:
+                wd = self._ino.add_watch(d)
+                if wd is not None:
+                    self._wds[wd] = d
+
+    def _run(self) -> None:
+        fds = [self._ino.fd, self._wake_r] + ([self._udev.fileno()] if self._udev else [])
+        while not self._stop.is_set():
+            ready, _, _ = select.select(fds, [], [], self.tick)
+            kubelet = False
+            if self._ino.fd in ready:
+                for wd, mask, name in self._ino.read():
+                    if mask & (IN_IGNORED | IN_DELETE_SELF):
+                        self._wds.pop(wd, None)
+                    if self._wds.get(wd) == self.kubelet_dir or mask & IN_DELETE_SELF:
+                        kubelet = True
+            if len(self._wds) < 3:  # a watched dir is missing: re-arm once it exists
+                self._watch_dirs()
+            if self._udev and self._udev.fileno() in ready:
+                while self._udev.poll(timeout=0) is not None:
+                    pass
+            if self._stop.is_set():
+                break
+            try:
+                states = self.inventory.scan()
+            except Exception:  # a scan must never kill the watcher; the next tick retries
+                log.exception("scanning chips failed")
+                continue
+            if states != self.last:
+                self.last = states
+                self.on_devices(states)
+            if kubelet:
+                self.on_kubelet()

@@ -1,0 +1,112 @@
+"""Chip health, and the inventory of chips a host has right now.
+
+A chip is Unhealthy while any of these holds, and Healthy again once none does:
+* a device node of the chip is missing or is not a character device;
+* its PCI ``vendor`` attribute cannot be read or reads 0xffff (the chip fell off the bus);
+* no driver is bound to it (``driver`` symlink gone);
+* its AER fatal-error count (``aer_dev_fatal``, TOTAL_ERR_FATAL) is above the lowest count seen
+  since the chip appeared. Counters only fall on a function reset, which therefore clears it.
+
+sysfs attributes give no inotify events, so :meth:`Inventory.scan` is cheap enough to run every
+few tens of milliseconds: it lists the PCI bus, probes only functions it has not seen, and reads
+three small attributes per known chip.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .discovery import PCI_DEVICES, VENDOR_GOOGLE, Chip, numbered, pci_addresses, probe
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+
+@dataclass(frozen=True)
+class ChipState:
+    chip: Chip
+    problem: str | None = None  # why the chip is unhealthy; None when healthy
+
+    @property
+    def health(self) -> str:
+        return HEALTHY if self.problem is None else UNHEALTHY
+
+
+def aer_fatal_total(text: str) -> int:
+    """Total of an ``aer_dev_fatal`` file: its TOTAL_ERR_FATAL line, else the sum of the counters."""
+    total = 0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == "TOTAL_ERR_FATAL":
+            return int(value)
+        if value.isdigit():
+            total += int(value)
+    return total
+
+
+class Inventory:
+    """The chips under one sysfs/dev root and their health, updated by :meth:`scan`."""
+
+    def __init__(self, sysfs_root: str | os.PathLike, dev_root: str | os.PathLike):
+        self.sysfs_root = Path(sysfs_root)
+        self.dev_root = Path(dev_root)
+        self._chips: dict[str, Chip] = {}  # bdf -> chip, for chips seen and still on the bus
+        self._others: set[str] = set()  # PCI functions that are not TPU chips
+        self._aer_floor: dict[str, int] = {}  # bdf -> lowest AER fatal total seen
+
+    def scan(self) -> tuple[ChipState, ...]:
+        """Current chips (PCI order) and their health."""
+        present = pci_addresses(self.sysfs_root)
+        on_bus = set(present)
+        for gone in [b for b in self._chips if b not in on_bus]:
+            del self._chips[gone]
+            self._aer_floor.pop(gone, None)
+        self._others &= on_bus
+        for bdf in present:
+            if bdf in self._others:
+                continue
+            chip = probe(self.sysfs_root, self.dev_root, bdf)
+            if chip is not None:
+                self._chips[bdf] = chip  # refreshed: device nodes follow group/driver changes
+            elif bdf not in self._chips:
+                self._others.add(bdf)
+            # else: a known chip that no longer probes (vendor 0xffff): kept, and unhealthy below
+        chips = numbered(self._chips.values())
+        return tuple(ChipState(c, self._problem(c)) for c in chips)
+
+    def _problem(self, chip: Chip) -> str | None:
+        pci = self.sysfs_root / PCI_DEVICES / chip.bdf
+        try:
+            vendor = (pci / "vendor").read_text().strip()
+        except OSError as e:
+            return f"vendor attribute unreadable: {e.strerror}"
+        if vendor.lower() == "0xffff":
+            return "vendor reads 0xffff (chip fell off the bus)"
+        if vendor.lower() != f"0x{VENDOR_GOOGLE:04x}":
+            return f"vendor reads {vendor!r}, expected 0x{VENDOR_GOOGLE:04x}"
+        if not os.path.lexists(pci / "driver"):
+            return "no driver bound"
+        if not chip.dev_paths:
+            return "no device node found for the chip"
+        for node in chip.dev_paths:
+            try:
+                mode = os.stat(node).st_mode
+            except OSError:
+                return f"device node {node} missing"
+            if not stat.S_ISCHR(mode):
+                return f"device node {node} is not a character device"
+        return self._aer_problem(chip.bdf, pci)
+
+    def _aer_problem(self, bdf: str, pci: Path) -> str | None:
+        try:
+            total = aer_fatal_total((pci / "aer_dev_fatal").read_text())
+        except (OSError, ValueError):
+            return None  # no AER capability: nothing to watch
+        floor = min(total, self._aer_floor.get(bdf, total))
+        self._aer_floor[bdf] = floor
+        if total > floor:
+            return f"AER fatal errors rose from {floor} to {total}"
+        return None

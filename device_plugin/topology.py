@@ -1,0 +1,112 @@
+"""Where chips sit on a host's ICI mesh, preferred allocations, and the TPU env of a container.
+
+Our model of a host (the same for every generation): chip ``i`` (PCI order) sits at
+``x = (i // 2) % 2``, ``y = i % 2 + 2 * (i // 4)`` on a mesh of 1x1 (1 chip), 1x2 (2 chips),
+2x2 (4 chips) or 2x4 (8 chips). Consecutive pairs {0,1}, {2,3}, ... are ICI neighbours (a
+1x2 block), {0..3} and {4..7} are 2x2 blocks, and all 8 form the 2x4 host. These aligned blocks
+are the sub-host slices a container is given; the NUMA halves of v7x and 8-chip hosts
+coincide with them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .discovery import Chip
+
+# block size -> (x, y) bounds of an aligned block of that many chips
+BLOCK_BOUNDS = {1: (1, 1), 2: (1, 2), 4: (2, 2), 8: (2, 4)}
+_TOPOLOGY = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")
+
+
+def position(index: int) -> tuple[int, int]:
+    return ((index // 2) % 2, index % 2 + 2 * (index // 4))
+
+
+def bounds(indices) -> tuple[int, int, int] | None:
+    """``(x, y, 1)`` bounds of a set of chip indices when they fill a rectangle, else None."""
+    pts = {position(i) for i in indices}
+    if not pts:
+        return None
+    xs, ys = {p[0] for p in pts}, {p[1] for p in pts}
+    w, h = max(xs) - min(xs) + 1, max(ys) - min(ys) + 1
+    return (w, h, 1) if w * h == len(pts) else None
+
+
+def fmt(b) -> str:
+    return ",".join(str(v) for v in b)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What the node's configuration says about the slice (flags of ``accelnode device-plugin``)."""
+
+    accelerator_type: str | None = None  # e.g. "v5litepod-16"
+    topology: str | None = None  # slice topology, e.g. "4x4" or "2x2x2"
+
+    def validate(self) -> None:
+        if self.topology is not None and not _TOPOLOGY.match(self.topology):
+            raise ValueError(f"topology {self.topology!r} is not AxB or AxBxC (e.g. 2x2, 4x4, 2x2x4)")
+
+    def host_env(self, chips_per_host: int) -> dict[str, str]:
+        """Slice-level env; the bounds only when the topology is a whole number of these hosts."""
+        env = {}
+        if self.accelerator_type:
+            env["TPU_ACCELERATOR_TYPE"] = self.accelerator_type
+        host = BLOCK_BOUNDS.get(chips_per_host)
+        dims = [int(v) for v in self.topology.split("x")] + [1] if self.topology else []
+        if host and dims and dims[0] % host[0] == 0 and dims[1] % host[1] == 0:
+            hx, hy = host
+            env["TPU_TOPOLOGY"] = self.topology
+            env["TPU_CHIPS_PER_HOST_BOUNDS"] = fmt((hx, hy, 1))
+            env["TPU_HOST_BOUNDS"] = fmt((dims[0] // hx, dims[1] // hy, dims[2]))
+        if env:
+            env["TPU_SKIP_MDS_QUERY"] = "true"
+        return env
+
+
+def container_env(chips: list[Chip], host_chips: int, config: NodeConfig) -> dict[str, str]:
+    """Env for a container holding ``chips`` (a subset of the host's ``host_chips``)."""
+    idx = sorted(c.index for c in chips)
+    env = {"TPU_VISIBLE_CHIPS": ",".join(map(str, idx))}
+    b = bounds(idx)
+    if b is not None:  # libtpu needs a rectangle; an irregular set gets only the chip list
+        env["TPU_CHIPS_PER_PROCESS_BOUNDS"] = fmt(b)
+        env["TPU_PROCESS_BOUNDS"] = "1,1,1"
+    env.update(config.host_env(host_chips))
+    return env
+
+
+def preferred(available: list[Chip], must_include: list[Chip], size: int) -> list[Chip]:
+    """``size`` chips from ``available`` including ``must_include``: an aligned ICI block on one
+    NUMA node when one fits (best fit: the block whose enclosing larger block has the fewest free
+    chips, so big blocks stay whole), else the nearest chips to the required ones."""
+    by_index = {c.index: c for c in available}
+    must = {c.index for c in must_include}
+    if size in BLOCK_BOUNDS:
+        candidates = []
+        for start in range(0, max(by_index, default=-1) + 1, size):
+            block = set(range(start, start + size))
+            if block <= by_index.keys() and must <= block:
+                numa = {by_index[i].numa_node for i in block}
+                outer = set(range(start - start % (2 * size), start - start % (2 * size) + 2 * size))
+                free_outside = len((outer - block) & by_index.keys())
+                candidates.append((len(numa), free_outside, start, block))
+        if candidates:
+            return [by_index[i] for i in sorted(min(candidates)[3])]
+    chosen = set(must)
+    while len(chosen) < size:
+        numas = [by_index[i].numa_node for i in chosen] or [None]
+        home = max(set(numas), key=numas.count)
+        rest = [c for c in available if c.index not in chosen]
+        best = min(rest, key=lambda c: (c.numa_node != home, _distance(c.index, chosen), c.index))
+        chosen.add(best.index)
+    return [by_index[i] for i in sorted(chosen)]
+
+
+def _distance(index: int, chosen: set[int]) -> int:
+    if not chosen:
+        return 0
+    x, y = position(index)
+    return min(abs(x - position(j)[0]) + abs(y - position(j)[1]) for j in chosen)

@@ -1,0 +1,138 @@
+"""Test helpers: hand-made tar layers and a loopback TCP proxy that injects real network faults."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import socket
+import tarfile
+import threading
+import time
+
+import zstandard
+
+GZ = "application/vnd.oci.image.layer.v1.tar+gzip"
+ZST = "application/vnd.oci.image.layer.v1.tar+zstd"
+TAR = "application/vnd.oci.image.layer.v1.tar"
+TRITON_CONFIG = {"config": {"Labels": {
+    "cache.triton.image/summary": json.dumps({"targets": [{"backend": "cuda", "arch": "sm_90", "warp_size": 32}]}),
+    "cache.triton.image/cache-size-bytes": "0", "cache.triton.image/entry-count": "1"}}}
+
+_TYPES = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
+          "chr": tarfile.CHRTYPE, "blk": tarfile.BLKTYPE, "fifo": tarfile.FIFOTYPE}
+
+
+def tar(*entries, compression: str = "gzip") -> bytes:
+    """A tar layer from (name, kind[, data or link target][, mode]) tuples; kind may also be a
+    raw one-byte tar type."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, kind, *rest in entries:
+            ti = tarfile.TarInfo(name)
+            ti.type = _TYPES.get(kind, kind if isinstance(kind, bytes) else None)
+            ti.mode = rest[1] if len(rest) > 1 else (0o755 if kind == "dir" else 0o644)
+            data = b""
+            if kind in ("symlink", "hardlink"):
+                ti.linkname = rest[0]
+            elif kind == "file":
+                data = rest[0] if rest else b""
+                ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data) if data else None)
+    raw = buf.getvalue()
+    if compression == "gzip":
+        return gzip.compress(raw, mtime=0)
+    if compression == "zstd":
+        return zstandard.ZstdCompressor().compress(raw)
+    return raw
+
+
+class FaultProxy:
+    """Forwards 127.0.0.1:<port> to a registry, with faults that are real TCP events:
+
+    - ``fail_first``: answer the first N connections with ``503`` and close them;
+    - ``cut_after``: on the first connection that fetches a blob whose digest contains
+      ``cut_digest``, drop the connection after that many response bytes (once) - or, with
+      ``stall``, stop forwarding and hold the connection open until the proxy is closed.
+    """
+
+    def __init__(self, upstream: str, *, fail_first: int = 0, cut_after: int | None = None, cut_digest: str = "/blobs/",
+                 stall: bool = False):
+        self.upstream = upstream.rsplit(":", 1)
+        self.fail_left = fail_first
+        self.cut_after, self.cut_digest = cut_after, cut_digest.encode()
+        self.cuts = self.failures = 0
+        self.stall = stall
+        self._lock = threading.Lock()
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.host = f"127.0.0.1:{self._srv.getsockname()[1]}"
+        self._stop = False
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self._srv.accept()
+            except OSError:
+                return
+            with self._lock:
+                fail = self.fail_left > 0
+                self.fail_left -= fail
+            threading.Thread(target=self._serve, args=(client, fail), daemon=True).start()
+
+    def _serve(self, client: socket.socket, fail: bool) -> None:
+        self._socks.append(client)
+        if fail:
+            client.recv(65536)
+            client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            self.failures += 1
+            client.close()
+            return
+        up = socket.create_connection((self.upstream[0], int(self.upstream[1])))
+        self._socks.append(up)
+        armed = threading.Event()
+
+        def upstream_to_client():
+            sent = 0
+            try:
+                while data := up.recv(65536):
+                    if armed.is_set() and self.cut_after is not None and sent + len(data) > self.cut_after:
+                        with self._lock:
+                            cut = self.cuts == 0
+                            self.cuts += cut
+                        if cut:
+                            client.sendall(data[: max(self.cut_after - sent, 0)])
+                            while self.stall and not self._stop:
+                                time.sleep(0.05)
+                            break
+                    client.sendall(data)
+                    sent += len(data) if armed.is_set() else 0
+            except OSError:
+                pass
+            for s in (client, up):
+                _close(s)
+
+        threading.Thread(target=upstream_to_client, daemon=True).start()
+        try:
+            while data := client.recv(65536):
+                if b"GET " in data and self.cut_digest in data:
+                    armed.set()
+                up.sendall(data)
+        except OSError:
+            pass
+        _close(up)
+
+    def close(self) -> None:
+        self._stop = True
+        self._srv.close()
+        for s in self._socks:
+            _close(s)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()

@@ -1,0 +1,64 @@
+"""This node's accelerators (from simulated hosts) against cache image targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent import accelerators, compat
+from agent.accelerators import Accelerator
+from tests.conftest import require_root
+
+V5E = Accelerator("tpu", "v5e", 4, "tpu-discovery")
+H100 = Accelerator("cuda", "sm_90", 8, "nvml")
+
+
+@pytest.fixture
+def host(tmp_path):
+    from device_plugin.simhost import SimHost
+
+    require_root()
+    return SimHost(tmp_path / "host")
+
+
+def test_tpu_generation_from_discovery(host):
+    for _ in range(4):
+        host.add_chip("v5e")
+    assert accelerators.detect(host.sysfs_root, host.dev_root) == [V5E]
+
+
+def test_gpus_from_pci_ids(host):
+    host.add_pci_device("0000:00:05.0", vendor=0x10DE, device=0x2330)
+    host.add_pci_device("0000:00:06.0", vendor=0x10DE, device=0x2330)
+    host.add_pci_device("0000:00:07.0", vendor=0x1002, device=0x9999)  # an AMD part we cannot name
+    host.add_pci_device("0000:00:08.0", vendor=0x8086, device=0x1234)  # not an accelerator vendor
+    found = accelerators.detect(host.sysfs_root, host.dev_root)
+    assert found == [Accelerator("hip", None, 1, "pci 1002:9999"), Accelerator("cuda", "sm_90", 2, "pci 10de:2330")]
+    assert [str(a) for a in found] == ["hip/unknown-arch x1", "cuda/sm_90 x2"]
+
+
+def test_plain_cpu_node(host):
+    assert accelerators.detect(host.sysfs_root, host.dev_root) == []
+
+
+@pytest.mark.parametrize("targets,node", [
+    ([{"backend": "tpu", "arch": "v5e"}], [V5E]),
+    ([{"backend": "TPU", "arch": "v5litepod"}], [V5E]),  # aliases normalise
+    ([{"backend": "cuda", "arch": "90", "warp_size": 32}], [H100]),  # sm_ prefix or not
+    ([{"backend": "hip", "arch": "gfx942"}, {"backend": "tpu", "arch": "v5e"}], [V5E]),  # any target
+    ([], []),  # accelerator-neutral
+])
+def test_fits(targets, node):
+    assert compat.check(targets, node) is None
+
+
+def test_mismatch_names_expected_and_found():
+    m = compat.check([{"backend": "cuda", "arch": "sm_90"}, {"backend": "hip", "arch": "gfx942"}], [V5E])
+    assert (m.expected, m.found) == ("cuda/sm_90, hip/gfx942", "tpu/v5e x4")
+    assert str(m) == "built for cuda/sm_90, hip/gfx942; this node has tpu/v5e x4"
+
+
+def test_unknown_arch_fits_nothing():
+    unknown = Accelerator("hip", None, 1, "pci 1002:9999")
+    m = compat.check([{"backend": "hip", "arch": "gfx942"}], [unknown])
+    assert m is not None and m.found == "hip/unknown-arch x1"
+    assert compat.check([{"backend": "tpu", "arch": "v5e"}], []).found == "no accelerators"

@@ -1,0 +1,116 @@
+"""Bad NodePublish/NodeUnpublish requests get precise errors and change nothing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from csi_driver.api import csi
+
+from .conftest import error_of
+
+IMAGE = "127.0.0.1:5000/caches/kernels@sha256:" + "ab" * 32
+Code = grpc.StatusCode
+
+
+@pytest.fixture
+def csi_only(node):
+    node.csi.start()  # validation happens before the agent is asked anything
+    return node
+
+
+@pytest.mark.parametrize("field,message", [
+    ("volume_id", "volume_id is required"),
+    ("target_path", "target_path is required"),
+])
+def test_publish_requires_ids(csi_only, field, message):
+    vol = csi_only.volume(IMAGE)
+    req = vol.publish_request()
+    req.ClearField(field)
+    err = error_of(csi_only.node_stub().NodePublishVolume, req)
+    assert (err.code(), err.details()) == (Code.INVALID_ARGUMENT, message)
+    assert not vol.target.exists()
+
+
+def test_publish_requires_capability(csi_only):
+    vol = csi_only.volume(IMAGE)
+    req = vol.publish_request()
+    req.ClearField("volume_capability")
+    err = error_of(csi_only.node_stub().NodePublishVolume, req)
+    assert (err.code(), err.details()) == (Code.INVALID_ARGUMENT, "volume_capability is required")
+
+
+def test_block_access_refused(csi_only):
+    vol = csi_only.volume(IMAGE)
+    req = vol.publish_request(volume_capability=csi.VolumeCapability(block=csi.VolumeCapability.BlockVolume()))
+    err = error_of(csi_only.node_stub().NodePublishVolume, req)
+    assert err.code() == Code.INVALID_ARGUMENT and "block access is not supported" in err.details()
+
+
+def test_cache_name_required(csi_only):
+    vol = csi_only.volume(IMAGE)
+    req = vol.publish_request()
+    del req.volume_context["csi.gkm.io/GKMCache"]
+    err = error_of(csi_only.node_stub().NodePublishVolume, req)
+    assert err.code() == Code.INVALID_ARGUMENT and "csi.gkm.io/GKMCache" in err.details()
+
+
+def test_image_must_be_digest_pinned(csi_only):
+    vol = csi_only.volume("127.0.0.1:5000/caches/kernels:latest")
+    err = error_of(csi_only.node_stub().NodePublishVolume, vol.publish_request())
+    assert err.code() == Code.INVALID_ARGUMENT and "not digest-pinned" in err.details()
+    assert not vol.target.exists()
+
+
+def test_without_image_attribute_the_cache_is_unknown(csi_only):
+    vol = csi_only.volume(IMAGE)
+    req = vol.publish_request()
+    del req.volume_context["csi.gkm.io/image"]
+    err = error_of(csi_only.node_stub().NodePublishVolume, req)
+    assert err.code() == Code.NOT_FOUND and "GKMCache team-a/kernels" in err.details()
+
+
+def test_namespaced_cache_refused_to_other_namespace(csi_only):
+    vol = csi_only.volume(IMAGE, pod_namespace="team-b", cache_namespace="team-a")
+    err = error_of(csi_only.node_stub().NodePublishVolume, vol.publish_request())
+    assert err.code() == Code.PERMISSION_DENIED
+    assert err.details() == ("GKMCache team-a/kernels may only be mounted by pods in namespace team-a; "
+                             "pod team-b/worker-0 is not")
+    assert not vol.target.exists()
+
+
+def test_namespaced_cache_needs_pod_info(csi_only):
+    vol = csi_only.volume(IMAGE)
+    req = vol.publish_request()
+    del req.volume_context["csi.storage.k8s.io/pod.namespace"]
+    err = error_of(csi_only.node_stub().NodePublishVolume, req)
+    assert err.code() == Code.INVALID_ARGUMENT and "podInfoOnMount" in err.details()
+
+
+@pytest.mark.parametrize("field", ["volume_id", "target_path"])
+def test_unpublish_requires_ids(csi_only, field):
+    req = csi_only.volume(IMAGE).unpublish_request()
+    req.ClearField(field)
+    err = error_of(csi_only.node_stub().NodeUnpublishVolume, req)
+    assert (err.code(), err.details()) == (Code.INVALID_ARGUMENT, f"{field} is required")
+
+
+def test_agent_down_is_unavailable(csi_only):
+    err = error_of(csi_only.node_stub().NodePublishVolume, csi_only.volume(IMAGE).publish_request())
+    assert err.code() == Code.UNAVAILABLE and "node agent" in err.details()
+
+
+def test_identity_without_agent(csi_only):
+    ident = csi_only.identity_stub()
+    info = ident.GetPluginInfo(csi.GetPluginInfoRequest(), timeout=10)
+    assert info.name == "csi.gkm.io" and info.vendor_version
+    assert list(ident.GetPluginCapabilities(csi.GetPluginCapabilitiesRequest(), timeout=10).capabilities) == []
+    assert ident.Probe(csi.ProbeRequest(), timeout=10).ready.value is False
+
+
+def test_node_info_and_capabilities(csi_only):
+    stub = csi_only.node_stub()
+    assert stub.NodeGetInfo(csi.NodeGetInfoRequest(), timeout=10).node_id == "node-a"
+    rpc = csi.NodeServiceCapability.RPC
+    caps = {c.rpc.type for c in stub.NodeGetCapabilities(csi.NodeGetCapabilitiesRequest(), timeout=10).capabilities}
+    assert caps == {rpc.GET_VOLUME_STATS, rpc.VOLUME_CONDITION}  # no staging: caches need none
