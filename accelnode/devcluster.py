@@ -208,8 +208,9 @@ class _Proc:
             self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True, preexec_fn=_die_with_parent)
 
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+    def exited(self) -> bool:
+        """Started, and no longer running (a stopped process does not count)."""
+        return self.popen is not None and self.popen.poll() is not None
 
     def failure(self, why: str) -> ControlPlaneError:
         return ControlPlaneError(f"{self.name} {why}; last lines of {self.log}:\n{_tail(self.log)}")
@@ -246,14 +247,14 @@ class ControlPlane:
         self._apiserver: _Proc | None = None
         self._kubeconfigs: dict[str, Path] = {}
         self._clients: dict[str, tuple[Path, Path]] = {}
-        self.pki: _PKI | None = None
+        self._pki: _PKI | None = None
 
     # -- public surface ------------------------------------------------------------------------
 
     @property
     def ca_file(self) -> Path:
-        assert self.pki is not None, "start() first"
-        return self.pki.ca
+        assert self._pki is not None, "start() first"
+        return self._pki.ca
 
     def kubeconfig(self, identity: str = "admin") -> Path:
         """Path of the kubeconfig for one of :data:`IDENTITIES` (by ``Identity.name``)."""
@@ -265,9 +266,9 @@ class ControlPlane:
     def start(self) -> None:
         etcd, apiserver = self._binary("etcd"), self._binary("kube-apiserver")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.pki = _PKI(self.workdir / "pki")
+        self._pki = _PKI(self.workdir / "pki")
         for ident in IDENTITIES:
-            self._clients[ident.name] = self.pki.client(ident)
+            self._clients[ident.name] = self._pki.client(ident)
             self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
         policy = self.workdir / "audit-policy.yaml"
         policy.write_text(yaml.safe_dump(_AUDIT_POLICY))
@@ -283,11 +284,11 @@ class ControlPlane:
             apiserver, "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
             f"--etcd-servers=http://127.0.0.1:{client}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
-            f"--tls-cert-file={self.pki.serving[0]}", f"--tls-private-key-file={self.pki.serving[1]}",
-            f"--client-ca-file={self.pki.ca}",
+            f"--tls-cert-file={self._pki.serving[0]}", f"--tls-private-key-file={self._pki.serving[1]}",
+            f"--client-ca-file={self._pki.ca}",
             "--authorization-mode=RBAC", "--anonymous-auth=false",
-            f"--service-account-issuer={ISSUER}", f"--service-account-key-file={self.pki.sa_pub}",
-            f"--service-account-signing-key-file={self.pki.sa_key}",
+            f"--service-account-issuer={ISSUER}", f"--service-account-key-file={self._pki.sa_pub}",
+            f"--service-account-signing-key-file={self._pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             # No controller-manager runs, so nothing creates the `default` ServiceAccount that
             # this admission plugin would insist on for every pod.
@@ -326,7 +327,7 @@ class ControlPlane:
     def check_running(self) -> None:
         """Raise :class:`ControlPlaneError` if etcd or kube-apiserver has exited."""
         for proc in (self._etcd, self._apiserver):
-            if proc is not None and not proc.alive():
+            if proc is not None and proc.exited():
                 raise proc.failure("exited")
 
     def __enter__(self) -> "ControlPlane":
@@ -349,7 +350,7 @@ class ControlPlane:
         doc = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "devcluster", "cluster": {"server": self.url, "certificate-authority": str(self.pki.ca)}}],
+            "clusters": [{"name": "devcluster", "cluster": {"server": self.url, "certificate-authority": str(self._pki.ca)}}],
             "users": [{"name": ident.name, "user": {"client-certificate": str(crt), "client-key": str(key)}}],
             "contexts": [{"name": ident.name, "context": {"cluster": "devcluster", "user": ident.name}}],
             "current-context": ident.name,
@@ -363,7 +364,7 @@ class ControlPlane:
         deadline = time.monotonic() + self.start_timeout
         last = "no answer yet"
         while time.monotonic() < deadline:
-            if not proc.alive():
+            if proc.exited():
                 raise proc.failure("exited during startup")
             try:
                 with urllib.request.urlopen(url, context=ctx, timeout=5) as resp:

@@ -161,8 +161,10 @@ def build(src, image: str, *, options: RegistryOptions, kind: str | None = None,
         members = [(fmt.CACHE_DIR[kind], src)] + members
     groups = _split(members, layers)
     total = sum(p.lstat().st_size for _, p in members if p.is_file() and not p.is_symlink())
+    tar_bytes = sum(512 + (-(-p.lstat().st_size // 512) * 512 if p.is_file() and not p.is_symlink() else 0)
+                    for _, p in members)  # progress counts tar stream bytes (headers included)
     if progress is not None:
-        progress.start(total, f"packaging {src}")
+        progress.start(tar_bytes, f"packaging {src}")
     with tempfile.TemporaryDirectory(prefix="accelnode-build.") as tmp:
         on_write = progress.advance if progress is not None else None
         with ThreadPoolExecutor(max_workers=min(len(groups), os.cpu_count() or 2)) as pool:

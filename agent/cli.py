@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     svc = service.AgentService(store, accelerators.detect(args.sysfs_root, args.dev_root),
                                service.Metrics(registry))
-    server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(svc, s), max_workers=32)
     metrics = MetricsServer(args.metrics_address, registry, lambda: (True, "")).start()
+    server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(svc, s), max_workers=32)
     log.info("agent serving", extra=kv(socket=str(sock), store=args.store,
                                        accelerators=[str(a) for a in svc.accelerators]))
     stop = threading.Event()

@@ -288,6 +288,39 @@ def _drop(entries: dict[str, Entry], path: str, *, keep_self: bool = False) -> N
         del entries[k]
 
 
+_MAX_HOPS = 40  # symlinks followed while resolving one target, as the kernel's ELOOP limit
+
+
+def check_symlinks(entries: dict[str, Entry]) -> None:
+    """Refuse a finished tree in which any symlink, resolved through the tree's own symlinks,
+    leaves the root. Each link is checked lexically as it is unpacked, but a chain can still
+    escape (``d/s -> ..`` then ``x -> d/s/..``), so the merged tree is checked as a whole."""
+    for path, entry in entries.items():
+        if entry.type != "symlink":
+            continue
+        where = path.split("/")[:-1]
+        todo = entry.target.split("/")
+        hops = 0
+        while todo:
+            part = todo.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if not where:
+                    raise Refused(f"symlink {path!r} -> {entry.target!r} resolves outside the cache "
+                                  "through other symlinks")
+                where.pop()
+                continue
+            where.append(part)
+            hop = entries.get("/".join(where))
+            if hop is not None and hop.type == "symlink":
+                hops += 1
+                if hops > _MAX_HOPS:
+                    raise Refused(f"symlink {path!r} -> {entry.target!r}: too many levels of symlinks")
+                where.pop()
+                todo = hop.target.split("/") + todo
+
+
 def merge(base: Layer, upper: Layer) -> None:
     """Apply ``upper`` onto ``base`` (moving its files): whiteouts first, then its entries. An
     explicit directory entry replaces a lower symlink; a path that merely goes through one

@@ -147,53 +147,50 @@ class AgentService(pb_grpc.AgentServicer):
     # -- references ----------------------------------------------------------------------
 
     def AcquireReference(self, request, context):  # noqa: N802
-        for name in ("volume_id", "digest"):
+        for name in ("volume_id", "digest", "target_path"):
             if not getattr(request, name):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
-        meta = {"namespace": request.pod.namespace, "name": request.pod.name, "uid": request.pod.uid,
-                "target_path": request.target_path}
+        vid, target = request.volume_id, request.target_path
+        meta = {"volume_id": vid, "target_path": target, "namespace": request.pod.namespace,
+                "name": request.pod.name, "uid": request.pod.uid}
         with self._lock:
             refs = self.store.references()
-            other = next((v for v, m in refs.items() if request.target_path and m.get("target_path") ==
-                          request.target_path and v != request.volume_id), None)
-            if other is not None:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"target path {request.target_path} is already published for volume {other}")
-            held = refs.get(request.volume_id)
-            if held is not None:
-                if any(held.get(k) != v for k, v in dict(meta, digest=request.digest).items()):
-                    context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                  f"volume {request.volume_id} already holds {held.get('digest')} for pod "
-                                  f"{held.get('namespace')}/{held.get('name')} at {held.get('target_path')}")
+            for held in refs.values():
+                conflict = _conflict(held, meta, request.digest, request.exclusive)
+                if conflict:
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
+            if holder(vid, target) in refs:
                 return pb.AcquireReferenceResponse()
             if self.store.installed(request.digest) is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{request.digest} is not installed on this node")
-            self.store.acquire(request.digest, request.volume_id, meta)
+            self.store.acquire(request.digest, holder(vid, target), meta)
             self.metrics.references.inc()
-        log.info("reference acquired", extra=kv(volume_id=request.volume_id, digest=request.digest,
+        log.info("reference acquired", extra=kv(volume_id=vid, target=target, digest=request.digest,
                                                  pod=f"{request.pod.namespace}/{request.pod.name}"))
         return pb.AcquireReferenceResponse()
 
     def ReleaseReference(self, request, context):  # noqa: N802
-        if not request.volume_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_id is required")
+        for name in ("volume_id", "target_path"):
+            if not getattr(request, name):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
+        key = holder(request.volume_id, request.target_path)
         with self._lock:
-            held = request.volume_id in self.store.references()
+            held = key in self.store.references()
             if held:
-                self.store.release(request.volume_id)
+                self.store.release(key)
                 self.metrics.references.dec()
         if held:
-            log.info("reference released", extra=kv(volume_id=request.volume_id))
+            log.info("reference released", extra=kv(volume_id=request.volume_id, target=request.target_path))
         return pb.ReleaseReferenceResponse(released=held)
 
     # -- ListCaches ----------------------------------------------------------------------
 
     def ListCaches(self, request, context):  # noqa: N802
         refs: dict[str, list] = {}
-        for vid, meta in self.store.references().items():
+        for meta in self.store.references().values():
             pod = pb.PodRef(namespace=meta.get("namespace", ""), name=meta.get("name", ""), uid=meta.get("uid", ""))
             refs.setdefault(meta.get("digest"), []).append(
-                pb.Reference(volume_id=vid, pod=pod, target_path=meta.get("target_path", "")))
+                pb.Reference(volume_id=meta.get("volume_id", ""), pod=pod, target_path=meta.get("target_path", "")))
         caches = []
         for inst in self.store.list():
             caches.append(pb.CacheInfo(
@@ -209,6 +206,26 @@ class AgentService(pb_grpc.AgentServicer):
                 caches.append(pb.CacheInfo(image=pull.image, digest=key, state=pb.CacheInfo.FAILED,
                                            message=pull.response.message))
         return pb.ListCachesResponse(caches=caches, accelerators=[str(a) for a in self.accelerators])
+
+
+def holder(volume_id: str, target_path: str) -> str:
+    """The store's reference holder for a volume published at a target path."""
+    return f"{volume_id}@{target_path}"
+
+
+def _conflict(held: dict, want: dict, digest: str, exclusive: bool) -> str | None:
+    """Why an existing reference forbids the wanted one, or None."""
+    same_volume = held.get("volume_id") == want["volume_id"]
+    same_target = held.get("target_path") == want["target_path"]
+    if same_target and not same_volume:
+        return f"target path {want['target_path']} is already published for volume {held.get('volume_id')}"
+    if same_volume and same_target and (held.get("digest") != digest or held.get("uid") != want["uid"]):
+        return (f"volume {want['volume_id']} is already published at {want['target_path']} with "
+                f"{held.get('digest')} for pod {held.get('namespace')}/{held.get('name')}")
+    if same_volume and not same_target and exclusive:
+        return (f"volume {want['volume_id']} is already published at {held.get('target_path')} and its access "
+                "mode allows one target")
+    return None
 
 
 def _failure(e: Exception) -> int:

@@ -37,7 +37,7 @@ from accelnode.log import kv
 
 from . import cacheformat as fmt
 from .errors import Busy, HostileContent, ImageNotFound, NoMatchingManifest
-from .extract import Budget, Entry, Layer, Limits, Refused, extract_layer, merge
+from .extract import Budget, Entry, Layer, Limits, Refused, check_symlinks, extract_layer, merge
 from .registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Reference, Registry, RegistryOptions, check_digest
 
 log = logging.getLogger("accelnode.agent.store")
@@ -221,6 +221,10 @@ class CacheStore:
                 merge(base, upper)
             except Refused as e:
                 raise HostileContent(f"layer {i} ({layers[i]['digest']}): {e}", image) from None
+        try:
+            check_symlinks(base.entries)
+        except Refused as e:
+            raise HostileContent(str(e), image) from None
         return base
 
     # -- references ----------------------------------------------------------------------------

@@ -81,21 +81,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     for servicer, base, _ in servicers:
         metrics.instrument(servicer, base)
-    server = grpcutil.serve_unix(sock, lambda s: [add(svc, s) for svc, _, add in servicers], max_workers=16)
-    log.info("CSI driver serving", extra=kv(endpoint=sock, node_id=args.node_id, agent=args.agent_socket))
-
     registered = threading.Event()
-    reg_server = None
-    if reg_dir is not None:
-        def on_status(ok: bool) -> None:
-            metrics.registered.set(1 if ok else 0)
-            registered.set() if ok else registered.clear()
-
-        reg_servicer = registration.RegistrationServer(args.kubelet_endpoint or sock, on_status)
-        reg_server = grpcutil.serve_unix(registration.socket_path(reg_dir),
-                                         lambda s: reg_grpc.add_RegistrationServicer_to_server(reg_servicer, s),
-                                         max_workers=2)
-        log.info("waiting for kubelet's plugin watcher", extra=kv(socket=str(registration.socket_path(reg_dir))))
 
     def ready() -> tuple[bool, str]:
         if reg_dir is not None and not registered.is_set():
@@ -103,6 +89,24 @@ def run(args: argparse.Namespace) -> int:
         return True, ""
 
     http = MetricsServer(args.metrics_address, metrics.registry, ready).start()
+    server = grpcutil.serve_unix(sock, lambda s: [add(svc, s) for svc, _, add in servicers], max_workers=16)
+    log.info("CSI driver serving", extra=kv(endpoint=sock, node_id=args.node_id, agent=args.agent_socket))
+
+    reg_server = None
+    if reg_dir is not None:
+        def on_status(ok: bool) -> None:
+            metrics.registered.set(1 if ok else 0)
+            if ok:
+                registered.set()
+            else:
+                registered.clear()
+
+        reg_servicer = registration.RegistrationServer(args.kubelet_endpoint or sock, on_status)
+        reg_server = grpcutil.serve_unix(registration.socket_path(reg_dir),
+                                         lambda s: reg_grpc.add_RegistrationServicer_to_server(reg_servicer, s),
+                                         max_workers=2)
+        log.info("waiting for kubelet's plugin watcher", extra=kv(socket=str(registration.socket_path(reg_dir))))
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -32,6 +32,10 @@ FAILURE_CODES = {
     Ensure.INVALID_REFERENCE: Code.INVALID_ARGUMENT,
 }
 MAX_STACKED_UNMOUNTS = 16
+Mode = csi.VolumeCapability.AccessMode
+# Access modes under which one volume may be published at several target paths on this node.
+SHARED_MODES = {Mode.MULTI_NODE_READER_ONLY, Mode.MULTI_NODE_SINGLE_WRITER, Mode.MULTI_NODE_MULTI_WRITER,
+                Mode.SINGLE_NODE_MULTI_WRITER}
 
 
 class AgentClient:
@@ -83,10 +87,10 @@ class NodeServer(csi_grpc.NodeServicer):
             if not (mounts.same_directory(target, ready.path) and mounts.is_readonly(target)):
                 context.abort(Code.ALREADY_EXISTS, f"{target} is already a mount point of something other "
                                                    f"than {cache} ({ready.digest}) read-only")
-            self._acquire(context, vid, ready.digest, pod, target)  # checks it is the same volume
+            self._acquire(context, request, ready.digest, pod)  # checks it is the same volume
             return csi.NodePublishVolumeResponse()
 
-        self._acquire(context, vid, ready.digest, pod, target)
+        self._acquire(context, request, ready.digest, pod)
         created = not os.path.lexists(target)
         try:
             Path(target).mkdir(mode=0o750, parents=True, exist_ok=True)
@@ -94,7 +98,8 @@ class NodeServer(csi_grpc.NodeServicer):
         except OSError as e:
             if created:
                 _rmdir(target)
-            self.agent.call(context, "ReleaseReference", agent.ReleaseReferenceRequest(volume_id=vid))
+            self.agent.call(context, "ReleaseReference",
+                            agent.ReleaseReferenceRequest(volume_id=vid, target_path=target))
             context.abort(Code.INTERNAL, f"cannot mount {cache} at {target}: {e.strerror or e}")
         log.info("volume published", extra=kv(volume_id=vid, cache=str(cache), digest=ready.digest,
                                               target=target, pod=f"{pod.namespace}/{pod.name}"))
@@ -116,9 +121,11 @@ class NodeServer(csi_grpc.NodeServicer):
                                                     f"{answer.expected}, found {answer.found}")
         context.abort(FAILURE_CODES.get(answer.failure, Code.INTERNAL), f"{cache}: {answer.message}")
 
-    def _acquire(self, context, vid: str, digest: str, pod: resolve.Pod, target: str) -> None:
+    def _acquire(self, context, request, digest: str, pod: resolve.Pod) -> None:
+        mode = request.volume_capability.access_mode.mode
         self.agent.call(context, "AcquireReference", agent.AcquireReferenceRequest(
-            volume_id=vid, digest=digest, target_path=target,
+            volume_id=request.volume_id, digest=digest, target_path=request.target_path,
+            exclusive=mode not in SHARED_MODES,
             pod=agent.PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid)))
 
     # -- unpublish -----------------------------------------------------------------------
@@ -137,7 +144,8 @@ class NodeServer(csi_grpc.NodeServicer):
             _rmdir(target)
         except OSError as e:
             context.abort(Code.INTERNAL, f"cannot unpublish {target}: {e.strerror or e}")
-        released = self.agent.call(context, "ReleaseReference", agent.ReleaseReferenceRequest(volume_id=vid))
+        released = self.agent.call(context, "ReleaseReference",
+                                   agent.ReleaseReferenceRequest(volume_id=vid, target_path=target))
         log.info("volume unpublished", extra=kv(volume_id=vid, target=target, released=released.released))
         return csi.NodeUnpublishVolumeResponse()
 
@@ -150,7 +158,8 @@ class NodeServer(csi_grpc.NodeServicer):
         if not os.path.exists(path):
             context.abort(Code.NOT_FOUND, f"volume path {path} does not exist")
         listing = self.agent.call(context, "ListCaches", agent.ListCachesRequest())
-        cache = next((c for c in listing.caches for r in c.references if r.volume_id == vid), None)
+        cache = next((c for c in listing.caches for r in c.references
+                      if (r.volume_id, r.target_path) == (vid, path)), None)
         if cache is None:
             context.abort(Code.NOT_FOUND, f"volume {vid} is not published on this node")
         healthy = mounts.is_mountpoint(path) and mounts.is_readonly(path)

@@ -10,7 +10,6 @@ to ``on_devices``; inotify events in the kubelet dir are reported to ``on_kubele
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -37,7 +36,7 @@ class Inotify:
     """A minimal inotify(7) binding: watch directories, read (wd, mask, name) events."""
 
     def __init__(self):
-        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self._libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols include libc's
         self._libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
         fd = self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if fd < 0:

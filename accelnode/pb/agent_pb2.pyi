@@ -74,26 +74,30 @@ class PodRef(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class AcquireReferenceRequest(_message.Message):
-    __slots__ = ("volume_id", "digest", "pod", "target_path")
+    __slots__ = ("volume_id", "digest", "pod", "target_path", "exclusive")
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     volume_id: str
     digest: str
     pod: PodRef
     target_path: str
-    def __init__(self, volume_id: _Optional[str] = ..., digest: _Optional[str] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., target_path: _Optional[str] = ...) -> None: ...
+    exclusive: bool
+    def __init__(self, volume_id: _Optional[str] = ..., digest: _Optional[str] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., target_path: _Optional[str] = ..., exclusive: _Optional[bool] = ...) -> None: ...
 
 class AcquireReferenceResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ReleaseReferenceRequest(_message.Message):
-    __slots__ = ("volume_id",)
+    __slots__ = ("volume_id", "target_path")
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
     volume_id: str
-    def __init__(self, volume_id: _Optional[str] = ...) -> None: ...
+    target_path: str
+    def __init__(self, volume_id: _Optional[str] = ..., target_path: _Optional[str] = ...) -> None: ...
 
 class ReleaseReferenceResponse(_message.Message):
     __slots__ = ("released",)

@@ -69,15 +69,16 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AcquireReference(self, request, context):
-        """Record that a volume (a pod's use of a cache) holds an installed digest. Idempotent per
-        volume id; the record survives agent and driver restarts.
+        """Record that a volume published at a target path (a pod's use of a cache) holds an installed
+        digest. Idempotent per (volume id, target path); the record survives agent and driver
+        restarts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseReference(self, request, context):
-        """Drop a volume's reference; releasing an unknown volume id succeeds.
+        """Drop the reference of a volume at a target path; releasing an unknown one succeeds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

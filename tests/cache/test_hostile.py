@@ -47,6 +47,13 @@ CASES = {
     "write-through-symlink-across-layers": (
         layers(tar((C, "dir"), (f"{C}/l", "symlink", ".")), tar((f"{C}/l/f", "file", b"x"))),
         HostileContent, "writes through it", None),
+    "symlink-chain-escape": (layers(tar((f"{C}/d", "dir"), (f"{C}/d/s", "symlink", "../.."), (f"{C}/x", "symlink", "d/s/.."))),
+                             HostileContent, "resolves outside the cache through other symlinks", None),
+    "symlink-chain-escape-across-layers": (
+        layers(tar((C, "dir"), (f"{C}/up", "symlink", "..")), tar((C, "dir"), (f"{C}/x", "symlink", "up/.."))),
+        HostileContent, "resolves outside the cache through other symlinks", None),
+    "symlink-loop": (layers(tar((f"{C}/a", "symlink", "b"), (f"{C}/b", "symlink", "a/x"))), HostileContent,
+                     "too many levels of symlinks", None),
     "hardlink-escape": (layers(tar((f"{C}/h", "hardlink", "../../etc/passwd"))), HostileContent, "contains '..'", None),
     "hardlink-absolute": (layers(tar((f"{C}/h", "hardlink", "/etc/passwd"))), HostileContent, "absolute", None),
     "hardlink-to-symlink": (layers(tar((f"{C}/l", "symlink", "x"), (f"{C}/h", "hardlink", f"{C}/l"))),

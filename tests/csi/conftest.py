@@ -27,10 +27,15 @@ from tests.conftest import accelnode_cmd, require_root
 MNT_DETACH = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Daemon:
@@ -144,8 +149,7 @@ class Node:
         self.agent_socket = root / "run" / "agent.sock"
         self.csi_socket = root / "plugins" / "csi.gkm.io" / "csi.sock"
         self.agent_socket.parent.mkdir(parents=True)
-        self.csi_metrics_port = free_port()
-        self.agent_metrics_port = free_port()
+        self.csi_metrics_port, self.agent_metrics_port = free_ports(2)
         self.agent = Daemon("agent", [
             "agent", "--store", str(self.store), "--socket", str(self.agent_socket), "--plain-http",
             "--sysfs-root", str(self.host.sysfs_root), "--dev-root", str(self.host.dev_root),

@@ -80,6 +80,30 @@ def test_other_volume_on_a_published_target(running_node, images):
     stub.NodeUnpublishVolume(vol.unpublish_request(), timeout=30)
 
 
+def test_persistent_volume_shared_by_two_pods(running_node, images):
+    """A ReadOnlyMany PV: kubelet publishes one volume handle at each pod's target path."""
+    stub = running_node.node_stub()
+    handle = "gkmcache/team-a/kernels"
+    pods = [running_node.volume(images.tpu, pod_name=f"worker-{i}") for i in range(2)]
+    reqs = []
+    for p in pods:
+        req = p.publish_request(volume_id=handle)
+        req.volume_capability.access_mode.mode = csi.VolumeCapability.AccessMode.MULTI_NODE_READER_ONLY
+        req.volume_context["csi.storage.k8s.io/ephemeral"] = "false"
+        stub.NodePublishVolume(req, timeout=60)
+        reqs.append(req)
+    stub.NodePublishVolume(reqs[0], timeout=60)  # still idempotent per target
+    for p in pods:
+        assert_published(p)
+    stub.NodeUnpublishVolume(csi.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(pods[0].target)),
+                             timeout=30)
+    assert_published(pods[1])
+    assert list(running_node.references()) == [handle]
+    stub.NodeUnpublishVolume(csi.NodeUnpublishVolumeRequest(volume_id=handle, target_path=str(pods[1].target)),
+                             timeout=30)
+    assert running_node.references() == {}
+
+
 def test_namespace_isolation(running_node, images):
     stub = running_node.node_stub()
     own = running_node.volume(images.tpu, pod_namespace="team-a", cache_namespace="team-a")
