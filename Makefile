@@ -3,6 +3,7 @@
 #   make tools    external test peers built from their Go modules into .tools/bin (cached)
 #   make proto    regenerate accelnode/pb from proto/*.proto
 #   make demo     run the device plugin on a simulated TPU host and show what kubelet sees
+#   make cluster  local etcd + kube-apiserver in the foreground (docs/local-cluster.md)
 #   make test     every test (unit + integration against real peers)
 #   make bench    every benchmark; `make bench GROUP=device_plugin` for one group
 SHELL := /bin/bash

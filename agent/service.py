@@ -71,7 +71,9 @@ class AgentService(pb_grpc.AgentServicer):
         self._lock = threading.Lock()
         self._ready: dict[str, Ensure] = {}  # reference digest -> READY/INCOMPATIBLE answer
         self._pulls: dict[str, Pull] = {}  # reference digest -> latest pull
-        metrics.references.set(len(store.references()))
+        # The store's durable references, mirrored: the agent is their only writer.
+        self._refs: dict[str, dict] = store.references()
+        metrics.references.set(len(self._refs))
 
     # -- EnsureCache ---------------------------------------------------------------------
 
@@ -154,17 +156,18 @@ class AgentService(pb_grpc.AgentServicer):
         meta = {"volume_id": vid, "target_path": target, "namespace": request.pod.namespace,
                 "name": request.pod.name, "uid": request.pod.uid}
         with self._lock:
-            refs = self.store.references()
-            for held in refs.values():
+            for held in self._refs.values():
                 conflict = _conflict(held, meta, request.digest, request.exclusive)
                 if conflict:
                     context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
-            if holder(vid, target) in refs:
+            key = holder(vid, target)
+            if key in self._refs:
                 return pb.AcquireReferenceResponse()
             if self.store.installed(request.digest) is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{request.digest} is not installed on this node")
-            self.store.acquire(request.digest, holder(vid, target), meta)
-            self.metrics.references.inc()
+            self.store.acquire(request.digest, key, meta)
+            self._refs[key] = dict(meta, digest=request.digest)
+            self.metrics.references.set(len(self._refs))
         log.info("reference acquired", extra=kv(volume_id=vid, target=target, digest=request.digest,
                                                  pod=f"{request.pod.namespace}/{request.pod.name}"))
         return pb.AcquireReferenceResponse()
@@ -175,10 +178,11 @@ class AgentService(pb_grpc.AgentServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
         key = holder(request.volume_id, request.target_path)
         with self._lock:
-            held = key in self.store.references()
+            held = key in self._refs
             if held:
                 self.store.release(key)
-                self.metrics.references.dec()
+                del self._refs[key]
+                self.metrics.references.set(len(self._refs))
         if held:
             log.info("reference released", extra=kv(volume_id=request.volume_id, target=request.target_path))
         return pb.ReleaseReferenceResponse(released=held)
@@ -187,7 +191,9 @@ class AgentService(pb_grpc.AgentServicer):
 
     def ListCaches(self, request, context):  # noqa: N802
         refs: dict[str, list] = {}
-        for meta in self.store.references().values():
+        with self._lock:
+            held = list(self._refs.values())
+        for meta in held:
             pod = pb.PodRef(namespace=meta.get("namespace", ""), name=meta.get("name", ""), uid=meta.get("uid", ""))
             refs.setdefault(meta.get("digest"), []).append(
                 pb.Reference(volume_id=meta.get("volume_id", ""), pod=pod, target_path=meta.get("target_path", "")))

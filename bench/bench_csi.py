@@ -23,6 +23,7 @@ import grpc
 import psutil
 
 from agent.store import CacheStore
+from csi_driver.api import csi
 from tests.csi.conftest import Node, SlowProxy, make_cache, unmount_below
 from tests.fixtures.registry import RunningRegistry
 
@@ -56,10 +57,6 @@ def publish_until_ok(stub, req, tries: int = 600) -> None:
     raise RuntimeError(f"publish of {req.volume_id} still unavailable after {tries} tries")
 
 
-def tpu_cache(root: Path, files: dict[str, bytes]) -> Path:
-    return make_cache(root, files)
-
-
 def push(reg: RunningRegistry, src: Path, repo: str) -> str:
     return reg.push(src, repo, kind="jax", targets=[{"backend": "tpu", "arch": "v5e"}], compression="zstd")
 
@@ -87,14 +84,16 @@ def warm(node: Node, image: str) -> None:
 def cold(node: Node, reg: RunningRegistry, tmp: Path) -> None:
     src = tmp / "cold"
     files = {f"xla/module_{i:03d}.bin": os.urandom(1 << 20) for i in range(COLD_MIB)}
-    image = push(reg, tpu_cache(src, files), "bench/jax-v5e-512m")
+    image = push(reg, make_cache(src, files), "bench/jax-v5e-512m")
     accels = [{"backend": "tpu", "arch": "v5e"}]
     alone = []
     for i in range(2):  # before and after the publish: both see the same page cache and disk
         if i:
+            pulled_before = agent_metric(node, "accelnode_agent_pull_seconds_sum")
             t0 = time.perf_counter()
             publish_until_ok(node.node_stub(), node.volume(image, pod_name="cold").publish_request())
             publish = time.perf_counter() - t0
+            agent_pull = agent_metric(node, "accelnode_agent_pull_seconds_sum") - pulled_before
         os.sync()
         t0 = time.perf_counter()
         CacheStore(tmp / f"store-alone-{i}", registry=reg.options()).ensure(image, accelerators=accels)
@@ -105,16 +104,18 @@ def cold(node: Node, reg: RunningRegistry, tmp: Path) -> None:
     emit("store_pull_512mib_s", alone)
     emit("cold_publish_512mib_s", publish)
     emit("cold_publish_ratio", publish / alone, ".3f")
+    emit("cold_publish_agent_pull_s", agent_pull)  # the store's pull inside the agent process
+    emit("cold_publish_outside_pull_s", publish - agent_pull)  # CSI + agent round trips + mount
 
 
 def concurrent(node: Node, reg: RunningRegistry, tmp: Path) -> None:
     proxy = SlowProxy(reg.host, rate=None)
     try:
-        src = tpu_cache(tmp / "conc", {f"xla/m{i}.bin": os.urandom(1 << 20) for i in range(32)})
+        src = make_cache(tmp / "conc", {f"xla/m{i}.bin": os.urandom(1 << 20) for i in range(32)})
         image = push(reg, src, "bench/jax-v5e-concurrent").replace(reg.host, proxy.host)
         stub = node.node_stub()
         vols = [node.volume(image, pod_name=f"c-{i}") for i in range(CONCURRENT)]
-        before = agent_pulls(node)
+        before = agent_metric(node, "accelnode_agent_pulls_total")
         start = threading.Barrier(CONCURRENT)
         errors = []
 
@@ -135,19 +136,20 @@ def concurrent(node: Node, reg: RunningRegistry, tmp: Path) -> None:
         if errors:
             raise RuntimeError(f"{len(errors)} concurrent publishes failed: {errors[0]}")
         emit("concurrent_downloads", max(proxy.blob_gets.values()), "d")
-        emit("concurrent_agent_pulls", agent_pulls(node) - before, "d")
+        emit("concurrent_agent_pulls", agent_metric(node, "accelnode_agent_pulls_total") - before, ".0f")
         for v in vols:
             stub.NodeUnpublishVolume(v.unpublish_request(), timeout=30)
     finally:
         proxy.close()
 
 
-def agent_pulls(node: Node) -> int:
+def agent_metric(node: Node, name: str) -> float:
+    """Sum of a metric's samples (all label sets) on the agent's /metrics."""
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{node.agent_metrics_port}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()
-    return int(sum(float(x.split()[-1]) for x in lines if x.startswith("accelnode_agent_pulls_total{")))
+    return sum(float(x.split()[-1]) for x in lines if x.startswith((name + " ", name + "{")))
 
 
 def idle_memory(tmp: Path) -> None:
@@ -155,7 +157,7 @@ def idle_memory(tmp: Path) -> None:
     try:
         node.agent.start()
         node.csi.start()
-        node.identity_stub().Probe(__import__("csi_driver.api").api.csi.ProbeRequest(), timeout=10)
+        node.identity_stub().Probe(csi.ProbeRequest(), timeout=10)
         time.sleep(2)
         procs = [psutil.Process(d.proc.pid) for d in (node.agent, node.csi)]
         infos = [p.memory_full_info() for p in procs]
@@ -178,7 +180,7 @@ def main() -> None:
         try:
             node.agent.start()
             node.csi.start()
-            small = push(reg, tpu_cache(tmp / "small", {"xla/module.bin": b"\x7fXLA" * 4096}), "bench/jax-v5e")
+            small = push(reg, make_cache(tmp / "small", {"xla/module.bin": b"\x7fXLA" * 4096}), "bench/jax-v5e")
             warm(node, small)
             concurrent(node, reg, tmp)
             cold(node, reg, tmp)

@@ -47,7 +47,12 @@ def test_agent_reads_caches_and_writes_its_node_objects(agent, kube_namespace):
     objs.patch_cluster_custom_object_status(*GKM, "clustergkmcachenodes", NODE, body={"status": {"nodeName": NODE}})
 
 
-def test_agent_watches_its_node_and_the_pods_on_it(agent):
+def test_agent_watches_its_node_and_the_pods_on_it(agent, kube_api, kube_namespace):
+    admin = client.CoreV1Api(kube_api("admin"))
+    for pod, node in (("on-this-node", NODE), ("elsewhere", "another-node")):
+        admin.create_namespaced_pod(kube_namespace, body={
+            "metadata": {"name": pod},
+            "spec": {"nodeName": node, "containers": [{"name": "c", "image": "registry.example.com/app:1"}]}})
     core = client.CoreV1Api(agent)
     assert core.read_node(NODE).metadata.name == NODE
     events = watch.Watch().stream(core.list_node, field_selector=f"metadata.name={NODE}", timeout_seconds=5)
@@ -55,7 +60,7 @@ def test_agent_watches_its_node_and_the_pods_on_it(agent):
     events.close()
     assert (first["type"], first["object"].metadata.name) == ("ADDED", NODE)
     pods = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={NODE}")
-    assert pods.items == []
+    assert [(p.metadata.namespace, p.metadata.name) for p in pods.items] == [(kube_namespace, "on-this-node")]
 
 
 def test_agent_is_forbidden_outside_its_role(agent, kube_api, kube_namespace):
