@@ -1,4 +1,5 @@
 # accelnode — build, test and benchmark entry points.
+#   make system-deps  Debian packages the tests need (tools/apt/*.txt; root)
 #   make deps     Python virtualenv in .venv with accelnode installed (editable)
 #   make tools    external test peers built from their Go modules into .tools/bin (cached)
 #   make proto    regenerate accelnode/pb from proto/*.proto
@@ -22,7 +23,10 @@ TOOLS :=
 # Each tools/mk/*.mk adds its binaries to TOOLS and says how to build them.
 include $(wildcard tools/mk/*.mk)
 
-.PHONY: deps tools proto demo test bench clean
+.PHONY: system-deps deps tools proto demo test bench clean
+
+system-deps:
+	@tools/install-system-deps.sh
 
 deps: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -31,7 +35,8 @@ $(VENV)/.stamp: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	touch $@
 
-tools: $(TOOLS)
+tools: system-deps
+	@$(MAKE) --no-print-directory $(TOOLS)
 
 PROTOS := $(wildcard proto/*.proto)
 proto: deps
@@ -41,6 +46,7 @@ demo: deps
 	$(PY) -m device_plugin.demo
 
 test: deps tools
+	@echo "tests: $(TESTS)"
 	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
 
 bench: deps tools
