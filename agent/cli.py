@@ -22,6 +22,14 @@ def register(sub) -> None:
     p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
     p.add_argument("--metrics-address", default="127.0.0.1:9811", metavar="HOST:PORT",
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
+    g = p.add_argument_group("cache status in the Kubernetes API (docs/agent-status.md)")
+    g.add_argument("--node-name", metavar="NAME",
+                   help="this node's name (downward API spec.nodeName); when set, the agent writes the node's "
+                        "GKMCacheNode/ClusterGKMCacheNode objects and prefetches caches meant for it")
+    g.add_argument("--kubeconfig", metavar="FILE",
+                   help="kubeconfig for the API server (default: the pod's service account)")
+    g.add_argument("--status-resync", type=float, default=30.0, metavar="SECONDS",
+                   help="re-read the local store this often even without a change cue (default: %(default)s)")
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
@@ -39,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.httpserve import MetricsServer
     from accelnode.log import kv
 
-    from . import accelerators, service
+    from . import accelerators, service, status
     from .registry import RegistryOptions
     from .store import CacheStore
 
@@ -56,11 +64,23 @@ def run(args: argparse.Namespace) -> int:
     server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(svc, s), max_workers=32)
     log.info("agent serving", extra=kv(socket=str(sock), store=args.store,
                                        accelerators=[str(a) for a in svc.accelerators]))
+    reporter = None
+    if args.node_name:
+        try:
+            reporter = status.for_service(svc, store, args.node_name, args.kubeconfig, resync=args.status_resync)
+        except (ValueError, OSError) as e:
+            server.stop(grace=0)
+            metrics.stop()
+            raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
+        svc.on_change = reporter.poke
+        reporter.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("agent stopping")
+    if reporter is not None:
+        reporter.stop()
     server.stop(grace=5).wait()
     metrics.stop()
     return exitcodes.OK

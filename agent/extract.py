@@ -6,10 +6,17 @@ them in order onto the first, honouring OCI whiteouts (``.wh.NAME``, ``.wh..wh..
 renames only. Nothing here ever follows a symlink: every parent of a path is checked with
 ``lstat`` as a real directory before anything is created under it.
 
-Refused: absolute names, ``..``, writing through a symlink, symlinks or hardlinks that leave the
-tree, device nodes, FIFOs and any other special entry, oversized tar metadata headers, and
-anything beyond the :class:`Limits` (total bytes, file count, compression ratio). Setuid,
-setgid, sticky and group/world-write bits are dropped: files become 0644 or 0755, dirs 0755.
+Refused: absolute names, ``..``, names the kernel cannot hold (a component over 255 bytes, a
+path over 4095), writing through a symlink, symlinks or hardlinks that leave the tree, device
+nodes, FIFOs, sparse files and any other special entry, negative sizes, oversized or deeply
+chained tar metadata headers, and anything beyond the :class:`Limits` (total bytes, entries -
+whiteouts and implied parent directories included -, compression ratio). Setuid, setgid, sticky
+and group/world-write bits are dropped: files become 0644 or 0755, dirs 0755 (whatever the
+process umask), owned by the extracting process, never by the uid/gid in the tar.
+
+The in-memory ``entries`` of a layer always mirror what is on disk (replacing a directory
+drops everything recorded under it), and every destructive operation re-checks with ``lstat``
+that no parent of its path is a symlink - so a whiteout or hardlink can never reach outside.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ OPAQUE = ".wh..wh..opq"
 _META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
                tarfile.SOLARIS_XHDTYPE)
 _MAX_META = 1 << 20  # a pax or GNU long-name header larger than this is a bomb, not a name
+_MAX_META_CHAIN = 8  # metadata headers in a row before one member (tarfile recurses per header)
+NAME_MAX, PATH_MAX = 255, 4095  # bytes of one path component / of a whole name or link target
 _RATIO_FLOOR = 16 << 20  # compression ratio is judged once a layer has produced this much
 
 
@@ -44,6 +53,13 @@ class Limits:
     max_ratio: int = 250  # uncompressed / compressed bytes of one layer
     max_manifest_bytes: int = 4 << 20
     max_config_bytes: int = 4 << 20
+    max_layers: int = 128  # layers of one manifest
+    max_index_entries: int = 256  # manifests of one image index
+
+    @property
+    def max_tar_bytes(self) -> int:
+        """The most tar stream (content plus headers) one image can need within these limits."""
+        return self.max_bytes + (self.max_files + 16) * 2048
 
 
 class Refused(Exception):
@@ -129,7 +145,7 @@ class _Metered:
     def __init__(self, src, raw, budget: Budget):
         self._src, self._raw, self._budget = src, raw, budget
         self.out = 0
-        self._cap = budget.limits.max_bytes + (budget.limits.max_files + 16) * 2048
+        self._cap = budget.limits.max_tar_bytes
 
     def read(self, n: int = CHUNK) -> bytes:
         if self._budget.cancelled.is_set():
@@ -146,9 +162,18 @@ class _Metered:
 
 class _TarInfo(tarfile.TarInfo):
     def _proc_member(self, tf):
-        if self.type in _META_TYPES and self.size > _MAX_META:
+        if self.type not in _META_TYPES:
+            return super()._proc_member(tf)
+        if self.size > _MAX_META:
             raise Refused(f"tar metadata header of {self.size} bytes (limit {_MAX_META})")
-        return super()._proc_member(tf)
+        depth = getattr(tf, "_meta_depth", 0)  # tarfile recurses once per header of a chain
+        if depth >= _MAX_META_CHAIN:
+            raise Refused(f"more than {_MAX_META_CHAIN} tar metadata headers in a row")
+        tf._meta_depth = depth + 1
+        try:
+            return super()._proc_member(tf)
+        finally:
+            tf._meta_depth = depth
 
 
 def decompressor(blob, compression: str | None):
@@ -164,16 +189,28 @@ def clean_name(name: str) -> str | None:
     if "\0" in name:
         raise Refused(f"member name with a NUL byte: {name!r}")
     if name.startswith("/"):
-        raise Refused(f"absolute member name {name!r}")
+        raise Refused(f"absolute member name {_short(name)!r}")
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
-        raise Refused(f"member name {name!r} contains '..'")
+        raise Refused(f"member name {_short(name)!r} contains '..'")
+    _check_length(name, "member name")
     return "/".join(parts) or None
+
+
+def _check_length(name: str, what: str) -> None:
+    if len(os.fsencode(name)) > PATH_MAX:
+        raise Refused(f"{what} {_short(name)!r} is longer than {PATH_MAX} bytes")
+    if any(len(os.fsencode(p)) > NAME_MAX for p in name.split("/")):
+        raise Refused(f"{what} {_short(name)!r} has a component longer than {NAME_MAX} bytes")
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 200 else f"{name[:120]}...({len(name)} chars)"
 
 
 def extract_layer(blob, compression: str | None, dest: Path, budget: Budget) -> Layer:
     """Unpack one layer from ``blob`` (a verifying BlobStream) into the new directory ``dest``."""
-    dest.mkdir(mode=0o755)
+    mkdir(dest)
     layer = Layer(dest)
     stream = _Metered(decompressor(blob, compression), blob, budget)
     try:
@@ -186,6 +223,8 @@ def extract_layer(blob, compression: str | None, dest: Path, budget: Budget) -> 
         raise Refused(f"not a valid tar stream ({e})") from None
     except zstandard.ZstdError as e:
         raise Refused(f"not a valid zstd stream ({e})") from None
+    except RecursionError:
+        raise Refused("tar metadata headers nested too deeply") from None
     blob.drain()  # verifies the digest, including any bytes after the tar's end
     return layer
 
@@ -196,6 +235,7 @@ def _extract_member(tf: tarfile.TarFile, m: tarfile.TarInfo, layer: Layer, budge
         return
     parent, base = posixpath.split(name)
     if base.startswith(WHITEOUT):
+        budget.charge(0)
         if base == OPAQUE:
             layer.opaque.append(parent)
         elif base[len(WHITEOUT):] in ("", ".", ".."):
@@ -203,15 +243,19 @@ def _extract_member(tf: tarfile.TarFile, m: tarfile.TarInfo, layer: Layer, budge
         else:
             layer.whiteouts.append(posixpath.join(parent, base[len(WHITEOUT):]))
         return
+    if m.size < 0:
+        raise Refused(f"{m.name!r} has a negative size ({m.size})")
+    if m.type == tarfile.GNUTYPE_SPARSE or m.sparse is not None:
+        raise Refused(f"sparse file {m.name!r} (not allowed in a cache layer)")
     budget.charge(m.size if m.isreg() else 0)
-    _make_parents(layer, parent, m.name)
+    _make_parents(layer, parent, m.name, budget)
     path = layer.root / name
-    old = layer.entries.pop(name, None)
+    old = layer.entries.get(name)
     if old is not None and not (old.type == "dir" and m.isdir()):
-        _remove(path)
+        delete(layer.root, layer.entries, name)
     if m.isdir():
         if old is None or old.type != "dir":
-            os.mkdir(path, 0o755)
+            mkdir(path)
         layer.entries[name] = Entry("dir", 0o755)
         layer.implicit.discard(name)
     elif m.isreg():
@@ -220,7 +264,8 @@ def _extract_member(tf: tarfile.TarFile, m: tarfile.TarInfo, layer: Layer, budge
     elif m.issym():
         target = m.linkname
         if not target or target.startswith("/") or "\0" in target:
-            raise Refused(f"symlink {m.name!r} -> {target!r} is absolute or empty")
+            raise Refused(f"symlink {m.name!r} -> {_short(target)!r} is absolute or empty")
+        _check_length(target, f"symlink {m.name!r} target")
         resolved = posixpath.normpath(posixpath.join(parent, target))
         if resolved == ".." or resolved.startswith("../"):
             raise Refused(f"symlink {m.name!r} -> {target!r} points outside the cache")
@@ -231,7 +276,7 @@ def _extract_member(tf: tarfile.TarFile, m: tarfile.TarInfo, layer: Layer, budge
         entry = layer.entries.get(target or "")
         if entry is None or entry.type != "file":
             raise Refused(f"hardlink {m.name!r} -> {m.linkname!r} does not name a regular file earlier in this layer")
-        os.link(layer.root / target, path, follow_symlinks=False)
+        os.link(real_path(layer.root, target), path, follow_symlinks=False)
         layer.entries[name] = entry
     elif m.ischr() or m.isblk():
         raise Refused(f"device node {m.name!r}")
@@ -241,7 +286,7 @@ def _extract_member(tf: tarfile.TarFile, m: tarfile.TarInfo, layer: Layer, budge
         raise Refused(f"unsupported tar entry type {m.type!r} for {m.name!r}")
 
 
-def _make_parents(layer: Layer, parent: str, member: str) -> None:
+def _make_parents(layer: Layer, parent: str, member: str, budget: Budget) -> None:
     """Create missing parent directories; refuse to go through anything that is not a directory."""
     if not parent:
         return
@@ -250,17 +295,36 @@ def _make_parents(layer: Layer, parent: str, member: str) -> None:
         done = f"{done}/{part}" if done else part
         entry = layer.entries.get(done)
         if entry is None:
-            os.mkdir(layer.root / done, 0o755)
+            budget.charge(0)  # an implied directory is an inode like any other
+            mkdir(layer.root / done)
             layer.entries[done] = Entry("dir", 0o755)
             layer.implicit.add(done)
         elif entry.type != "dir":
             raise Refused(f"{member!r} would be written through {entry.type} {done!r}")
 
 
+def mkdir(path: Path) -> None:
+    """A new 0755 directory, whatever the umask."""
+    os.mkdir(path, 0o755)
+    os.chmod(path, 0o755)
+
+
+def real_path(root: Path, rel: str) -> Path:
+    """``root/rel`` after checking with lstat that no parent of it is a symlink or missing: the
+    guard in front of every delete and hardlink, so none of them can leave ``root``."""
+    here = root
+    for part in rel.split("/")[:-1] if rel else ():
+        here = here / part
+        if not stat.S_ISDIR(os.lstat(here).st_mode):
+            raise Refused(f"internal check: {rel!r} goes through a non-directory {str(here.relative_to(root))!r}")
+    return root / rel
+
+
 def _write_file(src, path: Path, mode: int, size: int, member: str) -> Entry:
     h = hashlib.sha256()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     with os.fdopen(fd, "wb", buffering=0) as out:
+        os.fchmod(fd, mode)  # not narrowed by the umask
         left = size
         while left:
             chunk = src.read(min(left, CHUNK))
@@ -274,51 +338,84 @@ def _write_file(src, path: Path, mode: int, size: int, member: str) -> Entry:
     return Entry("file", mode, size, h.hexdigest())
 
 
-def _remove(path: Path) -> None:
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
+def delete(root: Path, entries: dict[str, Entry], rel: str, *, keep_self: bool = False) -> None:
+    """Remove ``root/rel`` - a whole tree for a directory, only its contents with ``keep_self``
+    - from disk and from ``entries``, never through a symlink. Costs the size of what goes."""
+    path = real_path(root, rel)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
         os.unlink(path)
+        entries.pop(rel, None)
+        return
+    for dirpath, dirs, files in os.walk(path):  # never descends into symlinks
+        for name in dirs + files:
+            entries.pop(os.path.relpath(os.path.join(dirpath, name), root), None)
+    if not keep_self:
+        shutil.rmtree(path)
+        entries.pop(rel, None)
+        return
+    for child in os.scandir(path):
+        if child.is_dir(follow_symlinks=False):
+            shutil.rmtree(child.path)
+        else:
+            os.unlink(child.path)
 
 
-def _drop(entries: dict[str, Entry], path: str, *, keep_self: bool = False) -> None:
-    prefix = path + "/" if path else ""
-    for k in [k for k in entries if k.startswith(prefix) or (k == path and not keep_self)]:
-        del entries[k]
+_MAX_HOPS = 40  # nested symlinks followed while resolving one, as the kernel's ELOOP limit
 
 
-_MAX_HOPS = 40  # symlinks followed while resolving one target, as the kernel's ELOOP limit
+class _Node:
+    __slots__ = ("parent", "children", "link", "path")
+
+    def __init__(self, parent):
+        self.parent, self.children, self.link, self.path = parent, {}, None, ""
 
 
 def check_symlinks(entries: dict[str, Entry]) -> None:
     """Refuse a finished tree in which any symlink, resolved through the tree's own symlinks,
     leaves the root. Each link is checked lexically as it is unpacked, but a chain can still
-    escape (``d/s -> ..`` then ``x -> d/s/..``), so the merged tree is checked as a whole."""
+    escape (``d/s -> ..`` then ``x -> d/s/..``), so the merged tree is checked as a whole.
+
+    Linear in the total length of names and targets: each symlink is resolved once (memoised),
+    a position is a tree node plus a count of components below it that do not exist."""
+    root = _Node(None)
+    links = []
     for path, entry in entries.items():
-        if entry.type != "symlink":
-            continue
-        where = path.split("/")[:-1]
-        todo = entry.target.split("/")
-        hops = 0
-        while todo:
-            part = todo.pop(0)
+        node = root
+        for part in path.split("/"):
+            node = node.children.get(part) or node.children.setdefault(part, _Node(node))
+        if entry.type == "symlink":
+            node.link, node.path = entry.target, path
+            links.append(node)
+    done: dict[_Node, tuple[_Node, int]] = {}
+
+    def resolve(link: _Node, depth: int) -> tuple[_Node, int]:
+        if link in done:
+            return done[link]
+        if depth > _MAX_HOPS:
+            raise Refused(f"symlink {link.path!r} -> {link.link!r}: too many levels of symlinks")
+        node, missing = link.parent, 0
+        for part in link.link.split("/"):
             if part in ("", "."):
                 continue
             if part == "..":
-                if not where:
-                    raise Refused(f"symlink {path!r} -> {entry.target!r} resolves outside the cache "
+                if missing:
+                    missing -= 1
+                elif node.parent is None:
+                    raise Refused(f"symlink {link.path!r} -> {link.link!r} resolves outside the cache "
                                   "through other symlinks")
-                where.pop()
-                continue
-            where.append(part)
-            hop = entries.get("/".join(where))
-            if hop is not None and hop.type == "symlink":
-                hops += 1
-                if hops > _MAX_HOPS:
-                    raise Refused(f"symlink {path!r} -> {entry.target!r}: too many levels of symlinks")
-                where.pop()
-                todo = hop.target.split("/") + todo
+                else:
+                    node = node.parent
+            elif missing or part not in node.children:
+                missing += 1
+            else:
+                node = node.children[part]
+                if node.link is not None:
+                    node, missing = resolve(node, depth + 1)
+        done[link] = (node, missing)
+        return done[link]
+
+    for link in links:
+        resolve(link, 0)
 
 
 def merge(base: Layer, upper: Layer) -> None:
@@ -327,14 +424,10 @@ def merge(base: Layer, upper: Layer) -> None:
     (``link/file`` with no ``link/`` entry) is refused."""
     for path in upper.whiteouts:
         if path in base.entries:
-            _remove(base.root / path)
-            _drop(base.entries, path)
+            delete(base.root, base.entries, path)
     for path in upper.opaque:
-        if path and getattr(base.entries.get(path), "type", None) != "dir":
-            continue
-        for child in list(os.scandir(base.root / path)):
-            _remove(Path(child.path))
-        _drop(base.entries, path, keep_self=True)
+        if not path or getattr(base.entries.get(path), "type", None) == "dir":
+            delete(base.root, base.entries, path, keep_self=True)
     for path in sorted(upper.entries):
         entry = upper.entries[path]
         old = base.entries.get(path)
@@ -343,14 +436,12 @@ def merge(base: Layer, upper: Layer) -> None:
             if old is not None and old.type == "symlink" and path in upper.implicit:
                 raise Refused(f"{path!r} is a symlink in a lower layer and this layer writes through it")
             if old is not None and old.type != "dir":
-                os.unlink(target)
-                del base.entries[path]
+                delete(base.root, base.entries, path)
             if old is None or old.type != "dir":
-                os.mkdir(target, 0o755)
+                mkdir(target)
         else:
             if old is not None:
-                _remove(target)
-                _drop(base.entries, path)
+                delete(base.root, base.entries, path)
             os.rename(upper.root / path, target)
         base.entries[path] = entry
     shutil.rmtree(upper.root)

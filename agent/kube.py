@@ -110,7 +110,7 @@ class Client:
         ctx = ssl.create_default_context(cafile=config.ca_file)
         if config.cert_file:
             ctx.load_cert_chain(config.cert_file, config.key_file)
-        self._http = urllib3.PoolManager(num_pools=2, maxsize=4, ssl_context=ctx, retries=False)
+        self._http = urllib3.PoolManager(num_pools=2, maxsize=8, ssl_context=ctx, retries=False)
 
     def _headers(self, content_type: str | None) -> dict:
         h = {"Accept": "application/json", "User-Agent": "accelnode-agent"}

@@ -5,14 +5,23 @@ through :meth:`Registry.request`: one deadline for the whole operation, per-requ
 timeouts derived from it, and our own retry with backoff on connection failures and 5xx. Auth
 uses oras-py's backends (bearer tokens, anonymous or from credentials; basic auth) with the
 credentials of a Docker config file (also the shape of a ``kubernetes.io/dockerconfigjson``
-Secret). Blobs are streamed through :class:`BlobStream`, which verifies size and digest while
-the bytes flow and resumes a cut connection with an HTTP range request.
+Secret), which we read ourselves: keys may carry a scheme or path, ``--registry-config`` wins
+over ``~/.docker/config.json``, and no credential-helper program named in a file is ever run.
+Blobs are streamed through :class:`BlobStream`, which verifies size and digest while the bytes
+flow and resumes a cut connection with an HTTP range request. Every read returns what one
+``recv`` brought, so a server that drips bytes cannot hold a pull past its deadline. Redirects
+(blob storage on another host) are followed by requests, which drops our Authorization header
+whenever the host, port or scheme changes.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import json
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -47,6 +56,9 @@ _REF = re.compile(
     r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
 )
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_NET_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
+_HOST_ALIASES = {"index.docker.io": "docker.io", "registry-1.docker.io": "docker.io", "localhost": "127.0.0.1"}
 
 
 @dataclass(frozen=True)
@@ -144,15 +156,13 @@ class Registry:
         session.deadline = self.deadline
         session.cookies.set_policy(client.session.cookies.get_policy())
         client.session = client.auth.session = session
-        configs = [self.options.config_file] if self.options.config_file else None
-        client.auth.load_configs(client.get_container(f"{self.host}/x"), configs=configs)
-        entry = (client.auth._auth_config.get("auths") or {}).get(self.host) or {}
-        if not getattr(client.auth, "_basic_auth", None) and entry.get("username"):
-            # dockerconfigjson Secrets often carry username/password instead of "auth"
-            client.auth.set_basic_auth(entry["username"], entry.get("password", ""))
-        if backend == "basic" and not getattr(client.auth, "_basic_auth", None):
+        creds = docker_credentials(self.host, self.options.config_file, image)
+        if creds is not None:
+            client.auth.set_basic_auth(*creds)
+        elif backend == "basic":
             raise AuthError(f"registry {self.host} requires credentials and none were found"
-                            + (f" in {self.options.config_file}" if configs else " (use --registry-config)"), image)
+                            + (f" in {self.options.config_file}" if self.options.config_file
+                               else " (use --registry-config)"), image)
         self._oras = client
         return client
 
@@ -210,17 +220,22 @@ class Registry:
         """Fetch a manifest or index: (raw bytes, media type, digest), digest- and size-checked."""
         want = digest or ref.digest
         accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
-        resp = self.request("GET", f"{ref.repository}/manifests/{want or ref.ref}", image, "fetching the manifest",
+        doing = "fetching the manifest"
+        resp = self.request("GET", f"{ref.repository}/manifests/{want or ref.ref}", image, doing,
                             headers={"Accept": accept}, stream=True)
         with resp:
             declared = int(resp.headers.get("Content-Length") or 0)
             if declared > limit:
                 raise IntegrityError(f"manifest is {declared} bytes, over the {limit}-byte limit", image)
-            body = b""
-            for chunk in resp.iter_content(65536):
-                body += chunk
-                if len(body) > limit:
-                    raise IntegrityError(f"manifest is over the {limit}-byte limit", image)
+            body = bytearray()
+            try:
+                while self.deadline.check(image, doing) and (chunk := resp.raw.read1(65536)):
+                    body += chunk
+                    if len(body) > limit:
+                        raise IntegrityError(f"manifest is over the {limit}-byte limit", image)
+            except _NET_ERRORS as e:
+                raise RegistryUnavailable(f"{doing}: {_describe(e)}", image) from None
+        body = bytes(body)
         actual = "sha256:" + hashlib.sha256(body).hexdigest()
         if want and actual != want:
             raise IntegrityError(f"manifest digest mismatch: asked for {want}, content is {actual}", image)
@@ -266,6 +281,60 @@ class Registry:
         return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
+def docker_credentials(host: str, config_file: str | None, image: str) -> tuple[str, str] | None:
+    """(username, password) for ``host`` from ``config_file`` (a Docker config JSON or
+    dockerconfigjson Secret content), then ``~/.docker/config.json``; None when neither has any.
+    Keys are matched as Docker does (``https://host:port/v1/`` is ``host:port``). Credential
+    helpers (``credsStore``/``credHelpers``) are not run, and OAuth2 ``identitytoken``s are refused
+    with a clear error. Messages never contain credential values."""
+    files = [config_file] if config_file else []
+    home = os.path.expanduser("~/.docker/config.json")
+    if os.path.isfile(home):
+        files.append(home)
+    want = _config_host(host)
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                cfg = json.loads(f.read(1 << 20))
+        except FileNotFoundError:
+            raise AuthError(f"registry config {path} does not exist", image) from None
+        except (OSError, ValueError, RecursionError) as e:
+            raise AuthError(f"registry config {path} is not readable JSON ({type(e).__name__})", image) from None
+        auths = cfg.get("auths", cfg) if isinstance(cfg, dict) else None  # no "auths": the legacy .dockercfg shape
+        if not isinstance(auths, dict):
+            raise AuthError(f"registry config {path} has no auths object", image)
+        keys = [k for k, v in auths.items() if isinstance(v, dict) and _config_host(k) == want]
+        for key in sorted(keys, key=lambda k: (k != host, k)):  # an exact key first
+            creds = _entry_credentials(auths[key], path, key, image)
+            if creds is not None:
+                return creds
+    return None
+
+
+def _config_host(key: str) -> str:
+    host = key.strip().lower().removeprefix("https://").removeprefix("http://").split("/", 1)[0]
+    name, _, port = host.partition(":")
+    name = _HOST_ALIASES.get(name, name)
+    return f"{name}:{port}" if port else name
+
+
+def _entry_credentials(entry: dict, path: str, key: str, image: str) -> tuple[str, str] | None:
+    if entry.get("auth"):
+        try:
+            user, sep, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError, TypeError, ValueError):
+            sep = ""
+        if not sep or not user:
+            raise AuthError(f"registry config {path}: the auth of {key!r} is not base64 of USER:PASSWORD", image)
+        return user, password
+    if entry.get("username"):
+        return str(entry["username"]), str(entry.get("password") or "")
+    if entry.get("identitytoken"):
+        raise AuthError(f"registry config {path}: {key!r} has only an identitytoken (OAuth2 refresh token), "
+                        "which is not supported; give username and password or auth", image)
+    return None
+
+
 def _has_creds(auth) -> bool:
     return bool(getattr(auth, "token", None) or (isinstance(auth, oras.auth.BasicAuth)
                                                  and getattr(auth, "_basic_auth", None)))
@@ -308,23 +377,32 @@ class BlobStream:
         self.on_read = None  # called with the byte count of every chunk (progress)
 
     def _open(self) -> None:
-        headers = {"Range": f"bytes={self.offset}-"} if self.offset else {}
+        # identity: the digest is over the stored bytes, never over a transfer re-encoding
+        headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={self.offset}-"} if self.offset else {})
         resp = self.registry.request("GET", f"{self.repository}/blobs/{self.digest}", self.image,
                                      f"downloading blob {self.digest}", headers=headers, ok=(200, 206), stream=True)
+        self._resp = resp
         length = resp.headers.get("Content-Length")
         expect = self.size - (self.offset if resp.status_code == 206 else 0)
         if length is not None and int(length) != expect:
-            resp.close()
+            self.close()
             raise IntegrityError(f"blob {self.digest}: registry sends {length} bytes, manifest says {self.size}"
                                  + (f" (resuming at {self.offset})" if self.offset else ""), self.image)
-        if resp.status_code == 200 and self.offset:  # range ignored: skip what we already have
+        if resp.status_code == 206:
+            got = resp.headers.get("Content-Range", "")
+            m = _CONTENT_RANGE.match(got)
+            if not m or int(m[1]) != self.offset or m[3] not in ("*", str(self.size)):
+                self.close()
+                raise IntegrityError(f"blob {self.digest}: asked for bytes {self.offset}- of {self.size}, "
+                                     f"the registry sent the range {got!r}", self.image)
+        elif self.offset:  # range ignored, the whole blob again: skip what we already have
             skip = self.offset
             while skip:
-                got = resp.raw.read(min(skip, CHUNK))
+                self.registry.deadline.check(self.image, f"downloading blob {self.digest}")
+                got = resp.raw.read1(min(skip, CHUNK), decode_content=False)
                 if not got:
-                    break
+                    raise ConnectionError("the connection ended while skipping to the resume offset")
                 skip -= len(got)
-        self._resp = resp
 
     def read(self, n: int = CHUNK) -> bytes:
         want = min(n if n and n > 0 else CHUNK, self.size - self.offset + 1)
@@ -334,9 +412,9 @@ class BlobStream:
             try:
                 if self._resp is None:
                     self._open()
-                data = self._resp.raw.read(want, decode_content=False)
+                data = self._resp.raw.read1(want, decode_content=False)
                 break
-            except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            except _NET_ERRORS as e:
                 problem = _describe(e)
             self.close()
             log.info("blob download interrupted, resuming", extra=kv(image=self.image, digest=self.digest,

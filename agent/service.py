@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -74,6 +75,9 @@ class AgentService(pb_grpc.AgentServicer):
         # The store's durable references, mirrored: the agent is their only writer.
         self._refs: dict[str, dict] = store.references()
         metrics.references.set(len(self._refs))
+        # Called after a pull starts or ends and after a reference is taken or dropped: the
+        # status reporter's cue to look again (agent/status.py).
+        self.on_change: Callable[[], None] = lambda: None
 
     # -- EnsureCache ---------------------------------------------------------------------
 
@@ -123,6 +127,7 @@ class AgentService(pb_grpc.AgentServicer):
                 pull = self._pulls[key] = Pull(image)
                 threading.Thread(target=self._run_pull, args=(key, pull), name=f"pull-{key[7:19]}",
                                  daemon=True).start()
+                self.on_change()
             return pull
 
     def _run_pull(self, key: str, pull: Pull) -> None:
@@ -145,6 +150,7 @@ class AgentService(pb_grpc.AgentServicer):
                          seconds=round(time.monotonic() - pull.started, 3)))
         pull.response = response
         pull.done.set()
+        self.on_change()
 
     # -- references ----------------------------------------------------------------------
 
@@ -170,6 +176,7 @@ class AgentService(pb_grpc.AgentServicer):
             self.metrics.references.set(len(self._refs))
         log.info("reference acquired", extra=kv(volume_id=vid, target=target, digest=request.digest,
                                                  pod=f"{request.pod.namespace}/{request.pod.name}"))
+        self.on_change()
         return pb.AcquireReferenceResponse()
 
     def ReleaseReference(self, request, context):  # noqa: N802
@@ -185,6 +192,7 @@ class AgentService(pb_grpc.AgentServicer):
                 self.metrics.references.set(len(self._refs))
         if held:
             log.info("reference released", extra=kv(volume_id=request.volume_id, target=request.target_path))
+            self.on_change()
         return pb.ReleaseReferenceResponse(released=held)
 
     # -- ListCaches ----------------------------------------------------------------------

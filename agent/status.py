@@ -219,6 +219,7 @@ def _counts(caches: dict, deleting_pods: set) -> dict:
 class Writes:
     """What the reporter did to the API (also exported as metrics by the CLI)."""
 
+    passes: int = 0  # reconcile passes completed (writing or not)
     creates: int = 0
     updates: int = 0
     conflicts: int = 0
@@ -333,6 +334,7 @@ class Reporter:
             if w is None and ns != CLUSTER and not status["caches"]:
                 continue  # no object for a namespace with nothing to report
             self._write(ns, status)
+        self.writes.passes += 1
 
     # -- API -----------------------------------------------------------------------------------
 
@@ -450,6 +452,19 @@ class ServiceView:
                 return False, f"{image}: pull still running after {self.pull_timeout:.0f}s"
 
 
+def for_service(service, store, node: str, kubeconfig: str | None, *, resync: float) -> Reporter:
+    """A reporter over the in-process agent service, talking to the API server of
+    ``kubeconfig`` (the pod's service account when None). Raises ValueError/OSError on bad
+    configuration."""
+    from .kube import Config
+    from .store import inspect
+
+    config = Config.from_kubeconfig(kubeconfig) if kubeconfig else Config.in_cluster()
+    view = ServiceView(service, store)
+    return Reporter(Client(config), node, service.accelerators, view, view.pull, resync=resync,
+                    inspect=lambda image: inspect(image, store.options))
+
+
 # ---------------------------------------------------------------------------------------------
 # prefetch
 
@@ -491,9 +506,13 @@ class Prefetcher:
                 self._queued.add(image)
                 self._queue.put((image, not c.node_selector))
 
+    def outcome(self, image: str) -> _Outcome | None:
+        """How the last prefetch of a pinned image ended (None: not tried yet)."""
+        return self._outcomes.get(image)
+
     def fits(self, cache: Cache) -> bool:
         """Known to fit (a node-selector cache is taken to fit until its pull says otherwise)."""
-        done = self._outcomes.get(cache.pinned())
+        done = self.outcome(cache.pinned())
         return done.fits if done is not None else bool(cache.node_selector)
 
     def failed(self) -> dict[str, str]:

@@ -36,9 +36,9 @@ from pathlib import Path
 from accelnode.log import kv
 
 from . import cacheformat as fmt
-from .errors import Busy, HostileContent, ImageNotFound, NoMatchingManifest
-from .extract import Budget, Entry, Layer, Limits, Refused, check_symlinks, extract_layer, merge
-from .registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Reference, Registry, RegistryOptions, check_digest
+from .errors import Busy, HostileContent, ImageNotFound, NoMatchingManifest, StoreCorrupt
+from .extract import Budget, Entry, Layer, Limits, Refused, check_symlinks, extract_layer, merge, mkdir
+from .registry import DIGEST, INDEX_TYPES, MANIFEST_TYPES, Deadline, Reference, Registry, RegistryOptions, check_digest
 
 log = logging.getLogger("accelnode.agent.store")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -82,6 +82,8 @@ class CacheStore:
     def list(self) -> list[Installed]:
         out = []
         for d in sorted((self.root / "caches").iterdir()):
+            if not DIGEST.match(d.name.replace("-", ":", 1)):
+                continue  # not ours (e.g. lost+found)
             inst = self.installed(d.name.replace("-", ":", 1))
             if inst is not None:
                 out.append(inst)
@@ -132,6 +134,7 @@ class CacheStore:
         return found
 
     def _choose(self, index: dict, image: str, accelerators) -> dict:
+        _check_index(index, image, self.limits)
         desc = fmt.choose_manifest(index, accelerators)
         if desc is None:
             offered = [(d.get("platform"), (d.get("annotations") or {}).get(fmt.TARGETS_ANNOTATION))
@@ -144,13 +147,10 @@ class CacheStore:
         return desc
 
     def _install(self, reg: Registry, ref: Reference, image: str, digest: str, manifest: dict, progress) -> Installed:
-        layers, config_desc = _validate_manifest(manifest, image)
+        layers, config_desc = _validate_manifest(manifest, image, self.limits)
         config = _json(reg.read_blob(ref.repository, config_desc, image, limit=self.limits.max_config_bytes),
                        image, "config")
-        try:
-            kind, targets, labels = fmt.parse_config(config)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise HostileContent(f"config labels are malformed: {e}", image) from None
+        kind, targets, labels = _parse_config(config, image)
         stage = Path(tempfile.mkdtemp(prefix=digest.split(":")[1] + ".", dir=self.root / "tmp"))
         started = time.monotonic()
         try:
@@ -213,7 +213,7 @@ class CacheStore:
         if progress is not None:
             progress.finish()
         if not layers:
-            (where / "empty").mkdir()
+            mkdir(where / "empty")
             return Layer(where / "empty")
         base, *rest = [f.result() for f in futures]
         for i, upper in enumerate(rest, 1):
@@ -255,9 +255,12 @@ class CacheStore:
         for p in sorted((self.root / "refs").glob("*.json")):
             try:
                 doc = json.loads(p.read_bytes())
+                out[doc["holder"]] = {**doc["meta"], "digest": check_digest(doc["digest"])}
             except FileNotFoundError:
                 continue
-            out[doc["holder"]] = {"digest": doc["digest"], **doc["meta"]}
+            except (ValueError, KeyError, TypeError) as e:  # InvalidReference is a ValueError too
+                raise StoreCorrupt(f"reference file {p} is unreadable ({type(e).__name__}: {e}); "
+                                   "refusing to guess what is in use") from None
         return out
 
     # -- maintenance ---------------------------------------------------------------------------
@@ -289,7 +292,7 @@ class CacheStore:
     def gc(self, max_bytes: int | None = None) -> list[str]:
         """Remove unreferenced caches, least recently used first, until at most ``max_bytes``
         remain (all unreferenced ones when ``max_bytes`` is None). Returns digests removed."""
-        removed = []
+        removed, trash = [], []
         with self._store_lock():
             referenced = {r["digest"] for r in self.references().values()}
             caches = self.list()
@@ -301,15 +304,16 @@ class CacheStore:
                     continue
                 try:
                     with self._digest_lock(inst.digest, inst.digest, None):
-                        trash = Path(tempfile.mkdtemp(prefix="trash.", dir=self.root / "tmp"))
-                        os.rename(self._dir(inst.digest), trash / "c")
+                        trash.append(Path(tempfile.mkdtemp(prefix="trash.", dir=self.root / "tmp")))
+                        os.rename(self._dir(inst.digest), trash[-1] / "c")
                         _fsync_dir(self.root / "caches")
                 except Busy:
                     continue
-                shutil.rmtree(trash, ignore_errors=True)
                 total -= inst.size_bytes
                 removed.append(inst.digest)
                 log.info("cache removed", extra=kv(digest=inst.digest, bytes=inst.size_bytes))
+        for t in trash:  # the slow part, outside the store lock (leftovers go at the next start)
+            shutil.rmtree(t, ignore_errors=True)
         return removed
 
     # -- locks and housekeeping ---------------------------------------------------------------
@@ -340,12 +344,12 @@ class CacheStore:
     def _clean_tmp(self) -> None:
         for p in (self.root / "tmp").iterdir():
             digest_hex = p.name.split(".")[0]
-            if p.name.startswith("trash."):
-                shutil.rmtree(p, ignore_errors=True)
+            if p.name.startswith("trash.") or not DIGEST.match(f"sha256:{digest_hex}"):
+                _remove_any(p)
                 continue
             try:
                 with self._digest_lock(f"sha256:{digest_hex}", p.name, None):
-                    shutil.rmtree(p, ignore_errors=True)
+                    _remove_any(p)
                     log.info("removed leftovers of an interrupted pull", extra=kv(path=str(p)))
             except Busy:
                 pass  # a pull in another process is using it
@@ -379,13 +383,14 @@ def inspect(image: str, options: RegistryOptions, limits: Limits | None = None) 
     if (doc.get("mediaType") or media_type) in INDEX_TYPES:
         out["index"] = digest
         entries = []
-        for desc in doc.get("manifests") or []:
+        _check_index(doc, image, limits)
+        for desc in doc["manifests"]:
             child = reg.get_manifest(ref, image, limit=limits.max_manifest_bytes, digest=check_digest(desc.get("digest"), image))
             entries.append((child[2], _json(child[0], image, "manifest"), desc))
     for d, manifest, desc in entries:
-        layers, config_desc = _validate_manifest(manifest, image)
+        layers, config_desc = _validate_manifest(manifest, image, limits)
         config = _json(reg.read_blob(ref.repository, config_desc, image, limit=limits.max_config_bytes), image, "config")
-        kind, targets, labels = fmt.parse_config(config)
+        kind, targets, labels = _parse_config(config, image)
         size = labels.get(fmt.label(kind, "cache-size-bytes")) if kind else None
         info = {"digest": d, "kind": kind, "targets": targets, "labels": labels,
                 "size_bytes": int(size) if size and size.isdigit() else None,
@@ -402,15 +407,35 @@ def _json(body: bytes, image: str, what: str) -> dict:
         doc = json.loads(body)
     except ValueError as e:
         raise HostileContent(f"{what} is not valid JSON: {e}", image) from None
+    except RecursionError:
+        raise HostileContent(f"{what} is JSON nested too deeply", image) from None
     if not isinstance(doc, dict):
         raise HostileContent(f"{what} is not a JSON object", image)
     return doc
 
 
-def _validate_manifest(manifest: dict, image: str) -> tuple[list[dict], dict]:
+def _parse_config(config: dict, image: str) -> tuple[str | None, list[dict], dict]:
+    try:
+        return fmt.parse_config(config)
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+        raise HostileContent(f"config labels are malformed: {type(e).__name__}: {str(e)[:200]}", image) from None
+
+
+def _check_index(index: dict, image: str, limits: Limits) -> None:
+    manifests = index.get("manifests")
+    if not isinstance(manifests, list):
+        raise HostileContent("image index has no manifests list", image)
+    if len(manifests) > limits.max_index_entries:
+        raise HostileContent(f"image index lists {len(manifests)} manifests (limit {limits.max_index_entries})",
+                             image)
+
+
+def _validate_manifest(manifest: dict, image: str, limits: Limits) -> tuple[list[dict], dict]:
     layers, config = manifest.get("layers"), manifest.get("config")
     if not isinstance(layers, list) or not isinstance(config, dict):
         raise HostileContent("manifest lacks a config descriptor or a layers list", image)
+    if len(layers) > limits.max_layers:
+        raise HostileContent(f"manifest has {len(layers)} layers (limit {limits.max_layers})", image)
     if config.get("mediaType") not in fmt.CONFIG_TYPES:
         raise HostileContent(f"unsupported config media type {config.get('mediaType')!r}", image)
     for i, d in enumerate(layers):
@@ -420,6 +445,10 @@ def _validate_manifest(manifest: dict, image: str) -> tuple[list[dict], dict]:
         check_digest(d.get("digest"), image)
         if not isinstance(d.get("size"), int) or d["size"] < 0:
             raise HostileContent(f"layer {i} has no valid size", image)
+    declared = sum(d["size"] for d in layers)
+    if declared > limits.max_tar_bytes:  # even uncompressed, that much tar cannot fit in the limits
+        raise HostileContent(f"layers declare {declared} bytes, more than the {limits.max_tar_bytes} "
+                             "the limits allow", image)
     return layers, config
 
 
@@ -447,6 +476,13 @@ def _scan(root: Path) -> dict[str, Entry]:
                 out[path] = Entry("special", mode)
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(dirpath, d))]
     return out
+
+
+def _remove_any(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _write(path: Path, data, sync: bool = False) -> None:

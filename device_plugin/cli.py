@@ -35,9 +35,11 @@ def register(sub) -> None:
     p.add_argument("--resource-name", default="google.com/tpu",
                    help="extended resource to offer (default: %(default)s)")
     p.add_argument("--accelerator-type", default=None,
-                   help="slice type for TPU_ACCELERATOR_TYPE, e.g. v5litepod-16 (default: not set)")
+                   help="slice type for TPU_ACCELERATOR_TYPE, e.g. v5litepod-16, given to containers holding all of "
+                   "the host's chips (default: not set)")
     p.add_argument("--topology", default=None,
-                   help="slice topology for TPU_TOPOLOGY/TPU_HOST_BOUNDS, e.g. 4x4 or 2x2x2 (default: not set)")
+                   help="slice topology for TPU_TOPOLOGY/TPU_HOST_BOUNDS, e.g. 4x4 or 2x2x2, given to containers "
+                   "holding all of the host's chips (default: not set)")
     p.add_argument("--metrics-address", default="127.0.0.1:2112",
                    help="HOST:PORT for /metrics, /healthz, /readyz; empty disables (default: %(default)s)")
     p.add_argument("--health-interval", type=_tick, default=0.05,
@@ -52,7 +54,7 @@ def run(args) -> int:
     import threading
     from pathlib import Path
 
-    from accelnode.httpserve import MetricsServer
+    from accelnode.httpserve import MetricsServer, parse_address
 
     from .metrics import Metrics
     from .server import Plugin
@@ -69,6 +71,11 @@ def run(args) -> int:
         config.validate()
     except ValueError as e:
         raise exitcodes.CLIError(f"--topology: {e}", exitcodes.USAGE) from None
+    if args.metrics_address:
+        try:
+            parse_address(args.metrics_address)
+        except ValueError as e:
+            raise exitcodes.CLIError(f"--metrics-address: {e}", exitcodes.USAGE) from None
     sysfs, dev, kdir = Path(args.sysfs_root), Path(args.dev_root), Path(args.kubelet_dir)
     for flag, d in (("--sysfs-root", sysfs), ("--dev-root", dev)):
         if not d.is_dir():
@@ -90,7 +97,11 @@ def run(args) -> int:
     http = None
     try:
         if args.metrics_address:
-            http = MetricsServer(args.metrics_address, metrics.registry, plugin.ready).start()
+            try:
+                http = MetricsServer(args.metrics_address, metrics.registry, plugin.ready).start()
+            except OSError as e:
+                raise exitcodes.CLIError(f"--metrics-address {args.metrics_address}: {e.strerror}",
+                                         exitcodes.PREREQUISITE) from None
         try:
             plugin.start()
         except FileExistsError as e:  # something that is not a socket sits where ours goes

@@ -26,7 +26,7 @@ from .health import ChipState, Inventory
 log = logging.getLogger("accelnode.device_plugin")
 
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
-IN_DELETE_SELF, IN_IGNORED, IN_ISDIR = 0x400, 0x8000, 0x40000000
+IN_DELETE_SELF, IN_Q_OVERFLOW, IN_IGNORED = 0x400, 0x4000, 0x8000
 IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
 DIR_EVENTS = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of NUL-padded name)
@@ -54,18 +54,20 @@ class Inotify:
         return wd
 
     def read(self) -> list[tuple[int, int, str]]:
-        try:
-            buf = os.read(self.fd, 64 * 1024)
-        except BlockingIOError:
-            return []
-        events, off = [], 0
-        while off < len(buf):
-            wd, mask, _cookie, length = _EVENT.unpack_from(buf, off)
-            off += _EVENT.size
-            name = buf[off:off + length].rstrip(b"\0").decode(errors="replace")
-            off += length
-            events.append((wd, mask, name))
-        return events
+        """Every queued event (the queue is drained). IN_Q_OVERFLOW comes with wd -1: events were lost."""
+        events = []
+        while True:
+            try:
+                buf = os.read(self.fd, 64 * 1024)
+            except BlockingIOError:
+                return events
+            off = 0
+            while off < len(buf):
+                wd, mask, _cookie, length = _EVENT.unpack_from(buf, off)
+                off += _EVENT.size
+                name = buf[off:off + length].rstrip(b"\0").decode(errors="replace")
+                off += length
+                events.append((wd, mask, name))
 
     def close(self) -> None:
         os.close(self.fd)
@@ -112,11 +114,14 @@ class Watcher:
         return self
 
     def stop(self) -> None:
+        """Stop the loop (if it was started) and close the descriptors."""
         self._stop.set()
         os.write(self._wake_w, b"x")
-        self._thread.join(5)
-        for fd in (self._ino.fd, self._wake_r, self._wake_w):
-            os.close(fd)
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self._ino.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def _watch_dirs(self) -> None:
         """(Re)arm watches on the kubelet dir, the dev root and dev/vfio, when they exist."""
@@ -128,30 +133,36 @@ class Watcher:
                     self._wds[wd] = d
 
     def _run(self) -> None:
-        fds = [self._ino.fd, self._wake_r] + ([self._udev.fileno()] if self._udev else [])
         while not self._stop.is_set():
-            ready, _, _ = select.select(fds, [], [], self.tick)
-            kubelet = False
-            if self._ino.fd in ready:
-                for wd, mask, name in self._ino.read():
-                    if mask & (IN_IGNORED | IN_DELETE_SELF):
-                        self._wds.pop(wd, None)
-                    if self._wds.get(wd) == self.kubelet_dir or mask & IN_DELETE_SELF:
-                        kubelet = True
-            if len(self._wds) < 3:  # a watched dir is missing: re-arm once it exists
-                self._watch_dirs()
-            if self._udev and self._udev.fileno() in ready:
-                while self._udev.poll(timeout=0) is not None:
-                    pass
-            if self._stop.is_set():
-                break
-            try:
-                states = self.inventory.scan()
-            except Exception:  # a scan must never kill the watcher; the next tick retries
-                log.exception("scanning chips failed")
-                continue
-            if states != self.last:
-                self.last = states
-                self.on_devices(states)
-            if kubelet:
-                self.on_kubelet()
+            self.step(self.tick)
+
+    def step(self, timeout: float) -> None:
+        """One wake-up: wait up to ``timeout`` for events, rescan, report what changed."""
+        fds = [self._ino.fd, self._wake_r] + ([self._udev.fileno()] if self._udev else [])
+        ready, _, _ = select.select(fds, [], [], timeout)
+        kubelet = False
+        if self._ino.fd in ready:
+            for wd, mask, _name in self._ino.read():
+                watched = self._wds.get(wd)
+                if mask & IN_IGNORED:  # the watch is gone (its directory was deleted)
+                    self._wds.pop(wd, None)
+                # a lost event may have been kubelet's: let the registrar look (it is idempotent)
+                if watched == self.kubelet_dir or mask & (IN_DELETE_SELF | IN_Q_OVERFLOW):
+                    kubelet = True
+        if len(self._wds) < 3:  # a watched dir is missing: re-arm once it exists
+            self._watch_dirs()
+        if self._udev and self._udev.fileno() in ready:
+            while self._udev.poll(timeout=0) is not None:
+                pass
+        if self._stop.is_set():
+            return
+        try:
+            states = self.inventory.scan()
+        except Exception:  # a scan must never kill the watcher; the next tick retries
+            log.exception("scanning chips failed")
+            states = self.last
+        if states != self.last:
+            self.last = states
+            self.on_devices(states)
+        if kubelet:
+            self.on_kubelet()

@@ -19,7 +19,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .discovery import PCI_DEVICES, VENDOR_GOOGLE, Chip, numbered, pci_addresses, probe
+from .discovery import GENERATIONS, PCI_DEVICES, VENDOR_GOOGLE, Chip, numbered, pci_addresses, probe, read_hex
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -47,6 +47,18 @@ def aer_fatal_total(text: str) -> int:
     return total
 
 
+def _not_a_chip(pci: Path) -> bool:
+    """True when the function reads as something other than a TPU chip (so it never becomes one
+    while it stays on the bus); False while its ids can't be read or read 0xffff."""
+    try:
+        vendor = read_hex(pci / "vendor")
+        if vendor == 0xFFFF:
+            return False
+        return vendor != VENDOR_GOOGLE or read_hex(pci / "device") not in GENERATIONS
+    except (OSError, ValueError):
+        return False
+
+
 class Inventory:
     """The chips under one sysfs/dev root and their health, updated by :meth:`scan`."""
 
@@ -71,9 +83,10 @@ class Inventory:
             chip = probe(self.sysfs_root, self.dev_root, bdf)
             if chip is not None:
                 self._chips[bdf] = chip  # refreshed: device nodes follow group/driver changes
-            elif bdf not in self._chips:
+            elif bdf not in self._chips and _not_a_chip(self.sysfs_root / PCI_DEVICES / bdf):
                 self._others.add(bdf)
-            # else: a known chip that no longer probes (vendor 0xffff): kept, and unhealthy below
+            # else: a known chip that no longer probes (vendor 0xffff), kept and unhealthy below,
+            # or a function that can't be identified yet, probed again next scan
         chips = numbered(self._chips.values())
         return tuple(ChipState(c, self._problem(c)) for c in chips)
 

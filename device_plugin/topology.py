@@ -67,14 +67,20 @@ class NodeConfig:
 
 
 def container_env(chips: list[Chip], host_chips: int, config: NodeConfig) -> dict[str, str]:
-    """Env for a container holding ``chips`` (a subset of the host's ``host_chips``)."""
+    """Env for a container holding ``chips`` (of the host's ``host_chips``).
+
+    A container holding the whole host is this host's process of the slice the node
+    configuration describes: it gets the slice env, and its process bounds are the host bounds.
+    A container holding part of the host is a one-process slice of its own: only its chips and
+    their bounds (the node's slice env would contradict them)."""
     idx = sorted(c.index for c in chips)
     env = {"TPU_VISIBLE_CHIPS": ",".join(map(str, idx))}
     b = bounds(idx)
+    slice_env = config.host_env(host_chips) if len(idx) == host_chips else {}
     if b is not None:  # libtpu needs a rectangle; an irregular set gets only the chip list
         env["TPU_CHIPS_PER_PROCESS_BOUNDS"] = fmt(b)
-        env["TPU_PROCESS_BOUNDS"] = "1,1,1"
-    env.update(config.host_env(host_chips))
+        env["TPU_PROCESS_BOUNDS"] = slice_env.get("TPU_HOST_BOUNDS", "1,1,1")
+    env.update(slice_env)
     return env
 
 

@@ -136,3 +136,100 @@ def _close(s: socket.socket) -> None:
     except OSError:
         pass
     s.close()
+
+
+class BlobRedirector:
+    """A registry front on 127.0.0.1 that forwards every request to a real registry except blob
+    GETs, which it answers with ``307`` to a blob server on another port - the way registries
+    hand blobs to object storage or a CDN. The blob server serves the registry's own blob files,
+    records the headers of every request (``seen``) and misbehaves on demand (``mode``):
+
+    - ``"ok"``: honours ``Range: bytes=N-`` with 206;
+    - ``"cut"``: ends its first response after ``cut_after`` bytes, then honours ranges;
+    - ``"ignore-range"``: like ``cut``, then answers ranged requests with 200 and the whole blob;
+    - ``"wrong-range"``: like ``cut``, then answers ranged requests with a 206 that starts at 0;
+    - ``"drip"``: sends the body one byte every 0.2 s.
+    """
+
+    def __init__(self, registry, *, mode: str = "ok", cut_after: int = 100_000):
+        import http.client
+        import http.server
+        import re
+
+        front, self.mode, self.cut_after, self.seen = self, mode, cut_after, []
+        self._stop = threading.Event()
+
+        class Blobs(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                front.seen.append(dict(self.headers))
+                digest = self.path.rsplit("/", 1)[-1]
+                data = registry.blob_file(digest).read_bytes()
+                rng = re.match(r"bytes=(\d+)-$", self.headers.get("Range", ""))
+                start = int(rng[1]) if rng else 0
+                first = len(front.seen) == 1
+                if rng and front.mode != "ignore-range":
+                    shown = 0 if front.mode == "wrong-range" else start
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {shown}-{len(data) - 1}/{len(data)}")
+                    body = data[start:]
+                else:
+                    self.send_response(200)
+                    body = data
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if front.mode == "drip":
+                    for i in range(len(body)):
+                        if front._stop.wait(0.2):
+                            return
+                        self.wfile.write(body[i:i + 1])
+                        self.wfile.flush()
+                elif first and front.mode != "ok":
+                    self.wfile.write(body[:front.cut_after])
+                    self.close_connection = True
+                else:
+                    self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        class Front(http.server.BaseHTTPRequestHandler):
+            def _forward(self):
+                if self.command == "GET" and "/blobs/sha256:" in self.path:
+                    self.send_response(307)
+                    self.send_header("Location", f"http://{front.blob_host}/blobs/{self.path.rsplit('/', 1)[-1]}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                conn = http.client.HTTPConnection(registry.host, timeout=30)
+                length = int(self.headers.get("Content-Length") or 0)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=self.rfile.read(length) if length else None, headers=headers)
+                resp = conn.getresponse()
+                body = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+                conn.close()
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_PATCH = _forward
+
+            def log_message(self, *a):
+                pass
+
+        self._servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), h) for h in (Front, Blobs)]
+        for srv in self._servers:
+            srv.daemon_threads = True
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+        self.host = "127.0.0.1:%d" % self._servers[0].server_address[1]
+        self.blob_host = "127.0.0.1:%d" % self._servers[1].server_address[1]
+
+    def close(self) -> None:
+        self._stop.set()
+        for srv in self._servers:
+            srv.shutdown()
+            srv.server_close()

@@ -72,10 +72,13 @@ def test_node_config_env(tpu_host, kubelet, run_plugin):
     host = tpu_host("v6e-8")
     run_plugin(host, "--accelerator-type", "v6e-16", "--topology", "4x4")
     ids = sorted(registered(kubelet, 8))
-    env = kubelet.allocate(ids[4:])
-    assert env.envs["TPU_VISIBLE_CHIPS"] == "4,5,6,7"
-    assert (env.envs["TPU_ACCELERATOR_TYPE"], env.envs["TPU_TOPOLOGY"], env.envs["TPU_HOST_BOUNDS"]) == (
-        "v6e-16", "4x4", "2,1,1")
+    whole = kubelet.allocate(ids).envs
+    assert whole["TPU_VISIBLE_CHIPS"] == "0,1,2,3,4,5,6,7"
+    assert (whole["TPU_ACCELERATOR_TYPE"], whole["TPU_TOPOLOGY"], whole["TPU_HOST_BOUNDS"]) == ("v6e-16", "4x4", "2,1,1")
+    assert (whole["TPU_CHIPS_PER_PROCESS_BOUNDS"], whole["TPU_PROCESS_BOUNDS"]) == ("2,4,1", "2,1,1")
+    part = kubelet.allocate(ids[4:]).envs
+    assert dict(part) == {"TPU_VISIBLE_CHIPS": "4,5,6,7", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1",
+                          "TPU_PROCESS_BOUNDS": "1,1,1"}
 
 
 def test_numa_and_preferred_allocation_v7x(tpu_host, kubelet, run_plugin):
@@ -116,6 +119,38 @@ def test_health_flip_and_recovery_on_the_same_stream(tpu_host, kubelet, run_plug
     heals()
     kubelet.wait(lambda k: k.devices()[f"tpu-{bdf}"].health == "Healthy", what="chip 1 Healthy again")
     assert kubelet.endpoint() is ep and ep.connected and len(kubelet.registrations) == 1
+
+
+def test_chip_unreadable_at_start_is_listed_once_it_reads(tpu_host, kubelet, run_plugin):
+    """A function reading 0xffff can't be identified yet; it must not be written off for good."""
+    host = tpu_host("v5e-4")
+    late = host.chips()[2]
+    host.set_vendor(late, 0xFFFF)
+    run_plugin(host)
+    assert f"tpu-{late}" not in registered(kubelet, 3)
+    host.set_vendor(late, 0x1AE0)
+    devices = registered(kubelet, 4)
+    assert devices[f"tpu-{late}"].health == "Healthy"
+    assert kubelet.allocate([f"tpu-{late}"]).envs["TPU_VISIBLE_CHIPS"] == "2"
+
+
+def test_every_open_stream_gets_each_change(tpu_host, kubelet, run_plugin):
+    host = tpu_host("v5e-4")
+    run_plugin(host)
+    registered(kubelet)
+    second = kubelet.endpoint().stub.ListAndWatch(api.Empty(), timeout=20)
+    try:
+        assert {d.health for d in next(second).devices} == {"Healthy"}  # the full list first
+        bdf = host.chips()[0]
+        host.unbind_driver(bdf)
+        kubelet.wait(lambda k: k.devices()[f"tpu-{bdf}"].health == "Unhealthy", what="first stream sees it")
+        while (got := {d.ID: d.health for d in next(second).devices})[f"tpu-{bdf}"] != "Unhealthy":
+            assert len(got) == 4
+    finally:
+        second.cancel()
+    host.bind_driver(bdf)  # the first stream lives on after the second one is cancelled
+    kubelet.wait(lambda k: k.devices()[f"tpu-{bdf}"].health == "Healthy", what="first stream sees recovery")
+    assert len(kubelet.registrations) == 1
 
 
 def test_hotplug_add_and_remove(tpu_host, kubelet, run_plugin):
@@ -274,6 +309,7 @@ def test_sigterm_stops_cleanly(tpu_host, kubelet, run_plugin):
     (["--resource-name", "tpu"], 2, "not an extended resource name"),
     (["--socket-name", "a/b.sock"], 2, "plain file name"),
     (["--health-interval", "5"], 2, "between 0.005 and 0.05"),
+    (["--metrics-address", "2112"], 2, "--metrics-address: metrics address '2112' is not HOST:PORT"),
 ])
 def test_bad_flags(tmp_path, flags, code, text):
     argv = accelnode_cmd() + ["device-plugin", "--kubelet-dir", str(tmp_path / "k"), "--dev-root", str(tmp_path),
@@ -281,3 +317,18 @@ def test_bad_flags(tmp_path, flags, code, text):
     r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert r.returncode == code, r.stderr
     assert text in r.stderr
+
+
+def test_metrics_port_in_use_is_one_line(tpu_host, tmp_path):
+    host = tpu_host("v5e-4")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        addr = "127.0.0.1:%d" % busy.getsockname()[1]
+        r = subprocess.run(accelnode_cmd() + ["device-plugin", "--sysfs-root", str(host.sysfs_root), "--dev-root",
+                                              str(host.dev_root), "--kubelet-dir", str(tmp_path / "k"),
+                                              "--metrics-address", addr, "--log-level", "error"],
+                           capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3, r.stderr
+    assert r.stderr == f"accelnode device-plugin: --metrics-address {addr}: Address already in use\n"
+    assert not (tmp_path / "k" / "accelnode-tpu.sock").exists()

@@ -48,13 +48,18 @@ def test_preferred_stays_on_one_numa_node_when_no_block_fits():
 
 def test_container_env_subset_and_node_config():
     host = chips(8)
-    env = container_env(host[4:], 8, NodeConfig())
-    assert env == {"TPU_VISIBLE_CHIPS": "4,5,6,7", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1",
-                   "TPU_PROCESS_BOUNDS": "1,1,1"}
-    env = container_env(host, 8, NodeConfig(accelerator_type="v5litepod-16", topology="4x4"))
-    assert env["TPU_ACCELERATOR_TYPE"] == "v5litepod-16" and env["TPU_TOPOLOGY"] == "4x4"
-    assert env["TPU_CHIPS_PER_HOST_BOUNDS"] == "2,4,1" and env["TPU_HOST_BOUNDS"] == "2,1,1"
-    assert env["TPU_SKIP_MDS_QUERY"] == "true"
+    subset = {"TPU_VISIBLE_CHIPS": "4,5,6,7", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "TPU_PROCESS_BOUNDS": "1,1,1"}
+    assert container_env(host[4:], 8, NodeConfig()) == subset
+    multi_host = NodeConfig(accelerator_type="v5litepod-16", topology="4x4")
+    # part of a host is a one-process slice of its own: the node's 16-chip slice env would contradict it
+    assert container_env(host[4:], 8, multi_host) == subset
+    # the whole host is one process of the 2-host slice: process bounds are the host bounds
+    assert container_env(host, 8, multi_host) == {
+        "TPU_VISIBLE_CHIPS": "0,1,2,3,4,5,6,7", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,4,1", "TPU_PROCESS_BOUNDS": "2,1,1",
+        "TPU_ACCELERATOR_TYPE": "v5litepod-16", "TPU_TOPOLOGY": "4x4", "TPU_CHIPS_PER_HOST_BOUNDS": "2,4,1",
+        "TPU_HOST_BOUNDS": "2,1,1", "TPU_SKIP_MDS_QUERY": "true"}
+    single_host = container_env(host, 8, NodeConfig(topology="2x4"))
+    assert (single_host["TPU_PROCESS_BOUNDS"], single_host["TPU_HOST_BOUNDS"]) == ("1,1,1", "1,1,1")
     irregular = container_env([host[0], host[3]], 8, NodeConfig())
     assert irregular == {"TPU_VISIBLE_CHIPS": "0,3"}
 

@@ -1,0 +1,109 @@
+"""The agent reports its node's caches to the real API server: GKMCacheNode per (namespace,
+node) and ClusterGKMCacheNode per node, through a publish/unpublish cycle as the CSI driver
+drives it (EnsureCache, AcquireReference, ReleaseReference over the agent's gRPC API)."""
+
+from __future__ import annotations
+
+from tests.agent.conftest import eventually
+
+
+def digest_of(image: str) -> str:
+    return image.rsplit("@", 1)[1]
+
+
+def entry(cluster, node, ns, cache, digest):
+    st = cluster.node_status(node, ns) or {}
+    return ((st.get("caches") or {}).get(cache) or {}).get(digest)
+
+
+def entry_in(state, cluster, node, ns, cache, digest):
+    """The entry once it reaches ``state`` (None if it never does within the bound)."""
+    return eventually(lambda: (x := entry(cluster, node, ns, cache, digest)) and x["state"] == state and x) or None
+
+
+def test_cluster_object_lists_the_nodes_accelerators(cluster, node_factory):
+    node = node_factory().start()
+    st = eventually(lambda: cluster.node_status(node.name))
+    assert st["nodeName"] == node.name
+    assert st["gpus"] == [{"gpuType": "tpu/v5e", "ids": [0, 1, 2, 3]}]
+    assert st["caches"] == {}
+    assert st["counts"]["nodeCnt"] == 1
+
+
+def test_publish_cycle(cluster, node_factory, images, kube_namespace):
+    ns = kube_namespace
+    node = node_factory().start()
+    cluster.cache("kernels", images.tpu, namespace=ns)
+    d1 = digest_of(images.tpu)
+    eventually(lambda: cluster.node_status(node.name))
+    assert cluster.node_status(node.name, ns) is None, "nothing on the node yet: no object for the namespace"
+
+    # the CSI driver asks for the cache before the first publish: pulled, not used yet
+    assert node.ensure(images.tpu).path
+    e = entry_in("Extracted", cluster, node.name, ns, "kernels", d1)
+    assert e["volumeSize"] == 4 * 2048
+    assert (e["compatibleGPUs"], e["incompatibleGPUs"]) == ([0, 1, 2, 3], [])
+    assert "pods" not in e
+    counts = cluster.node_status(node.name, ns)["counts"]
+    assert (counts["nodeNotInUseCnt"], counts["nodeInUseCnt"], counts["podRunningCnt"]) == (1, 0, 0)
+
+    # a pod publishes it
+    node.acquire("vol-1", d1, ns, "trainer-0")
+    e = entry_in("Running", cluster, node.name, ns, "kernels", d1)
+    assert e["pods"] == [{"podNamespace": ns, "podName": "trainer-0", "volumeId": "vol-1"}]
+    counts = cluster.node_status(node.name, ns)["counts"]
+    assert (counts["nodeInUseCnt"], counts["nodeNotInUseCnt"], counts["podRunningCnt"]) == (1, 0, 1)
+
+    # the cache moves to a new build while the pod still runs the old one: Outdated
+    cluster.set_image(ns, "kernels", images.tpu_v2)
+    d2 = digest_of(images.tpu_v2)
+    e = entry_in("Outdated", cluster, node.name, ns, "kernels", d1)
+    assert e["pods"][0]["podName"] == "trainer-0"
+    assert cluster.node_status(node.name, ns)["counts"]["podOutdatedCnt"] == 1
+    node.ensure(images.tpu_v2)
+    assert entry_in("Extracted", cluster, node.name, ns, "kernels", d2)
+
+    # the old pod goes away: its digest is no longer reported
+    node.release("vol-1")
+    assert eventually(lambda: entry(cluster, node.name, ns, "kernels", d1) is None)
+    st = cluster.node_status(node.name, ns)
+    assert list(st["caches"]["kernels"]) == [d2]
+    assert (st["counts"]["nodeInUseCnt"], st["counts"]["podOutdatedCnt"], st["counts"]["nodeNotInUseCnt"]) == (0, 0, 1)
+
+
+def test_pods_count_only_for_caches_they_may_use(cluster, node_factory, images, kube_namespace):
+    ns = kube_namespace
+    node = node_factory().start()
+    cluster.cache("shared", images.shared, workload_namespaces=[ns])
+    d = digest_of(images.shared)
+    node.ensure(images.shared)
+    node.acquire("vol-in", d, ns, "ok-pod")
+    node.acquire("vol-out", d, "other-ns", "stranger")
+    e = entry_in("Running", cluster, node.name, None, "shared", d)
+    assert [p["podName"] for p in e["pods"]] == ["ok-pod"]
+
+
+def test_incompatible_cache_is_an_error_with_a_reason(cluster, node_factory, images, kube_namespace):
+    ns = kube_namespace
+    node = node_factory().start()
+    cluster.cache("gpu-kernels", images.gpu, namespace=ns)
+    node.ensure(images.gpu)
+    e = entry_in("Error", cluster, node.name, ns, "gpu-kernels", digest_of(images.gpu))
+    assert "built for cuda/90" in e["message"] and "tpu/v5e" in e["message"], e["message"]
+    assert (e["compatibleGPUs"], e["incompatibleGPUs"]) == ([], [0, 1, 2, 3])
+    assert cluster.node_status(node.name, ns)["counts"]["nodeErrorCnt"] == 1
+
+
+def test_deleted_cache_still_mounted_is_deleting(cluster, node_factory, images, kube_namespace):
+    ns = kube_namespace
+    node = node_factory().start()
+    cluster.cache("doomed", images.tpu, namespace=ns)
+    d = digest_of(images.tpu)
+    node.ensure(images.tpu)
+    node.acquire("vol-d", d, ns, "user-0")
+    assert entry_in("Running", cluster, node.name, ns, "doomed", d)
+    cluster.objs.delete_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", "doomed")
+    assert entry_in("Deleting", cluster, node.name, ns, "doomed", d)
+    assert cluster.node_status(node.name, ns)["counts"]["podDeletingCnt"] == 1
+    node.release("vol-d")
+    assert eventually(lambda: cluster.node_status(node.name, ns)["caches"] == {})
