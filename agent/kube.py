@@ -214,7 +214,10 @@ class Reflector:
         """End the watch in flight (after setting :meth:`run`'s ``stop``, so it returns promptly)."""
         resp = self._resp
         if resp is not None:
-            resp.shutdown()
+            try:
+                resp.shutdown()
+            except (RuntimeError, ValueError, OSError):  # the watch ended on its own meanwhile
+                pass
 
     def run(self, stop: threading.Event) -> None:
         delay = 0.0
@@ -259,8 +262,14 @@ class Reflector:
 
     def _watch(self, stop: threading.Event) -> None:
         query = dict(self.query, resourceVersion=self.resource_version)
-        for event in self.client.watch(self.path, query, self.watch_seconds,
-                                       on_open=lambda r: setattr(self, "_resp", r)):
+        try:
+            self._follow(self.client.watch(self.path, query, self.watch_seconds,
+                                           on_open=lambda r: setattr(self, "_resp", r)), stop)
+        finally:
+            self._resp = None
+
+    def _follow(self, events, stop: threading.Event) -> None:
+        for event in events:
             obj = event.get("object") or {}
             rv = (obj.get("metadata") or {}).get("resourceVersion")
             kind = event.get("type")

@@ -285,7 +285,8 @@ class CacheStore:
                 elif w is None:
                     problems.append(f"{d}: {path}: not part of the image")
                 elif w != h:
-                    what = "content" if w.sha256 != h.sha256 or w.size != h.size else "type, mode or target"
+                    same_file = w.type == h.type == "file"
+                    what = "content" if same_file and (w.sha256, w.size) != (h.sha256, h.size) else "type, mode or target"
                     problems.append(f"{d}: {path}: {what} changed")
         return problems
 

@@ -77,6 +77,7 @@ class Cluster:
         self.cp = control_plane
         self.objs = client.CustomObjectsApi(kube_api("admin"))
         self.core = client.CoreV1Api(kube_api("admin"))
+        self.cluster_caches: list[str] = []  # deleted after the test: they would reach every later node
 
     def make_node(self, labels: dict) -> str:
         name = f"tpu-{uuid.uuid4().hex[:8]}"
@@ -94,6 +95,7 @@ class Cluster:
                 "metadata": {"name": name, "annotations": annotations or {}}, "spec": spec}
         if namespace:
             return self.objs.create_namespaced_custom_object(*GKM, namespace, "gkmcaches", body=body)
+        self.cluster_caches.append(name)
         return self.objs.create_cluster_custom_object(*GKM, "clustergkmcaches", body=body)
 
     def set_image(self, namespace: str, name: str, image: str) -> None:
@@ -124,7 +126,10 @@ class Cluster:
 
 @pytest.fixture
 def cluster(control_plane, kube_api, agent_rbac):
-    return Cluster(control_plane, kube_api)
+    c = Cluster(control_plane, kube_api)
+    yield c
+    for name in c.cluster_caches:
+        c.objs.delete_cluster_custom_object(*GKM, "clustergkmcaches", name)
 
 
 class Node:

@@ -22,7 +22,7 @@ def entry_in(state, cluster, node, ns, cache, digest):
 
 
 def test_cluster_object_lists_the_nodes_accelerators(cluster, node_factory):
-    node = node_factory().start()
+    node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     st = eventually(lambda: cluster.node_status(node.name))
     assert st["nodeName"] == node.name
     assert st["gpus"] == [{"gpuType": "tpu/v5e", "ids": [0, 1, 2, 3]}]
@@ -32,7 +32,7 @@ def test_cluster_object_lists_the_nodes_accelerators(cluster, node_factory):
 
 def test_publish_cycle(cluster, node_factory, images, kube_namespace):
     ns = kube_namespace
-    node = node_factory().start()
+    node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("kernels", images.tpu, namespace=ns)
     d1 = digest_of(images.tpu)
     eventually(lambda: cluster.node_status(node.name))
@@ -73,7 +73,7 @@ def test_publish_cycle(cluster, node_factory, images, kube_namespace):
 
 def test_pods_count_only_for_caches_they_may_use(cluster, node_factory, images, kube_namespace):
     ns = kube_namespace
-    node = node_factory().start()
+    node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("shared", images.shared, workload_namespaces=[ns])
     d = digest_of(images.shared)
     node.ensure(images.shared)
@@ -85,7 +85,7 @@ def test_pods_count_only_for_caches_they_may_use(cluster, node_factory, images, 
 
 def test_incompatible_cache_is_an_error_with_a_reason(cluster, node_factory, images, kube_namespace):
     ns = kube_namespace
-    node = node_factory().start()
+    node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("gpu-kernels", images.gpu, namespace=ns)
     node.ensure(images.gpu)
     e = entry_in("Error", cluster, node.name, ns, "gpu-kernels", digest_of(images.gpu))
@@ -96,7 +96,7 @@ def test_incompatible_cache_is_an_error_with_a_reason(cluster, node_factory, ima
 
 def test_deleted_cache_still_mounted_is_deleting(cluster, node_factory, images, kube_namespace):
     ns = kube_namespace
-    node = node_factory().start()
+    node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("doomed", images.tpu, namespace=ns)
     d = digest_of(images.tpu)
     node.ensure(images.tpu)

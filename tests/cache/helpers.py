@@ -145,7 +145,7 @@ class BlobRedirector:
     records the headers of every request (``seen``) and misbehaves on demand (``mode``):
 
     - ``"ok"``: honours ``Range: bytes=N-`` with 206;
-    - ``"cut"``: ends its first response after ``cut_after`` bytes, then honours ranges;
+    - ``"cut"``: ends its first response longer than ``cut_after`` bytes there, then honours ranges;
     - ``"ignore-range"``: like ``cut``, then answers ranged requests with 200 and the whole blob;
     - ``"wrong-range"``: like ``cut``, then answers ranged requests with a 206 that starts at 0;
     - ``"drip"``: sends the body one byte every 0.2 s.
@@ -156,7 +156,7 @@ class BlobRedirector:
         import http.server
         import re
 
-        front, self.mode, self.cut_after, self.seen = self, mode, cut_after, []
+        front, self.mode, self.cut_after, self.seen, self.cuts = self, mode, cut_after, [], 0
         self._stop = threading.Event()
 
         class Blobs(http.server.BaseHTTPRequestHandler):
@@ -166,7 +166,6 @@ class BlobRedirector:
                 data = registry.blob_file(digest).read_bytes()
                 rng = re.match(r"bytes=(\d+)-$", self.headers.get("Range", ""))
                 start = int(rng[1]) if rng else 0
-                first = len(front.seen) == 1
                 if rng and front.mode != "ignore-range":
                     shown = 0 if front.mode == "wrong-range" else start
                     self.send_response(206)
@@ -183,7 +182,8 @@ class BlobRedirector:
                             return
                         self.wfile.write(body[i:i + 1])
                         self.wfile.flush()
-                elif first and front.mode != "ok":
+                elif front.mode != "ok" and not front.cuts and len(body) > front.cut_after:
+                    front.cuts += 1
                     self.wfile.write(body[:front.cut_after])
                     self.close_connection = True
                 else:

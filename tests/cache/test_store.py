@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agent.build import build, push_index
-from agent.errors import ImageNotFound, NoMatchingManifest
+from agent.errors import ImageNotFound, NoMatchingManifest, StoreCorrupt
 from agent.store import CacheStore, inspect
 from tests.cache.helpers import GZ, TRITON_CONFIG, FaultProxy, tar
 from tests.conftest import accelnode_cmd
@@ -193,16 +193,27 @@ def test_references_are_durable_and_gc_never_removes_them(registry, tmp_path):
 
 
 def test_verify_finds_tampering(registry, tmp_path):
+    src = triton_tree(tmp_path / "src")
+    (src / C / "ksm_90" / "other.bin").write_bytes(b"o")
+    (src / C / "link").symlink_to("ksm_90/kernel.bin")
     store = CacheStore(tmp_path / "store", registry=registry.options())
-    inst = store.ensure(registry.push(triton_tree(tmp_path / "src"), "store/verify"))
+    inst = store.ensure(registry.push(src, "store/verify"))
+    assert store.verify(inst.digest) == []
     kernel = inst.path / C / "ksm_90" / "kernel.bin"
     kernel.write_bytes(b"tampered")
     (inst.path / C / "extra").write_text("x")
     (inst.path / C / "ksm_90" / "kernel.json").unlink()
+    (inst.path / C / "link").unlink()
+    (inst.path / C / "link").symlink_to("ksm_90/kernel.json")
+    (inst.path / C / "ksm_90" / "other.bin").unlink()
+    (inst.path / C / "ksm_90" / "other.bin").symlink_to("kernel.bin")
     problems = store.verify(inst.digest)
     assert f"{inst.digest}: {C}/ksm_90/kernel.bin: content changed" in problems
     assert f"{inst.digest}: {C}/extra: not part of the image" in problems
     assert f"{inst.digest}: {C}/ksm_90/kernel.json: missing" in problems
+    assert f"{inst.digest}: {C}/link: type, mode or target changed" in problems
+    assert f"{inst.digest}: {C}/ksm_90/other.bin: type, mode or target changed" in problems
+    assert len(problems) == 5
     with pytest.raises(ImageNotFound):
         store.verify("sha256:" + "1" * 64)
 
@@ -232,3 +243,31 @@ def test_ensure_and_gc_race_never_deletes_an_acquired_cache(registry, tmp_path):
     finally:
         stop.set()
         t.join()
+
+
+def test_reference_meta_cannot_override_the_digest_and_corrupt_refs_stop_gc(registry, tmp_path):
+    store = CacheStore(tmp_path / "store", registry=registry.options())
+    kept = store.ensure(registry.push(triton_tree(tmp_path / "a"), "store/refmeta-a"))
+    other = store.ensure(registry.push(triton_tree(tmp_path / "b"), "store/refmeta-b"))
+    store.acquire(kept.digest, "vol-1", {"digest": other.digest, "pod_name": "p"})
+    assert store.references() == {"vol-1": {"digest": kept.digest, "pod_name": "p"}}
+    assert store.gc() == [other.digest]
+    # a reference file that cannot be read: gc refuses to guess and removes nothing
+    store.release("vol-1")
+    (tmp_path / "store" / "refs" / "broken.json").write_text('{"holder": "vol-2", "dig')
+    with pytest.raises(StoreCorrupt, match="broken.json is unreadable"):
+        store.gc()
+    assert [i.digest for i in store.list()] == [kept.digest]
+
+
+def test_strays_and_interrupted_gc_leftovers_are_ignored_or_cleaned(registry, tmp_path):
+    store_dir = tmp_path / "store"
+    store = CacheStore(store_dir, registry=registry.options())
+    inst = store.ensure(registry.push(triton_tree(tmp_path / "src"), "store/strays"))
+    (store_dir / "caches" / "lost+found").mkdir()
+    (store_dir / "tmp" / "stray-file").write_text("x")
+    (store_dir / "tmp" / "trash.x1y2" / "c" / "content").mkdir(parents=True)  # an interrupted gc
+    (store_dir / "tmp" / ("ab" * 32 + ".partial")).write_text("x")  # a file where a staging dir would be
+    reopened = CacheStore(store_dir, registry=registry.options())
+    assert os.listdir(store_dir / "tmp") == []
+    assert reopened.list() == [inst]

@@ -1,0 +1,152 @@
+"""Agent status-reporter benchmarks: the real ``accelnode agent --node-name`` on a simulated
+v5e-4 host, a real registry, and a control plane of its own (etcd + kube-apiserver from
+``.tools/bin``) whose audit log counts every API write the agent makes (needs root).
+
+Metrics:
+* ``writes_per_change``: API writes per cache state change, over 20 changes (a pod taking or
+  dropping a cache, seen as Extracted <-> Running);
+* ``idle_writes``: API writes during an idle window (``BENCH_AGENT_IDLE_S``, default 300 s);
+* ``rss_mb``: the agent's RSS with 100 caches known and reported (and ``pss_mb``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+from kubernetes import client, config
+
+from accelnode import grpcutil
+from accelnode.devcluster import ControlPlane
+from csi_driver.api import agent as agent_api
+from csi_driver.api import agent_grpc
+from device_plugin.simhost import SimHost
+from tests.agent.conftest import AGENT_USER, TPU_LABELS, make_cache
+from tests.conftest import ROOT, TOOLS_BIN, accelnode_cmd, tool
+from tests.csi.conftest import free_ports
+from tests.fixtures.registry import RunningRegistry
+
+G = "agent"
+CACHES = 100
+CHANGES = 20
+IDLE_S = float(os.environ.get("BENCH_AGENT_IDLE_S", "300"))
+TARGETS = {"writes_per_change": 1, "idle_writes": 0, "rss_mb": 50}
+GKM = ("gkm.io", "v1alpha1")
+
+
+def emit(metric: str, value, fmt: str = ".2f") -> None:
+    print(f"BENCH {G} {metric}={value:{fmt}}", flush=True)
+    if metric in TARGETS:
+        print(f"BENCH {G} target_{metric}={TARGETS[metric]}", flush=True)
+
+
+def wait(check, what: str, timeout: float = 300.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def agent_writes(cp: ControlPlane) -> int:
+    n = 0
+    for line in cp.audit_log.read_text().splitlines():
+        ev = json.loads(line)
+        n += ev.get("stage") == "ResponseComplete" and ev["user"]["username"] == AGENT_USER
+    return n
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
+        run(Path(tmp))
+
+
+def run(tmp: Path) -> None:
+    cp = ControlPlane(tmp / "cp", TOOLS_BIN)
+    cp.start()
+    (tmp / "registry").mkdir()
+    reg = RunningRegistry(tmp / "registry")
+    proc = None
+    try:
+        kubectl = tool("kubectl")
+        subprocess.run([kubectl, f"--kubeconfig={cp.kubeconfig('admin')}", "apply", "-f", str(ROOT / "daemonsets/crds"),
+                        "-f", str(ROOT / "daemonsets/namespace.yaml"), "-f", str(ROOT / "daemonsets/rbac-agent.yaml")],
+                       check=True, capture_output=True)
+        api = config.new_client_from_config(config_file=str(cp.kubeconfig("admin")))
+        objs, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+        wait(lambda: _established(api), "CRDs Established")
+        node = f"bench-{uuid.uuid4().hex[:6]}"
+        core.create_node(body={"metadata": {"name": node, "labels": TPU_LABELS}})
+        core.create_namespace(body={"metadata": {"name": "bench"}})
+
+        images = [reg.push(make_cache(tmp / "c" / str(i), {"xla/m.bin": os.urandom(2048)}), f"bench/c{i}",
+                           kind="jax", targets=[{"backend": "tpu", "arch": "v5e"}]) for i in range(CACHES)]
+        for i, image in enumerate(images):
+            objs.create_namespaced_custom_object(*GKM, "bench", "gkmcaches", body={
+                "apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache", "metadata": {"name": f"c{i}"},
+                "spec": {"image": image, "podTemplate": {"spec": {"nodeSelector": TPU_LABELS}}}})
+
+        host = SimHost.preset(tmp / "host", "v5e-4")
+        sock = tmp / "agent.sock"
+        with open(tmp / "agent.log", "ab") as log:
+            proc = subprocess.Popen(accelnode_cmd() + [
+                "agent", "--store", str(tmp / "store"), "--socket", str(sock), "--plain-http",
+                "--sysfs-root", str(host.sysfs_root), "--dev-root", str(host.dev_root),
+                "--metrics-address", f"127.0.0.1:{free_ports(1)[0]}", "--node-name", node,
+                "--kubeconfig", str(cp.kubeconfig("agent"))], stdout=log, stderr=log)
+        grpcutil.wait_listening(sock, timeout=60)
+
+        def entries():
+            try:
+                st = objs.get_namespaced_custom_object(*GKM, "bench", "gkmcachenodes", node).get("status") or {}
+            except client.ApiException:
+                return {}
+            return {name: e for name, by in (st.get("caches") or {}).items() for e in by.values()}
+
+        wait(lambda: sum(e["state"] == "Extracted" for e in entries().values()) == CACHES, "100 caches prefetched")
+        time.sleep(2)  # let the last cues drain
+        p = psutil.Process(proc.pid)
+        emit("rss_mb", p.memory_info().rss / 2**20, ".1f")
+        emit("pss_mb", p.memory_full_info().pss / 2**20, ".1f")
+
+        stub = agent_grpc.AgentStub(grpcutil.unix_channel(sock))
+        digest = images[0].rsplit("@", 1)[1]
+        target = "/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/c0/mount"
+        before = agent_writes(cp)
+        for i in range(CHANGES):
+            if i % 2 == 0:
+                stub.AcquireReference(agent_api.AcquireReferenceRequest(
+                    volume_id="v0", digest=digest, target_path=target, exclusive=True,
+                    pod=agent_api.PodRef(namespace="bench", name="p", uid="u")), timeout=30)
+                wait(lambda: entries()["c0"]["state"] == "Running", "Running")
+            else:
+                stub.ReleaseReference(agent_api.ReleaseReferenceRequest(volume_id="v0", target_path=target), timeout=30)
+                wait(lambda: entries()["c0"]["state"] == "Extracted", "Extracted")
+        time.sleep(2)
+        emit("writes_per_change", (agent_writes(cp) - before) / CHANGES)
+
+        before = agent_writes(cp)
+        time.sleep(IDLE_S)
+        emit("idle_writes", agent_writes(cp) - before, "d")
+        emit("idle_window_s", IDLE_S, ".0f")
+        emit("rss_mb_after_idle", p.memory_info().rss / 2**20, ".1f")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        reg.stop()
+        cp.stop()
+
+
+def _established(api) -> bool:
+    ext = client.ApiextensionsV1Api(api)
+    return all(any(c.type == "Established" and c.status == "True" for c in (crd.status.conditions or []))
+               for crd in ext.list_custom_resource_definition().items if crd.spec.group == "gkm.io")

@@ -1,0 +1,74 @@
+"""The agent's identity (daemonsets/rbac-agent.yaml) does what the reporter needs and no more,
+and ``accelnode agent --node-name`` runs the reporter in the real agent process."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from agent.kube import Client, Config, KubeError, custom_path
+from tests.agent.conftest import eventually
+from tests.agent.test_status import digest_of, entry_in
+from tests.conftest import accelnode_cmd
+
+
+def forbidden(client: Client, method: str, path: str, body=None) -> str:
+    with pytest.raises(KubeError) as err:
+        client.request(method, path, body=body)
+    assert err.value.code == 403, err.value
+    return err.value.message
+
+
+def test_agent_identity_cannot_write_outside_its_role(control_plane, cluster, node_factory, images, kube_namespace):
+    ns = kube_namespace
+    node = node_factory().start()
+    cluster.cache("kernels", images.tpu, namespace=ns)
+    node.ensure(images.tpu)
+    assert entry_in("Extracted", cluster, node.name, ns, "kernels", digest_of(images.tpu))  # its own writes work
+
+    agent = Client(Config.from_kubeconfig(control_plane.kubeconfig("agent")))
+    cache_status = custom_path("gkm.io", "v1alpha1", "gkmcaches", ns, "kernels", "status")
+    msg = forbidden(agent, "PATCH", cache_status, body={"status": {"resolvedDigest": "sha256:" + "0" * 64}})
+    assert 'cannot patch resource "gkmcaches/status"' in msg, msg
+    forbidden(agent, "DELETE", custom_path("gkm.io", "v1alpha1", "gkmcachenodes", ns, node.name))
+    forbidden(agent, "GET", f"/api/v1/namespaces/{ns}/secrets")
+    forbidden(agent, "GET", "/api/v1/nodes")  # its own Node only: get and watch by name
+    cached = cluster.objs.get_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", "kernels")
+    assert "resolvedDigest" not in (cached.get("status") or {})
+
+
+def test_agent_process_reports_status(tmp_path, control_plane, cluster, images, kube_namespace, registry):
+    from device_plugin.simhost import SimHost
+    from tests.csi.conftest import Daemon, free_ports
+    from tests.agent.conftest import TPU_LABELS
+
+    ns = kube_namespace
+    name = cluster.make_node(TPU_LABELS)
+    host = SimHost.preset(tmp_path / "host", "v5e-4")
+    sock = tmp_path / "agent.sock"
+    daemon = Daemon("agent", [
+        "agent", "--store", str(tmp_path / "store"), "--socket", str(sock), "--plain-http",
+        "--sysfs-root", str(host.sysfs_root), "--dev-root", str(host.dev_root),
+        "--metrics-address", f"127.0.0.1:{free_ports(1)[0]}", "--log-format", "text",
+        "--node-name", name, "--kubeconfig", str(control_plane.kubeconfig("agent"))], sock, tmp_path)
+    cluster.cache("prefetched", images.shared, namespace=ns, node_selector={"cloud.google.com/gke-tpu-topology": "2x2"})
+    daemon.start()
+    try:
+        assert entry_in("Extracted", cluster, name, ns, "prefetched", digest_of(images.shared)), daemon.log()
+        st = eventually(lambda: cluster.node_status(name))
+        assert st["gpus"] == [{"gpuType": "tpu/v5e", "ids": [0, 1, 2, 3]}]
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def test_agent_refuses_a_bad_kubeconfig(tmp_path):
+    bad = tmp_path / "kubeconfig"
+    bad.write_text("apiVersion: v1\nkind: Config\n")
+    (tmp_path / "run").mkdir()
+    out = subprocess.run(accelnode_cmd() + [
+        "agent", "--store", str(tmp_path / "store"), "--socket", str(tmp_path / "run" / "a.sock"),
+        "--metrics-address", "127.0.0.1:0", "--node-name", "n1", "--kubeconfig", str(bad)],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "no current-context" in out.stderr, out.stderr
