@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     except KeyboardInterrupt:
         return exitcodes.INTERRUPTED
+    except OSError as e:  # the node is not as the command needs it: path, socket, permission, port
+        print(f"accelnode {args.command}: {e}", file=sys.stderr)
+        return exitcodes.PREREQUISITE
     except Exception as e:  # last resort: one line, not a traceback, unless debugging
         logging.getLogger("accelnode").debug("unhandled error", exc_info=True)
         print(f"accelnode {args.command}: {type(e).__name__}: {e}", file=sys.stderr)

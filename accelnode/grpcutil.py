@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
@@ -14,6 +15,9 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+
+# sun_path holds 108 bytes including the terminating NUL
+MAX_UNIX_PATH = 107
 
 
 def remove_stale_socket(path: str | os.PathLike) -> None:
@@ -54,8 +58,11 @@ def serve_unix(path: str | os.PathLike, add_servicers, *, max_workers: int = 8, 
     Returns a started server that has been proven to accept connections.
     """
     path = Path(path)
+    if len(os.fsencode(path)) > MAX_UNIX_PATH:
+        raise OSError(errno.ENAMETOOLONG, f"unix socket path is {len(os.fsencode(path))} bytes; "
+                      f"the limit is {MAX_UNIX_PATH}", str(path))
     if not path.parent.is_dir():
-        raise FileNotFoundError(f"socket directory {path.parent} does not exist")
+        raise FileNotFoundError(errno.ENOENT, "socket directory does not exist", str(path.parent))
     remove_stale_socket(path)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options or [])
     add_servicers(server)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,29 @@ TOOLS_BIN = Path(os.environ.get("ACCELNODE_TOOLS_BIN", ROOT / ".tools" / "bin"))
 pytest_plugins = sorted(
     f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
 )
+
+
+def pytest_configure(config):
+    """Give each session its own short temporary base (``/tmp/accelnode-test-XXXX``).
+
+    Unix socket paths are limited to 107 bytes and the default base
+    (``/tmp/pytest-of-root/pytest-N/<test name>/...``) leaves too little room for kubelet-shaped
+    paths; a per-session directory also keeps concurrent sessions from pruning each other's.
+    """
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="accelnode-test-")
+        config._accelnode_basetemp = config.option.basetemp
+
+
+def pytest_unconfigure(config):
+    base = getattr(config, "_accelnode_basetemp", None)
+    if not base:
+        return
+    with open("/proc/self/mountinfo") as f:  # never delete through a mount a test left behind
+        if any(line.split()[4].startswith(base + "/") for line in f):
+            print(f"\nmounts left under {base}; not removing it", file=sys.stderr)
+            return
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def require(condition: bool, what: str) -> None:

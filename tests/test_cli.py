@@ -1,0 +1,95 @@
+"""The shared CLI contract: subcommands, ACCELNODE_* environment equivalents, exit codes,
+one-line errors, and unix-socket serving limits."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import subprocess
+
+import pytest
+
+from accelnode import cli, exitcodes, grpcutil
+from tests.conftest import accelnode_cmd
+
+
+def run(*args, env=None):
+    return subprocess.run(accelnode_cmd() + list(args), capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def test_help_lists_every_component_and_exit_codes():
+    out = run("--help")
+    assert out.returncode == 0
+    for name in ("device-plugin", "csi", "agent", "cache"):
+        assert f"    {name}" in out.stdout
+    assert "exit codes:" in out.stdout and "ACCELNODE_" in out.stdout
+
+
+def test_no_command_is_usage_error():
+    out = run()
+    assert out.returncode == exitcodes.USAGE
+    assert "usage: accelnode" in out.stderr
+
+
+def _parser(env):
+    p = argparse.ArgumentParser(prog="t")
+    p.add_argument("--kubelet-dir", default="/var/lib/kubelet")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--plain-http", action="store_true")
+    p.add_argument("--log-format", default="json", choices=["json", "text"])
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        return cli.apply_env(p)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def test_env_equivalents_set_defaults_and_flags_win():
+    p = _parser({"ACCELNODE_KUBELET_DIR": "/x", "ACCELNODE_TIMEOUT": "2.5", "ACCELNODE_PLAIN_HTTP": "true"})
+    a = p.parse_args([])
+    assert (a.kubelet_dir, a.timeout, a.plain_http) == ("/x", 2.5, True)
+    assert p.parse_args(["--kubelet-dir", "/y"]).kubelet_dir == "/y"
+    assert "[env ACCELNODE_KUBELET_DIR]" in p.format_help()
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"ACCELNODE_TIMEOUT": "soon"}, "ACCELNODE_TIMEOUT='soon'"),
+    ({"ACCELNODE_PLAIN_HTTP": "maybe"}, "expected true or false"),
+    ({"ACCELNODE_LOG_FORMAT": "xml"}, "choose from json, text"),
+])
+def test_bad_env_value_is_a_usage_error(env, fragment, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parser(env)
+    assert e.value.code == exitcodes.USAGE
+    assert fragment in capsys.readouterr().err
+
+
+def test_socket_path_over_the_unix_limit_is_refused_before_binding(tmp_path):
+    long_dir = tmp_path / ("d" * 100)
+    long_dir.mkdir()
+    with pytest.raises(OSError) as e:
+        grpcutil.serve_unix(long_dir / "x.sock", lambda s: None)
+    assert e.value.errno == errno.ENAMETOOLONG
+    assert not (long_dir / "x.sock").exists()
+
+
+def test_daemon_with_a_too_long_socket_path_exits_3_with_one_line(tmp_path):
+    long_dir = tmp_path / ("d" * 100)
+    long_dir.mkdir()
+    out = run("agent", "--store", str(tmp_path / "store"), "--socket", str(long_dir / "agent.sock"),
+              "--log-format", "text")
+    assert out.returncode == exitcodes.PREREQUISITE, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("accelnode agent: ") and "the limit is 107" in last
+
+
+def test_refuses_to_replace_a_non_socket_file(tmp_path):
+    f = tmp_path / "not-a-socket"
+    f.write_text("keep me")
+    with pytest.raises(FileExistsError):
+        grpcutil.serve_unix(f, lambda s: None)
+    assert f.read_text() == "keep me"
