@@ -48,8 +48,20 @@ class Accelerator:
     count: int
     source: str  # how it was found: "tpu-discovery", "nvml", "pci 10de:2330"
 
+    @property
+    def warp_size(self) -> int | None:
+        """Threads per warp/wavefront: 32 on NVIDIA; 64 on AMD GCN/CDNA (gfx9*), 32 on RDNA."""
+        if self.backend == "cuda":
+            return 32
+        if self.backend == "hip" and self.arch:
+            return 64 if self.arch.startswith("gfx9") else 32
+        return None
+
     def target(self) -> dict:
-        return {"backend": self.backend, "arch": self.arch}
+        t = {"backend": self.backend, "arch": self.arch}
+        if self.warp_size:
+            t["warp_size"] = self.warp_size
+        return t
 
     def __str__(self) -> str:
         return f"{self.backend}/{self.arch or 'unknown-arch'} x{self.count}"

@@ -4,11 +4,18 @@ The agent needs a handful of verbs on a few resources, so it speaks the REST API
 with urllib3 (already loaded for registries) instead of the official client, whose generated
 models cost about 20 MB of memory on every node.
 
+* :class:`Config` - where the API server is and the credentials: a kubeconfig's current context
+  or the pod's service account. https only, the server certificate always verified; inline
+  secrets stay in memory (a client key is written to a private temporary file only for as long
+  as ``ssl`` needs to load it) and out of ``repr``.
 * :class:`Client` - ``request()`` for GET/POST/PUT/PATCH, raising :class:`KubeError` (with the
-  Status ``code``/``reason``/``message`` of the answer) or :class:`Unreachable`.
+  Status ``code``/``reason``/``message`` of the answer) or :class:`Unreachable`. A token file
+  is re-read every minute and after a 401 (kubelet rotates projected tokens); tokens never
+  appear in errors or logs.
 * :class:`Reflector` - a local copy of one collection (or one named object): list, then watch
-  from the list's resourceVersion; a dropped watch resumes from the last resourceVersion seen
-  (bookmarks included); ``410 Gone`` re-lists; any other failure retries with capped
+  from the list's resourceVersion with bookmarks; a dropped watch resumes from the last
+  resourceVersion seen; ``410 Gone`` re-lists; any other failure (a kind not served yet because
+  its CRD is missing, an unreachable server, a watch that ends at once) retries with capped
   exponential backoff. It never raises out of :meth:`Reflector.run`.
 """
 
@@ -21,13 +28,13 @@ import os
 import ssl
 import tempfile
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from urllib.parse import quote, urlencode
 
 import urllib3
-import yaml
 
 from accelnode.log import kv
 
@@ -49,15 +56,29 @@ class Unreachable(Exception):
 
 @dataclass(frozen=True)
 class Config:
+    """Where the API server is and who we are. Inline secrets (``*_data``, ``token``) stay in
+    memory and out of ``repr``; TLS is always verified (no insecure-skip-tls-verify)."""
+
     server: str
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
     token_file: str | None = None
+    ca_data: bytes | None = field(default=None, repr=False)
+    cert_data: bytes | None = field(default=None, repr=False)
+    key_data: bytes | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if not self.server.startswith("https://"):
+            raise ValueError(f"API server {self.server!r}: only https:// is supported (credentials would travel "
+                             "in clear text)")
 
     @classmethod
     def from_kubeconfig(cls, path: str | os.PathLike) -> "Config":
         """The current context of a kubeconfig file (file paths or inline ``*-data``)."""
+        import yaml  # only here: an agent in its pod (in_cluster) never loads it
+
         doc = yaml.safe_load(Path(path).read_text()) or {}
         base = Path(path).resolve().parent
 
@@ -74,17 +95,20 @@ class Config:
         cluster, user = named("cluster", ctx.get("cluster", "")), named("user", ctx.get("user", ""))
         if not cluster.get("server"):
             raise ValueError(f"{path}: cluster {ctx.get('cluster')!r} has no server")
-        if user.get("token"):
-            raise ValueError(f"{path}: inline user tokens are not supported; use tokenFile or a client certificate")
+        if cluster.get("insecure-skip-tls-verify"):
+            raise ValueError(f"{path}: cluster {ctx.get('cluster')!r} sets insecure-skip-tls-verify; the agent always "
+                             "verifies the API server (give certificate-authority)")
 
         def file(section: dict, key: str) -> str | None:
-            if section.get(key + "-data"):
-                return _private_file(base64.b64decode(section[key + "-data"]))
             return str(base / section[key]) if section.get(key) else None
 
+        def data(section: dict, key: str) -> bytes | None:
+            return base64.b64decode(section[key + "-data"]) if section.get(key + "-data") else None
+
         return cls(cluster["server"].rstrip("/"), file(cluster, "certificate-authority"),
-                   file(user, "client-certificate"), file(user, "client-key"),
-                   str(base / user["tokenFile"]) if user.get("tokenFile") else None)
+                   file(user, "client-certificate"), file(user, "client-key"), file(user, "tokenFile"),
+                   data(cluster, "certificate-authority"), data(user, "client-certificate"),
+                   data(user, "client-key"), user.get("token") or None)
 
     @classmethod
     def in_cluster(cls) -> "Config":
@@ -96,28 +120,48 @@ class Config:
         return cls(f"https://{host}:{port}", str(SA_DIR / "ca.crt"), token_file=str(SA_DIR / "token"))
 
 
-def _private_file(data: bytes) -> str:
-    fd, path = tempfile.mkstemp(prefix="accelnode-kube-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return path
+def _ssl_context(config: Config) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=config.ca_file,
+                                     cadata=config.ca_data.decode() if config.ca_data else None)
+    if config.cert_data or config.key_data:
+        # the ssl module loads keys from files only: a private file that lives just long enough
+        with tempfile.TemporaryDirectory(prefix="accelnode-kube-") as d:
+            cert, key = Path(d) / "cert", Path(d) / "key"
+            for path, inline, named in ((cert, config.cert_data, config.cert_file),
+                                        (key, config.key_data, config.key_file)):
+                if not (inline or named):
+                    raise ValueError("a client certificate needs both a certificate and a key")
+                path.write_bytes(inline if inline else Path(named).read_bytes())
+            ctx.load_cert_chain(cert, key)
+    elif config.cert_file:
+        ctx.load_cert_chain(config.cert_file, config.key_file)
+    return ctx
 
 
 class Client:
+    TOKEN_TTL = 60.0  # re-read a token file this often (kubelet rotates projected tokens)
+
     def __init__(self, config: Config, *, timeout: float = 30.0):
         self.config = config
         self.timeout = timeout
-        ctx = ssl.create_default_context(cafile=config.ca_file)
-        if config.cert_file:
-            ctx.load_cert_chain(config.cert_file, config.key_file)
-        self._http = urllib3.PoolManager(num_pools=2, maxsize=8, ssl_context=ctx, retries=False)
+        self._http = urllib3.PoolManager(num_pools=2, maxsize=8, ssl_context=_ssl_context(config), retries=False)
+        self._token: tuple[str, float] | None = None  # (token, monotonic time read)
+
+    def _bearer(self) -> str | None:
+        if not self.config.token_file:
+            return self.config.token
+        cached = self._token
+        if cached is None or time.monotonic() - cached[1] > self.TOKEN_TTL:
+            cached = self._token = (Path(self.config.token_file).read_text().strip(), time.monotonic())
+        return cached[0]
 
     def _headers(self, content_type: str | None) -> dict:
         h = {"Accept": "application/json", "User-Agent": "accelnode-agent"}
         if content_type:
             h["Content-Type"] = content_type
-        if self.config.token_file:  # re-read: kubelet rotates projected tokens
-            h["Authorization"] = "Bearer " + Path(self.config.token_file).read_text().strip()
+        token = self._bearer()
+        if token:
+            h["Authorization"] = "Bearer " + token
         return h
 
     def _open(self, method: str, path: str, query: dict | None, body, content_type: str | None,
@@ -130,6 +174,8 @@ class Client:
         except urllib3.exceptions.HTTPError as e:
             raise Unreachable(f"{method} {path}: {e}") from None
         if resp.status >= 400:
+            if resp.status == 401:
+                self._token = None  # a rotated token: read the file again next time
             raise _status_error(resp.status, resp.read() if stream else resp.data)
         return resp
 
@@ -192,6 +238,8 @@ class Reflector:
     ``keep(obj)`` trims an object before it is stored (memory: keep what you read).
     """
 
+    MIN_WATCH = 5.0  # a watch that ends sooner without events counts as a failure (no hot loop)
+
     def __init__(self, client: Client, path: str, *, on_change: Callable[[], None], query: dict | None = None,
                  name: str | None = None, keep: Callable[[dict], dict] = lambda o: o,
                  watch_seconds: int = 300, max_backoff: float = 30.0):
@@ -201,23 +249,21 @@ class Reflector:
             self.query["fieldSelector"] = f"metadata.name={name}"
         self.on_change, self.keep = on_change, keep
         self.watch_seconds, self.max_backoff = watch_seconds, max_backoff
-        self.items: dict[str, dict] = {}
+        self._items: dict[str, dict] = {}
+        self._lock = threading.Lock()  # items are read by the reporter's thread
         self.synced = threading.Event()
         self.resource_version: str | None = None
         self.relists = 0  # lists done (the first one included)
+        self.retry_in = 0.0  # the current backoff (0 while all is well)
         self._resp = None
 
     def snapshot(self) -> list[dict]:
-        return list(self.items.values())
+        with self._lock:
+            return list(self._items.values())
 
     def interrupt(self) -> None:
         """End the watch in flight (after setting :meth:`run`'s ``stop``, so it returns promptly)."""
-        resp = self._resp
-        if resp is not None:
-            try:
-                resp.shutdown()
-            except (RuntimeError, ValueError, OSError):  # the watch ended on its own meanwhile
-                pass
+        _shutdown(self._resp)
 
     def run(self, stop: threading.Event) -> None:
         delay = 0.0
@@ -225,20 +271,27 @@ class Reflector:
             try:
                 if self.resource_version is None:
                     self._list()
-                self._watch(stop)
-                delay = 0.0  # the server ended the watch normally: resume at once
+                started, events = time.monotonic(), self._watch(stop)
+                if events or time.monotonic() - started >= self.MIN_WATCH:
+                    delay = 0.0  # the server ended a healthy watch: resume at once
+                else:
+                    delay = self._backoff(delay, "the watch ended at once without events")
             except KubeError as e:
                 if e.code == 410:  # our resourceVersion was compacted away: start over
                     log.info("watch expired, re-listing", extra=kv(path=self.path, message=e.message))
                     self.resource_version, delay = None, 0.0
-                    continue
-                delay = self._backoff(delay, e)
+                elif e.code == 404 and not self.name:
+                    delay = self._backoff(delay, f"{self.path} is not served by the API server (is its "
+                                                 f"CustomResourceDefinition installed?): {e}")
+                else:
+                    delay = self._backoff(delay, e)
             except (Unreachable, ValueError, OSError) as e:
                 if stop.is_set():
                     return
                 delay = self._backoff(delay, e)
+            self.retry_in = delay
 
-    def _backoff(self, delay: float, err: Exception) -> float:
+    def _backoff(self, delay: float, err) -> float:
         delay = min(self.max_backoff, max(0.5, delay * 2))
         log.warning("watch failed, retrying", extra=kv(path=self.path, error=str(err), retry_in=delay))
         return delay
@@ -254,32 +307,52 @@ class Reflector:
         else:
             doc = self.client.request("GET", self.path, query=self.query)
             items, rv = doc.get("items") or [], doc["metadata"]["resourceVersion"]
-        self.items = {self._key(o): self.keep(o) for o in items}
+        fresh = {self._key(o): self.keep(o) for o in items}
+        with self._lock:
+            self._items = fresh
         self.resource_version = rv
         self.relists += 1
         self.synced.set()
         self.on_change()
 
-    def _watch(self, stop: threading.Event) -> None:
+    def _watch(self, stop: threading.Event) -> int:
+        """Follow one watch until it ends; the number of events it brought."""
         query = dict(self.query, resourceVersion=self.resource_version)
+
+        def opened(resp) -> None:
+            self._resp, self.retry_in = resp, 0.0
+            if stop.is_set():  # stopped while the watch was being opened
+                _shutdown(resp)
+
         try:
-            self._follow(self.client.watch(self.path, query, self.watch_seconds,
-                                           on_open=lambda r: setattr(self, "_resp", r)), stop)
+            return self._follow(self.client.watch(self.path, query, self.watch_seconds, on_open=opened), stop)
         finally:
             self._resp = None
 
-    def _follow(self, events, stop: threading.Event) -> None:
+    def _follow(self, events, stop: threading.Event) -> int:
+        n = 0
         for event in events:
+            n += 1
             obj = event.get("object") or {}
             rv = (obj.get("metadata") or {}).get("resourceVersion")
             kind = event.get("type")
-            if kind in ("ADDED", "MODIFIED"):
-                self.items[self._key(obj)] = self.keep(obj)
-            elif kind == "DELETED":
-                self.items.pop(self._key(obj), None)
+            with self._lock:
+                if kind in ("ADDED", "MODIFIED"):
+                    self._items[self._key(obj)] = self.keep(obj)
+                elif kind == "DELETED":
+                    self._items.pop(self._key(obj), None)
             if rv:
                 self.resource_version = rv
             if kind != "BOOKMARK":
                 self.on_change()
             if stop.is_set():
-                return
+                break
+        return n
+
+
+def _shutdown(resp) -> None:
+    if resp is not None:
+        try:
+            resp.shutdown()
+        except (RuntimeError, ValueError, OSError):  # the watch ended on its own meanwhile
+            pass

@@ -161,6 +161,10 @@ class AgentService(pb_grpc.AgentServicer):
         vid, target = request.volume_id, request.target_path
         meta = {"volume_id": vid, "target_path": target, "namespace": request.pod.namespace,
                 "name": request.pod.name, "uid": request.pod.uid}
+        if request.HasField("cache"):
+            if not request.cache.name:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache.name is required when cache is set")
+            meta["cache"] = {"namespace": request.cache.namespace, "name": request.cache.name}
         with self._lock:
             for held in self._refs.values():
                 conflict = _conflict(held, meta, request.digest, request.exclusive)
@@ -203,18 +207,22 @@ class AgentService(pb_grpc.AgentServicer):
             held = list(self._refs.values())
         for meta in held:
             pod = pb.PodRef(namespace=meta.get("namespace", ""), name=meta.get("name", ""), uid=meta.get("uid", ""))
+            cache = pb.CacheRef(**meta["cache"]) if "cache" in meta else None
             refs.setdefault(meta.get("digest"), []).append(
-                pb.Reference(volume_id=meta.get("volume_id", ""), pod=pod, target_path=meta.get("target_path", "")))
+                pb.Reference(volume_id=meta.get("volume_id", ""), pod=pod, target_path=meta.get("target_path", ""),
+                             cache=cache))
+        # pulls first: one that ends while the store is listed then shows as installed (which
+        # wins) rather than vanishing from this answer
+        with self._lock:
+            pulls = [(key, pull, pull.done.is_set()) for key, pull in self._pulls.items()]
         caches = []
         for inst in self.store.list():
             caches.append(pb.CacheInfo(
                 image=inst.image, digest=inst.digest, state=pb.CacheInfo.INSTALLED, path=str(inst.path),
                 kind=inst.kind, size_bytes=inst.size_bytes, references=refs.get(inst.digest, []),
                 compatible=compat.check(inst.targets, self.accelerators) is None))
-        with self._lock:
-            pulls = list(self._pulls.items())
-        for key, pull in pulls:
-            if not pull.done.is_set():
+        for key, pull, done in pulls:
+            if not done:
                 caches.append(pb.CacheInfo(image=pull.image, digest=key, state=pb.CacheInfo.PULLING))
             elif pull.response.state == Ensure.FAILED:
                 caches.append(pb.CacheInfo(image=pull.image, digest=key, state=pb.CacheInfo.FAILED,

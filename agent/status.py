@@ -91,9 +91,17 @@ class Cache:
 class Local:
     """The agent's own view of the node: what is installed, pulling, failed, and who uses what."""
 
-    installed: dict  # manifest digest -> {"image", "size", "targets", "refs": [{"volume_id", "namespace", "name", "uid"}]}
+    # manifest digest -> {"image", "size", "targets", "refs": [{"volume_id", "namespace", "name", "uid", "cache"}]}
+    # where a ref's "cache" is the (namespace, name) key of the cache its volume names, or None
+    # for references taken before the CSI driver said so
+    installed: dict
     pulling: set  # reference digests being pulled
     failed: dict  # reference digest -> message of the last failed pull or prefetch
+
+    def manifest_of(self, digest: str) -> str | None:
+        """The installed manifest digest for a cache digest (itself, or the manifest an index
+        resolved to on this node), or None when it is not installed."""
+        return next((m for m, i in self.installed.items() if m == digest or i["image"].endswith("@" + digest)), None)
 
 
 def wanted(cache: Cache, node_labels: dict) -> bool:
@@ -106,6 +114,14 @@ def wanted(cache: Cache, node_labels: dict) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # the status of each object
+
+
+def uses(ref: dict, cache: Cache) -> bool:
+    """Whether a reference is a use of ``cache``: the cache its volume names, or - for a
+    reference that does not say - any cache of that digest the pod's namespace may use."""
+    if ref.get("cache") is not None:
+        return ref["cache"] == cache.key
+    return cache.admits(ref["namespace"])
 
 
 def gpus(accelerators) -> list[tuple[object, list[int]]]:
@@ -132,7 +148,7 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
     def pods_of(digest: str, cache: Cache) -> list[dict]:
         refs = (local.installed.get(digest) or {}).get("refs", [])
         return sorted(({"podNamespace": r["namespace"], "podName": r["name"], "volumeId": r["volume_id"]}
-                       for r in refs if cache.admits(r["namespace"])), key=lambda p: tuple(p.values()))
+                       for r in refs if uses(r, cache)), key=lambda p: tuple(p.values()))
 
     def put(cache_key, key: str, entry: dict) -> None:
         history.setdefault(cache_key, set()).add(key)
@@ -142,7 +158,7 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
         d = cache.digest
         if not d:
             continue  # nothing to report until the controller resolves the tag
-        manifest = next((m for m, i in local.installed.items() if m == d or i["image"].endswith("@" + d)), None)
+        manifest = local.manifest_of(d)
         if manifest is not None:
             inst = local.installed[manifest]
             entry = {"volumeSize": inst["size"]}
@@ -239,22 +255,25 @@ class Reporter:
     pulls one digest-pinned image (blocking) and says whether it is on the node now.
     """
 
+    CONFLICT_ATTEMPTS = 3
+
     def __init__(self, client: Client, node: str, accelerators, view, prefetch, *, resync: float = 2.0,
                  inspect=None):
         self.client, self.node, self.accelerators = client, node, list(accelerators)
         self.view, self.resync = view, resync
         self.writes = Writes()
+        self.retry_in = 0.0  # the current backoff after failed writes (0 while all is well)
         self._stop = threading.Event()
         self._dirty = threading.Event()
         poke = self.poke
         self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), on_change=poke, keep=_trim_cache)
         self.cluster_caches = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"), on_change=poke,
                                         keep=_trim_cache)
-        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke,
-                                  keep=lambda o: {"metadata": {"name": node, "labels": o["metadata"].get("labels") or {}}})
+        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke, keep=_trim_node)
         self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"}, on_change=poke,
                               keep=_trim_pod)
         self._reflectors = (self.caches, self.cluster_caches, self.node_obj, self.pods)
+        # touched by the reconcile thread only
         self._written: dict[str, _Written] | None = None  # None until read back from the API
         self._history: dict = {}
         self.prefetcher = Prefetcher(prefetch, self.accelerators, inspect, on_done=poke)
@@ -275,14 +294,17 @@ class Reporter:
         t.start()
         self._threads.append(t)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop watching and writing; waits at most ``timeout`` seconds in all (a prefetch in
+        flight is left to finish on its own)."""
         self._stop.set()
         self._dirty.set()
         self.prefetcher.wake()
         for r in self._reflectors:
             r.interrupt()
+        end = time.monotonic() + timeout
         for t in self._threads:
-            t.join(10)
+            t.join(max(0.0, end - time.monotonic()))
 
     def poke(self) -> None:
         """Something may have changed: reconcile soon."""
@@ -291,23 +313,27 @@ class Reporter:
     # -- reconcile -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        delay = 0.0
-        while not self._stop.is_set():
-            self._dirty.wait(self.resync if delay == 0 else delay)
+        while True:
+            self._dirty.wait(self.resync)
             if self._stop.is_set():
                 return
             self._dirty.clear()
             try:
                 self.reconcile()
-                delay = 0.0
+                self.retry_in = 0.0
+                continue
             except (KubeError, Unreachable, OSError) as e:
                 self.writes.failures += 1
-                delay = min(30.0, max(0.5, delay * 2))
-                log.warning("status write failed, retrying", extra=kv(node=self.node, error=str(e), retry_in=delay))
-                self._dirty.set()
+                self.retry_in = min(30.0, max(0.5, self.retry_in * 2))
+                log.warning("status write failed, retrying", extra=kv(node=self.node, error=str(e),
+                                                                      retry_in=self.retry_in))
             except Exception:  # a bug must not stop the agent's other duties; keep trying
                 log.exception("status reconcile failed", extra=kv(node=self.node))
-                delay = 30.0
+                self.retry_in = 30.0
+            # back off: cues that come meanwhile wait (they are folded into the retry)
+            if self._stop.wait(self.retry_in):
+                return
+            self._dirty.set()
 
     def reconcile(self) -> None:
         """One pass: compute every object's status and write the ones that changed."""
@@ -316,10 +342,10 @@ class Reporter:
         if self._written is None:
             self._written = self._read_back()
         caches = [Cache.from_object(o) for r in (self.caches, self.cluster_caches) for o in r.snapshot()]
-        labels = next(iter(self.node_obj.items.values()), {}).get("metadata", {}).get("labels", {})
-        want = [c for c in caches if c.digest and wanted(c, labels)]
-        self.prefetcher.want(want)
+        node = next(iter(self.node_obj.snapshot()), {}).get("metadata", {})
+        want = [c for c in caches if c.digest and wanted(c, node.get("labels", {}))]
         local = self.view()
+        self.prefetcher.want(want, local)
         local.failed.update(self.prefetcher.failed())
         wanted_keys = {c.key for c in want if self.prefetcher.fits(c)}
         deleting = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in self.pods.snapshot()
@@ -333,7 +359,7 @@ class Reporter:
                 continue
             if w is None and ns != CLUSTER and not status["caches"]:
                 continue  # no object for a namespace with nothing to report
-            self._write(ns, status)
+            self._write(ns, status, node.get("uid"))
         self.writes.passes += 1
 
     # -- API -----------------------------------------------------------------------------------
@@ -347,12 +373,8 @@ class Reporter:
         found = {}
         sel = {"labelSelector": f"{HOSTNAME_LABEL}={self.node}"}
         items = self.client.request("GET", custom_path(GROUP, VERSION, "gkmcachenodes"), query=sel).get("items") or []
-        try:
-            items.append(self.client.request("GET", self._path(CLUSTER)))
-        except KubeError as e:
-            if e.code != 404:
-                raise
-        for obj in items:
+        cluster_obj = self._get(CLUSTER)
+        for obj in items + ([cluster_obj] if cluster_obj else []):
             md = obj["metadata"]
             if md["name"] != self.node:
                 continue
@@ -363,45 +385,75 @@ class Reporter:
                 self._history.setdefault((ns, name), set()).update(by_digest)
         return found
 
-    def _write(self, ns: str, status: dict) -> None:
-        kind = "GKMCacheNode" if ns else "ClusterGKMCacheNode"
-        w = self._written.get(ns)
-        if w is None:
-            w = self._written[ns] = _Written({}, self._create(ns, kind))
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind, "status": status,
-                "metadata": {"name": self.node, "resourceVersion": w.resource_version, **({"namespace": ns} if ns else {})}}
+    def _get(self, ns: str) -> dict | None:
         try:
-            obj = self.client.request("PUT", self._path(ns, "status"), body=body)
+            return self.client.request("GET", self._path(ns))
         except KubeError as e:
-            if e.code == 409:  # someone else wrote it: take the new version, try again next pass
-                self.writes.conflicts += 1
-                w.resource_version = self.client.request("GET", self._path(ns))["metadata"]["resourceVersion"]
-            elif e.code == 404:  # deleted under us: create it again next pass
-                del self._written[ns]
+            if e.code == 404:
+                return None
             raise
-        self.writes.updates += 1
-        self._written[ns] = _Written(status, obj["metadata"]["resourceVersion"])
-        log.info("node status written", extra=kv(kind=kind, namespace=ns or None, node=self.node,
-                                                 caches=sorted(status["caches"]), counts=status["counts"]))
 
-    def _create(self, ns: str, kind: str) -> str:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind,
-                "metadata": {"name": self.node, "labels": {HOSTNAME_LABEL: self.node}}}
-        path = custom_path(GROUP, VERSION, body["kind"].lower() + "s", ns or None)
+    def _write(self, ns: str, status: dict, node_uid: str | None) -> None:
+        """Make the object's status ``status``: a PUT at the version last seen; on a conflict,
+        re-read the object and try again only if it still differs (never over a version we
+        have not seen)."""
+        kind = "GKMCacheNode" if ns else "ClusterGKMCacheNode"
+        for _ in range(self.CONFLICT_ATTEMPTS):
+            w = self._written.get(ns)
+            if w is None:
+                w = self._written[ns] = self._create(ns, kind, node_uid)
+            if w.status == status:
+                return
+            body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind, "status": status,
+                    "metadata": {"name": self.node, "resourceVersion": w.resource_version,
+                                 **({"namespace": ns} if ns else {})}}
+            try:
+                obj = self.client.request("PUT", self._path(ns, "status"), body=body)
+            except KubeError as e:
+                if e.code not in (404, 409):
+                    raise
+                if e.code == 409:
+                    self.writes.conflicts += 1
+                current = self._get(ns) if e.code == 409 else None
+                if current is None:  # deleted under us (its node's garbage collection?): create it again
+                    del self._written[ns]
+                else:
+                    self._written[ns] = _Written(current.get("status") or {}, current["metadata"]["resourceVersion"])
+                continue
+            self.writes.updates += 1
+            self._written[ns] = _Written(status, obj["metadata"]["resourceVersion"])
+            log.info("node status written", extra=kv(kind=kind, namespace=ns or None, node=self.node,
+                                                     caches=sorted(status["caches"]), counts=status["counts"]))
+            return
+        raise KubeError(409, "Conflict", f"{kind} {self.node}: still changing under us after "
+                                         f"{self.CONFLICT_ATTEMPTS} attempts")
+
+    def _create(self, ns: str, kind: str, node_uid: str | None) -> _Written:
+        """Create the object (owned by the Node, so it goes when the node goes); an object that
+        exists already is taken as it is."""
+        md = {"name": self.node, "labels": {HOSTNAME_LABEL: self.node}}
+        if node_uid:
+            md["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid}]
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind, "metadata": md}
         try:
-            obj = self.client.request("POST", path, body=body)
+            obj = self.client.request("POST", custom_path(GROUP, VERSION, kind.lower() + "s", ns or None), body=body)
             self.writes.creates += 1
         except KubeError as e:
-            if e.code != 409:
+            obj = self._get(ns) if e.code == 409 else None
+            if obj is None:
                 raise
-            obj = self.client.request("GET", self._path(ns))
-        return obj["metadata"]["resourceVersion"]
+        return _Written(obj.get("status") or {}, obj["metadata"]["resourceVersion"])
 
 
 def _trim_cache(obj: dict) -> dict:
     md = obj.get("metadata") or {}
     return {"metadata": {k: md[k] for k in ("name", "namespace", "annotations") if k in md},
             "spec": obj.get("spec") or {}, "status": {"resolvedDigest": (obj.get("status") or {}).get("resolvedDigest")}}
+
+
+def _trim_node(obj: dict) -> dict:
+    md = obj.get("metadata") or {}
+    return {"metadata": {"name": md.get("name"), "uid": md.get("uid"), "labels": md.get("labels") or {}}}
 
 
 def _trim_pod(obj: dict) -> dict:
@@ -433,7 +485,9 @@ class ServiceView:
                     self._targets[c.digest] = inst.targets if inst else []
                 installed[c.digest] = {"image": c.image, "size": c.size_bytes, "targets": self._targets[c.digest],
                                        "refs": [{"volume_id": r.volume_id, "namespace": r.pod.namespace,
-                                                 "name": r.pod.name, "uid": r.pod.uid} for r in c.references]}
+                                                 "name": r.pod.name, "uid": r.pod.uid,
+                                                 "cache": (r.cache.namespace, r.cache.name) if r.HasField("cache")
+                                                 else None} for r in c.references]}
             elif c.state == c.PULLING:
                 pulling.add(c.digest)
             elif c.state == c.FAILED:
@@ -493,22 +547,28 @@ class Prefetcher:
         self._queued: set[str] = set()
         self._lock = threading.Lock()
 
-    def want(self, caches: list[Cache]) -> None:
+    def want(self, caches: list[Cache], local: Local) -> None:
+        """Queue what should be on the node and is not: never tried, failed more than ``retry``
+        seconds ago, or pulled before and removed since (``accelnode cache gc``)."""
         now = time.monotonic()
         with self._lock:
             for c in caches:
                 image = c.pinned()
-                done = self._outcomes.get(image)
                 if image is None or image in self._queued:
                     continue
-                if done is not None and (done.failed is None or now - done.at < self.retry):
-                    continue
+                done = self._outcomes.get(image)
+                if done is not None:
+                    if done.failed is not None and now - done.at < self.retry:
+                        continue
+                    if done.failed is None and (not done.fits or local.manifest_of(c.digest) is not None):
+                        continue
                 self._queued.add(image)
                 self._queue.put((image, not c.node_selector))
 
     def outcome(self, image: str) -> _Outcome | None:
         """How the last prefetch of a pinned image ended (None: not tried yet)."""
-        return self._outcomes.get(image)
+        with self._lock:
+            return self._outcomes.get(image)
 
     def fits(self, cache: Cache) -> bool:
         """Known to fit (a node-selector cache is taken to fit until its pull says otherwise)."""
@@ -516,7 +576,8 @@ class Prefetcher:
         return done.fits if done is not None else bool(cache.node_selector)
 
     def failed(self) -> dict[str, str]:
-        return {img.rsplit("@", 1)[1]: o.failed for img, o in list(self._outcomes.items()) if o.failed}
+        with self._lock:
+            return {img.rsplit("@", 1)[1]: o.failed for img, o in self._outcomes.items() if o.failed}
 
     def wake(self) -> None:
         self._queue.put(None)

@@ -12,21 +12,45 @@ from accelnode import cli as acli
 from accelnode import exitcodes
 
 DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
+# How often the registration socket is checked: kubelet's plugin watcher only sees sockets being
+# created, so one that was removed (registry dir wiped) is made again and registration redone.
+REGISTRATION_CHECK_SECONDS = 2.0
+
+
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """A bad flag value: argparse shows the message for a flag, apply_env for an ACCELNODE_* variable."""
+
+
+def _name(value: str) -> str:
+    if not value.strip():
+        raise BadValue("must not be empty")
+    return value
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also refuses nan
+        raise BadValue(f"{value!r} is not a number of seconds >= 0")
+    return seconds
 
 
 def register(sub) -> None:
     p = sub.add_parser("csi", help="CSI node plugin csi.gkm.io: mounts caches read-only into pods",
                        description=__doc__)
     p.add_argument("--endpoint", required=True, metavar="unix://PATH", help="CSI socket to serve on")
-    p.add_argument("--node-id", required=True, metavar="NAME", help="this node's name (NodeGetInfo)")
+    p.add_argument("--node-id", required=True, type=_name, metavar="NAME", help="this node's name (NodeGetInfo)")
     p.add_argument("--agent-socket", required=True, metavar="PATH", help="the node agent's unix socket")
     p.add_argument("--plugins-registry", default=DEFAULT_REGISTRY, metavar="DIR",
                    help="kubelet's plugin registration directory; empty: do not register "
                         "(default: %(default)s)")
     p.add_argument("--kubelet-endpoint", default="", metavar="PATH",
                    help="the CSI socket's path as kubelet sees it (default: the --endpoint path)")
-    p.add_argument("--pull-wait", type=float, default=20.0, metavar="SECONDS",
-                   help="how long a publish waits for a pull before answering UNAVAILABLE (default: %(default)s)")
+    p.add_argument("--pull-wait", type=_seconds, default=20.0, metavar="SECONDS",
+                   help="how long a publish waits for a pull before answering UNAVAILABLE, at most the "
+                        "call's deadline less a second (default: %(default)s)")
     p.add_argument("--metrics-address", default="127.0.0.1:9810", metavar="HOST:PORT",
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
     acli.add_common(p)
@@ -92,25 +116,41 @@ def run(args: argparse.Namespace) -> int:
     server = grpcutil.serve_unix(sock, lambda s: [add(svc, s) for svc, _, add in servicers], max_workers=16)
     log.info("CSI driver serving", extra=kv(endpoint=sock, node_id=args.node_id, agent=args.agent_socket))
 
-    reg_server = None
-    if reg_dir is not None:
-        def on_status(ok: bool) -> None:
-            metrics.registered.set(1 if ok else 0)
-            if ok:
-                registered.set()
-            else:
-                registered.clear()
+    def on_status(ok: bool) -> None:
+        metrics.registered.set(1 if ok else 0)
+        if ok:
+            registered.set()
+        else:
+            registered.clear()
 
-        reg_servicer = registration.RegistrationServer(args.kubelet_endpoint or sock, on_status)
-        reg_server = grpcutil.serve_unix(registration.socket_path(reg_dir),
-                                         lambda s: reg_grpc.add_RegistrationServicer_to_server(reg_servicer, s),
-                                         max_workers=2)
-        log.info("waiting for kubelet's plugin watcher", extra=kv(socket=str(registration.socket_path(reg_dir))))
+    reg_servicer = registration.RegistrationServer(args.kubelet_endpoint or sock, on_status)
+    reg_server = None
+
+    def keep_registration_socket(server):
+        """Serve the registration socket again when it is gone (kubelet sees only new sockets)."""
+        reg_sock = registration.socket_path(reg_dir)
+        if server is not None and reg_sock.is_socket():
+            return server
+        if server is not None:
+            log.warning("registration socket is gone; serving it again", extra=kv(socket=str(reg_sock)))
+            server.stop(grace=0)
+            on_status(False)
+        if not reg_dir.is_dir():
+            log.warning("plugin registration directory is missing", extra=kv(dir=str(reg_dir)))
+            return None
+        server = grpcutil.serve_unix(reg_sock, lambda s: reg_grpc.add_RegistrationServicer_to_server(reg_servicer, s),
+                                     max_workers=2)
+        log.info("waiting for kubelet's plugin watcher", extra=kv(socket=str(reg_sock)))
+        return server
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while True:
+        if reg_dir is not None:
+            reg_server = keep_registration_socket(reg_server)
+        if stop.wait(REGISTRATION_CHECK_SECONDS):
+            break
     log.info("CSI driver stopping")
     if reg_server is not None:
         reg_server.stop(grace=1).wait()

@@ -2,15 +2,19 @@
 
 The driver keeps nothing in memory that a later call needs: the mount table says what is
 mounted, and the agent's durable references say which volume holds which cache at which
-target. A restarted driver therefore unpublishes what its predecessor published.
+target. A restarted driver therefore unpublishes what its predecessor published. The one
+in-memory thing is which target paths have a call in flight: a second call for the same target
+is answered ABORTED (CSI's "operation pending for volume") instead of racing the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import logging
 import os
-from pathlib import Path
+import threading
 
 import grpc
 
@@ -38,20 +42,43 @@ SHARED_MODES = {Mode.MULTI_NODE_READER_ONLY, Mode.MULTI_NODE_SINGLE_WRITER, Mode
                 Mode.SINGLE_NODE_MULTI_WRITER}
 
 
+class AgentError(Exception):
+    """The node agent's answer to a call, as the status kubelet gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class AgentClient:
-    """The node agent's API with its errors turned into answers for kubelet."""
+    """The node agent's API; calls end by the deadline of the CSI call they serve."""
 
     def __init__(self, channel: grpc.Channel, socket: str):
         self.stub = agent_grpc.AgentStub(channel)
         self.socket = socket
 
     def call(self, context, method: str, request, timeout: float = 10.0):
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = max(0.0, min(timeout, remaining))
         try:
             return getattr(self.stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:
             if e.code() in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
-                context.abort(Code.UNAVAILABLE, f"node agent at {self.socket} did not answer {method}: {e.details()}")
-            context.abort(e.code(), e.details())
+                raise AgentError(Code.UNAVAILABLE,
+                                 f"node agent at {self.socket} did not answer {method}: {e.details()}") from None
+            raise AgentError(e.code(), e.details()) from None
+
+
+def _answers_agent_errors(rpc):
+    @functools.wraps(rpc)
+    def wrapper(self, request, context):
+        try:
+            return rpc(self, request, context)
+        except AgentError as e:
+            context.abort(e.code, str(e))
+
+    return wrapper
 
 
 class NodeServer(csi_grpc.NodeServicer):
@@ -61,18 +88,19 @@ class NodeServer(csi_grpc.NodeServicer):
         self.agent = agent_client
         self.resolver = resolver
         self.pull_wait = pull_wait
+        self._busy: set[str] = set()  # resolved target paths with a publish/unpublish in flight
+        self._busy_lock = threading.Lock()
 
     # -- publish -------------------------------------------------------------------------
 
+    @_answers_agent_errors
     def NodePublishVolume(self, request, context):  # noqa: N802 (gRPC naming)
         vid, target = request.volume_id, request.target_path
         _require(context, vid, "volume_id")
         _require(context, target, "target_path")
-        if not request.HasField("volume_capability"):
-            context.abort(Code.INVALID_ARGUMENT, "volume_capability is required")
-        if request.volume_capability.HasField("block"):
-            context.abort(Code.INVALID_ARGUMENT, "block access is not supported: a cache is a directory, "
-                                                 "ask for a mount volume")
+        flags = _mount_flags(context, request)
+        where = _resolve_target(context, target)
+        _check_place(context, where, target)
         vc = dict(request.volume_context)
         try:
             cache = resolve.cache_ref(vc)
@@ -83,24 +111,28 @@ class NodeServer(csi_grpc.NodeServicer):
             context.abort(Code[e.code], str(e))
         ready = self._ensure(context, cache, image)
 
-        if mounts.is_mountpoint(target):
-            if not (mounts.same_directory(target, ready.path) and mounts.is_readonly(target)):
-                context.abort(Code.ALREADY_EXISTS, f"{target} is already a mount point of something other "
-                                                   f"than {cache} ({ready.digest}) read-only")
-            self._acquire(context, request, ready.digest, pod)  # checks it is the same volume
-            return csi.NodePublishVolumeResponse()
+        with self._only_call_on(where, context):
+            top = mounts.top_mount(where)
+            if top is not None:
+                wanted = mounts.options_of(flags)
+                if not (mounts.same_directory(where, ready.path) and wanted == top.options & mounts.FLAGS.keys()):
+                    context.abort(Code.ALREADY_EXISTS, f"{target} is already a mount point of something other than "
+                                                       f"{cache} ({ready.digest}) {','.join(sorted(wanted))}")
+                self._acquire_checked(context, request, ready.digest, pod, cache)  # the same volume?
+                return csi.NodePublishVolumeResponse()
+            _check_empty_dir(context, where, target)
 
-        self._acquire(context, request, ready.digest, pod)
-        created = not os.path.lexists(target)
-        try:
-            Path(target).mkdir(mode=0o750, parents=True, exist_ok=True)
-            mounts.bind_readonly(ready.path, target)
-        except OSError as e:
-            if created:
-                _rmdir(target)
-            self.agent.call(context, "ReleaseReference",
-                            agent.ReleaseReferenceRequest(volume_id=vid, target_path=target))
-            context.abort(Code.INTERNAL, f"cannot mount {cache} at {target}: {e.strerror or e}")
+            self._acquire_checked(context, request, ready.digest, pod, cache)
+            created = not os.path.lexists(where)
+            try:
+                if created:
+                    os.mkdir(where, 0o750)
+                mounts.bind_readonly(ready.path, where, flags & ~mounts.ALWAYS)
+            except OSError as e:
+                if created:
+                    _rmdir(where)
+                self._release_after_failure(context, vid, target)
+                context.abort(Code.INTERNAL, f"cannot mount {cache} at {target}: {e.strerror or e}")
         log.info("volume published", extra=kv(volume_id=vid, cache=str(cache), digest=ready.digest,
                                               target=target, pod=f"{pod.namespace}/{pod.name}"))
         return csi.NodePublishVolumeResponse()
@@ -108,42 +140,84 @@ class NodeServer(csi_grpc.NodeServicer):
     def _ensure(self, context, cache, image: str):
         wait = self.pull_wait
         remaining = context.time_remaining()
-        if remaining is not None:
+        if remaining is not None:  # leave a second of the caller's deadline for the mount
             wait = max(0.0, min(wait, remaining - 1.0))
         answer = self.agent.call(context, "EnsureCache", agent.EnsureCacheRequest(image=image, wait_seconds=wait),
                                  timeout=wait + 10.0)
         if answer.state == Ensure.READY:
             return answer
         if answer.state == Ensure.PULLING:
-            context.abort(Code.UNAVAILABLE, f"{cache}: {image} is still being pulled to this node; retry")
+            context.abort(Code.UNAVAILABLE, f"{cache}: {image} is still being pulled to this node; retry "
+                                            f"({answer.message})")
         if answer.state == Ensure.INCOMPATIBLE:
             context.abort(Code.FAILED_PRECONDITION, f"{cache}: {image} does not fit this node: expected "
                                                     f"{answer.expected}, found {answer.found}")
         context.abort(FAILURE_CODES.get(answer.failure, Code.INTERNAL), f"{cache}: {answer.message}")
 
-    def _acquire(self, context, request, digest: str, pod: resolve.Pod) -> None:
+    def _acquire(self, context, request, digest: str, pod: resolve.Pod, cache: resolve.CacheRef) -> None:
         mode = request.volume_capability.access_mode.mode
         self.agent.call(context, "AcquireReference", agent.AcquireReferenceRequest(
             volume_id=request.volume_id, digest=digest, target_path=request.target_path,
             exclusive=mode not in SHARED_MODES,
-            pod=agent.PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid)))
+            pod=agent.PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid),
+            cache=agent.CacheRef(namespace=cache.namespace or "", name=cache.name)))
+
+    def _acquire_checked(self, context, request, digest: str, pod: resolve.Pod, cache: resolve.CacheRef) -> None:
+        """AcquireReference, with CSI's code for a single-node volume wanted at a second target:
+        FAILED_PRECONDITION (the agent calls every conflict ALREADY_EXISTS)."""
+        try:
+            self._acquire(context, request, digest, pod, cache)
+        except AgentError as e:
+            if (e.code == Code.ALREADY_EXISTS and request.volume_capability.access_mode.mode not in SHARED_MODES
+                    and self._published_elsewhere(context, request.volume_id, request.target_path)):
+                raise AgentError(Code.FAILED_PRECONDITION, str(e)) from None
+            raise
+
+    def _published_elsewhere(self, context, volume_id: str, target: str) -> bool:
+        listing = self.agent.call(context, "ListCaches", agent.ListCachesRequest())
+        targets = {r.target_path for c in listing.caches for r in c.references if r.volume_id == volume_id}
+        return bool(targets) and target not in targets
+
+    def _release_after_failure(self, context, vid: str, target: str) -> None:
+        """Drop the reference a failed publish took; the publish's own error is what kubelet gets."""
+        try:
+            self.agent.call(context, "ReleaseReference",
+                            agent.ReleaseReferenceRequest(volume_id=vid, target_path=target))
+        except AgentError as e:
+            log.error("cannot release the reference of a failed publish; the next unpublish of this volume "
+                      "releases it", extra=kv(volume_id=vid, target=target, error=str(e)))
+
+    @contextlib.contextmanager
+    def _only_call_on(self, where: str, context):
+        with self._busy_lock:
+            if where in self._busy:
+                context.abort(Code.ABORTED, f"another publish or unpublish of {where} is in progress")
+            self._busy.add(where)
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy.discard(where)
 
     # -- unpublish -----------------------------------------------------------------------
 
+    @_answers_agent_errors
     def NodeUnpublishVolume(self, request, context):  # noqa: N802
         vid, target = request.volume_id, request.target_path
         _require(context, vid, "volume_id")
         _require(context, target, "target_path")
-        try:
-            for _ in range(MAX_STACKED_UNMOUNTS):
-                if not mounts.is_mountpoint(target):
-                    break
-                mounts.unmount(target)
-            else:
-                context.abort(Code.INTERNAL, f"{target} still mounted after {MAX_STACKED_UNMOUNTS} unmounts")
-            _rmdir(target)
-        except OSError as e:
-            context.abort(Code.INTERNAL, f"cannot unpublish {target}: {e.strerror or e}")
+        where = _resolve_target(context, target)
+        with self._only_call_on(where, context):
+            try:
+                for _ in range(MAX_STACKED_UNMOUNTS):
+                    if not mounts.is_mountpoint(where):
+                        break
+                    mounts.unmount(where)
+                else:
+                    context.abort(Code.INTERNAL, f"{target} still mounted after {MAX_STACKED_UNMOUNTS} unmounts")
+                _rmdir(where)
+            except OSError as e:
+                context.abort(Code.INTERNAL, f"cannot unpublish {target}: {e.strerror or e}")
         released = self.agent.call(context, "ReleaseReference",
                                    agent.ReleaseReferenceRequest(volume_id=vid, target_path=target))
         log.info("volume unpublished", extra=kv(volume_id=vid, target=target, released=released.released))
@@ -151,6 +225,7 @@ class NodeServer(csi_grpc.NodeServicer):
 
     # -- info ----------------------------------------------------------------------------
 
+    @_answers_agent_errors
     def NodeGetVolumeStats(self, request, context):  # noqa: N802
         vid, path = request.volume_id, request.volume_path
         _require(context, vid, "volume_id")
@@ -161,13 +236,20 @@ class NodeServer(csi_grpc.NodeServicer):
         cache = next((c for c in listing.caches for r in c.references
                       if (r.volume_id, r.target_path) == (vid, path)), None)
         if cache is None:
-            context.abort(Code.NOT_FOUND, f"volume {vid} is not published on this node")
-        healthy = mounts.is_mountpoint(path) and mounts.is_readonly(path)
+            context.abort(Code.NOT_FOUND, f"volume {vid} is not published at {path} on this node")
+        top = mounts.top_mount(path)
+        if top is None:
+            problem = f"{path} is no longer a mount point"
+        elif not {"ro", "nosuid", "nodev"} <= top.options:
+            problem = f"{path} is mounted {','.join(sorted(top.options))}, not ro,nosuid,nodev"
+        elif not mounts.same_directory(path, cache.path):
+            problem = f"{path} no longer shows {cache.digest}"
+        else:
+            problem = ""
         return csi.NodeGetVolumeStatsResponse(
             usage=[csi.VolumeUsage(unit=csi.VolumeUsage.BYTES, total=cache.size_bytes, used=cache.size_bytes)],
-            volume_condition=csi.VolumeCondition(
-                abnormal=not healthy,
-                message="read-only mount of " + cache.digest if healthy else f"{path} is not a read-only mount"))
+            volume_condition=csi.VolumeCondition(abnormal=bool(problem),
+                                                 message=problem or f"read-only mount of {cache.digest}"))
 
     def NodeGetCapabilities(self, request, context):  # noqa: N802
         rpc = csi.NodeServiceCapability.RPC
@@ -181,6 +263,60 @@ class NodeServer(csi_grpc.NodeServicer):
 def _require(context, value: str, name: str) -> None:
     if not value:
         context.abort(Code.INVALID_ARGUMENT, f"{name} is required")
+
+
+def _mount_flags(context, request) -> int:
+    """Check the volume capability; the mount flags the cache mount gets.
+
+    Any access mode is accepted, writer modes included: kubelet asks SINGLE_NODE_WRITER for every
+    inline volume whatever the pod's readOnly, and the mount is read-only either way. fs_type is
+    ignored (a bind mount of a directory has none). mount_flags may only add what keeps the mount
+    read-only: ro, nosuid, nodev (always set) and noexec.
+    """
+    if not request.HasField("volume_capability"):
+        context.abort(Code.INVALID_ARGUMENT, "volume_capability is required")
+    cap = request.volume_capability
+    if cap.HasField("block"):
+        context.abort(Code.INVALID_ARGUMENT, "block access is not supported: a cache is a directory, "
+                                             "ask for a mount volume")
+    if not cap.HasField("mount"):
+        context.abort(Code.INVALID_ARGUMENT, "volume_capability needs an access type: mount")
+    if cap.access_mode.mode not in Mode.Mode.values() or cap.access_mode.mode == Mode.UNKNOWN:
+        context.abort(Code.INVALID_ARGUMENT, f"volume_capability.access_mode {cap.access_mode.mode} is not a "
+                                             "known access mode")
+    flags = mounts.ALWAYS
+    for opt in cap.mount.mount_flags:
+        if opt not in mounts.FLAGS:
+            context.abort(Code.INVALID_ARGUMENT, f"mount flag {opt!r} is not supported: a cache is always mounted "
+                                                 f"ro,nosuid,nodev and may add noexec")
+        flags |= mounts.FLAGS[opt]
+    return flags
+
+
+def _resolve_target(context, target: str) -> str:
+    """The target as the mount table names it: the parent's symlinks resolved (kubelet's root may
+    be a symlink), the last component kept, so a symlink placed there is never followed."""
+    if not os.path.isabs(target):
+        context.abort(Code.INVALID_ARGUMENT, f"target_path {target!r} is not an absolute path")
+    parent, name = os.path.split(os.path.normpath(target))
+    if not name:
+        context.abort(Code.INVALID_ARGUMENT, f"target_path {target!r} names no directory")
+    return os.path.join(mounts.resolve(parent), name)
+
+
+def _check_place(context, where: str, target: str) -> None:
+    """The CO makes the target's parent; the target itself is never a symlink."""
+    if not os.path.isdir(os.path.dirname(where)):
+        context.abort(Code.FAILED_PRECONDITION, f"the parent directory of target_path {target} does not exist "
+                                                "(the CO creates it)")
+    if os.path.islink(where):
+        context.abort(Code.FAILED_PRECONDITION, f"target_path {target} is a symlink; refusing to mount through it")
+
+
+def _check_empty_dir(context, where: str, target: str) -> None:
+    """A target that is not a mount point yet must be absent (we create it) or an empty directory."""
+    if os.path.lexists(where) and (not os.path.isdir(where) or os.listdir(where)):
+        context.abort(Code.FAILED_PRECONDITION, f"target_path {target} exists and is not an empty directory")
 
 
 def _rmdir(path: str) -> None:

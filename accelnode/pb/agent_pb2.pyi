@@ -73,19 +73,29 @@ class PodRef(_message.Message):
     uid: str
     def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
 
+class CacheRef(_message.Message):
+    __slots__ = ("namespace", "name")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    name: str
+    def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
 class AcquireReferenceRequest(_message.Message):
-    __slots__ = ("volume_id", "digest", "pod", "target_path", "exclusive")
+    __slots__ = ("volume_id", "digest", "pod", "target_path", "exclusive", "cache")
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     volume_id: str
     digest: str
     pod: PodRef
     target_path: str
     exclusive: bool
-    def __init__(self, volume_id: _Optional[str] = ..., digest: _Optional[str] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., target_path: _Optional[str] = ..., exclusive: _Optional[bool] = ...) -> None: ...
+    cache: CacheRef
+    def __init__(self, volume_id: _Optional[str] = ..., digest: _Optional[str] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., target_path: _Optional[str] = ..., exclusive: _Optional[bool] = ..., cache: _Optional[_Union[CacheRef, _Mapping]] = ...) -> None: ...
 
 class AcquireReferenceResponse(_message.Message):
     __slots__ = ()
@@ -110,14 +120,16 @@ class ListCachesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Reference(_message.Message):
-    __slots__ = ("volume_id", "pod", "target_path")
+    __slots__ = ("volume_id", "pod", "target_path", "cache")
     VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     volume_id: str
     pod: PodRef
     target_path: str
-    def __init__(self, volume_id: _Optional[str] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., target_path: _Optional[str] = ...) -> None: ...
+    cache: CacheRef
+    def __init__(self, volume_id: _Optional[str] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., target_path: _Optional[str] = ..., cache: _Optional[_Union[CacheRef, _Mapping]] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
     __slots__ = ("image", "digest", "state", "path", "kind", "size_bytes", "references", "message", "compatible")

@@ -172,12 +172,16 @@ class Node:
 
         return self.stub().EnsureCache(agent.EnsureCacheRequest(image=image, wait_seconds=60), timeout=90)
 
-    def acquire(self, volume_id: str, digest: str, pod_namespace: str, pod_name: str) -> None:
+    def acquire(self, volume_id: str, digest: str, pod_namespace: str, pod_name: str,
+                cache: tuple[str, str] | None = None) -> None:
+        """A reference as the CSI driver takes it; ``cache`` (namespace, name - namespace "" for
+        a ClusterGKMCache) is the cache the volume names, None for a driver that does not say."""
         from csi_driver.api import agent
 
         self.stub().AcquireReference(agent.AcquireReferenceRequest(
             volume_id=volume_id, digest=digest, target_path=self.target(volume_id),
-            pod=agent.PodRef(namespace=pod_namespace, name=pod_name, uid=str(uuid.uuid4()))), timeout=30)
+            pod=agent.PodRef(namespace=pod_namespace, name=pod_name, uid=str(uuid.uuid4())),
+            cache=agent.CacheRef(namespace=cache[0], name=cache[1]) if cache else None), timeout=30)
 
     def release(self, volume_id: str) -> None:
         from csi_driver.api import agent

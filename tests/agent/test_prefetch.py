@@ -47,3 +47,15 @@ def test_tag_only_cache_waits_for_its_resolved_digest(cluster, node_factory, ima
     cluster.objs.patch_namespaced_custom_object_status(
         "gkm.io", "v1alpha1", ns, "gkmcaches", "tagged", body={"status": {"resolvedDigest": digest_of(images.tpu)}})
     assert entry_in("Extracted", cluster, node.name, ns, "tagged", digest_of(images.tpu))
+
+
+def test_prefetched_cache_removed_by_gc_is_pulled_again(cluster, node_factory, images, kube_namespace):
+    ns = kube_namespace
+    node = node_factory().start()
+    d = digest_of(images.tpu)
+    cluster.cache("kept", images.tpu, namespace=ns, node_selector={"cloud.google.com/gke-tpu-topology": "2x2"})
+    assert entry_in("Extracted", cluster, node.name, ns, "kept", d)
+    assert node.store.gc() == [d]  # what `accelnode cache gc` does: nothing uses it
+    node.reporter.poke()  # the CLI runs in another process; the agent sees it at its next look
+    assert eventually(lambda: node.store.installed(d) is not None), "the gc'd prefetch was not pulled again"
+    assert entry_in("Extracted", cluster, node.name, ns, "kept", d)

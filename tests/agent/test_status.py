@@ -4,6 +4,7 @@ drives it (EnsureCache, AcquireReference, ReleaseReference over the agent's gRPC
 
 from __future__ import annotations
 
+from csi_driver.api import agent as agent_api
 from tests.agent.conftest import eventually
 
 
@@ -107,3 +108,47 @@ def test_deleted_cache_still_mounted_is_deleting(cluster, node_factory, images, 
     assert cluster.node_status(node.name, ns)["counts"]["podDeletingCnt"] == 1
     node.release("vol-d")
     assert eventually(lambda: cluster.node_status(node.name, ns)["caches"] == {})
+
+
+def same_digest_caches(cluster, node_factory, images, ns):
+    """A node with a GKMCache "local" of ``ns`` and a ClusterGKMCache (returned name) open to
+    ``ns``, both on the same installed digest."""
+    node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
+    cluster.cache("local", images.tpu, namespace=ns)
+    shared = f"shared-{node.name}"
+    cluster.cache(shared, images.tpu, workload_namespaces=[ns])
+    node.ensure(images.tpu)
+    return node, shared, digest_of(images.tpu)
+
+
+def test_a_reference_counts_for_the_cache_its_volume_names(cluster, node_factory, images, kube_namespace):
+    """A GKMCache and a ClusterGKMCache with the same digest, both usable from the pod's
+    namespace: the pod counts only for the cache its volume names."""
+    ns = kube_namespace
+    node, shared, d = same_digest_caches(cluster, node_factory, images, ns)
+    node.acquire("vol-c", d, ns, "uses-cluster-cache", cache=("", shared))
+
+    e = entry_in("Running", cluster, node.name, None, shared, d)
+    assert e["pods"] == [{"podNamespace": ns, "podName": "uses-cluster-cache", "volumeId": "vol-c"}]
+    local = entry_in("Extracted", cluster, node.name, ns, "local", d)
+    assert "pods" not in local
+    assert cluster.node_status(node.name, ns)["counts"]["podRunningCnt"] == 0
+    listing = node.stub().ListCaches(agent_api.ListCachesRequest(), timeout=30)
+    ref = next(r for c in listing.caches for r in c.references if r.volume_id == "vol-c")
+    assert (ref.cache.namespace, ref.cache.name) == ("", shared)
+
+    # the other way round, on another volume: the namespaced cache counts it, the cluster one does not
+    node.acquire("vol-n", d, ns, "uses-local-cache", cache=(ns, "local"))
+    e = entry_in("Running", cluster, node.name, ns, "local", d)
+    assert [p["podName"] for p in e["pods"]] == ["uses-local-cache"]
+    assert [p["podName"] for p in entry(cluster, node.name, None, shared, d)["pods"]] == ["uses-cluster-cache"]
+
+
+def test_a_reference_without_a_cache_falls_back_to_the_namespace(cluster, node_factory, images, kube_namespace):
+    """References taken before the driver named the cache: every cache of that digest the pod's
+    namespace may use counts the pod (the old inference)."""
+    ns = kube_namespace
+    node, shared, d = same_digest_caches(cluster, node_factory, images, ns)
+    node.acquire("vol-old", d, ns, "old-driver-pod")
+    assert entry_in("Running", cluster, node.name, None, shared, d)
+    assert entry_in("Running", cluster, node.name, ns, "local", d)

@@ -81,8 +81,8 @@ def unmount_below(root: Path) -> None:
     """Detach every mount under ``root``, deepest first (cleanup, whatever the test left)."""
     libc = ctypes.CDLL(None, use_errno=True)
     prefix = str(root) + "/"
-    for mp in sorted((m for m in mounts.mount_points() if m.startswith(prefix)), key=len, reverse=True):
-        libc.umount2(os.fsencode(mp), MNT_DETACH)
+    for mp in sorted((m.point for m in mounts.mounts() if m.point.startswith(prefix)), key=len, reverse=True):
+        libc.umount2(os.fsencode(mp), MNT_DETACH)  # stacked mounts appear once each
 
 
 @dataclass
@@ -217,6 +217,11 @@ def running_node(node):
     node.agent.start()
     node.csi.start()
     return node
+
+
+def mount_count(path: Path) -> int:
+    """How many mounts are stacked at ``path`` (the mount table lists each one)."""
+    return [m.point for m in mounts.mounts()].count(mounts.resolve(path))
 
 
 def code_of(call, *args, **kw) -> grpc.StatusCode:

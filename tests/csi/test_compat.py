@@ -10,6 +10,8 @@ from tests.conftest import require_root
 
 V5E = Accelerator("tpu", "v5e", 4, "tpu-discovery")
 H100 = Accelerator("cuda", "sm_90", 8, "nvml")
+MI250 = Accelerator("hip", "gfx90a", 2, "pci 1002:740c")
+RDNA3 = Accelerator("hip", "gfx1100", 1, "pci 1002:744c")
 
 
 @pytest.fixture
@@ -44,6 +46,12 @@ def test_plain_cpu_node(host):
     ([{"backend": "tpu", "arch": "v5e"}], [V5E]),
     ([{"backend": "TPU", "arch": "v5litepod"}], [V5E]),  # aliases normalise
     ([{"backend": "cuda", "arch": "90", "warp_size": 32}], [H100]),  # sm_ prefix or not
+    ([{"backend": "cuda", "arch": 90}], [H100]),  # Triton writes the CUDA arch as a number
+    ([{"backend": "cuda", "arch": "9.0"}], [H100]),  # compute capability spelling
+    ([{"backend": "cuda", "arch": "sm90a"}], [H100]),  # arch-specific variant of 9.0
+    ([{"backend": "cuda", "arch": "compute_90"}], [H100]),
+    ([{"backend": "cuda", "arch": "10.0"}], [Accelerator("cuda", "sm_100", 1, "nvml")]),
+    ([{"backend": "rocm", "arch": "gfx90a:sramecc+:xnack-", "warp_size": 64}], [MI250]),  # target features
     ([{"backend": "hip", "arch": "gfx942"}, {"backend": "tpu", "arch": "v5e"}], [V5E]),  # any target
     ([], []),  # accelerator-neutral
 ])
@@ -62,3 +70,24 @@ def test_unknown_arch_fits_nothing():
     m = compat.check([{"backend": "hip", "arch": "gfx942"}], [unknown])
     assert m is not None and m.found == "hip/unknown-arch x1"
     assert compat.check([{"backend": "tpu", "arch": "v5e"}], []).found == "no accelerators"
+
+
+@pytest.mark.parametrize("targets,node", [
+    ([{"backend": "cuda", "arch": "8.0"}], [H100]),  # 8.0 is not 9.0
+    ([{"backend": "cuda", "arch": "sm_100"}], [H100]),
+    ([{"backend": "hip", "arch": "gfx1100", "warp_size": 64}], [RDNA3]),  # RDNA runs wave32
+    ([{"backend": "hip", "arch": "gfx90a", "warp_size": 32}], [MI250]),  # CDNA runs wave64
+])
+def test_does_not_fit(targets, node):
+    assert compat.check(targets, node) is not None
+
+
+def test_warp_size_mismatch_names_both_sizes():
+    m = compat.check([{"backend": "hip", "arch": "gfx1100", "warp_size": 64}], [RDNA3])
+    assert (m.expected, m.found) == ("hip/gfx1100 (warp 64)", "hip/gfx1100 x1 (warp 32)")
+
+
+def test_accelerator_targets_carry_warp_size():
+    assert [a.target() for a in (H100, MI250, RDNA3, V5E)] == [
+        {"backend": "cuda", "arch": "sm_90", "warp_size": 32}, {"backend": "hip", "arch": "gfx90a", "warp_size": 64},
+        {"backend": "hip", "arch": "gfx1100", "warp_size": 32}, {"backend": "tpu", "arch": "v5e"}]

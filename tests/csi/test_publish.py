@@ -10,7 +10,7 @@ import pytest
 from csi_driver import mounts
 from csi_driver.api import csi
 
-from .conftest import code_of, error_of, eventually
+from .conftest import code_of, error_of, eventually, mount_count
 
 Code = grpc.StatusCode
 
@@ -32,7 +32,7 @@ def test_publish_twice_unpublish_twice(running_node, images):
     stub.NodePublishVolume(vol.publish_request(), timeout=60)
     assert_published(vol)
     stub.NodePublishVolume(vol.publish_request(), timeout=60)  # kubelet retries: same answer, one mount
-    assert sum(1 for m in mounts.mount_points() if m == str(vol.target)) == 1
+    assert mount_count(vol.target) == 1
     assert running_node.references() == {vol.volume_id: images.tpu.rsplit("@", 1)[1]}
 
     stub.NodeUnpublishVolume(vol.unpublish_request(), timeout=30)
@@ -62,7 +62,8 @@ def test_same_volume_id_other_arguments(running_node, images):
     other_target = vol.target.parent.parent / "elsewhere" / "mount"
     other_target.parent.mkdir(parents=True)
     err = error_of(stub.NodePublishVolume, moved.publish_request(target_path=str(other_target)))
-    assert err.code() == Code.ALREADY_EXISTS and vol.volume_id in err.details()
+    # CSI: a non-MULTI_NODE volume at a second target path is FAILED_PRECONDITION
+    assert err.code() == Code.FAILED_PRECONDITION and vol.volume_id in err.details()
     assert not other_target.exists()
     other_cache = running_node.volume(images.cluster_tpu, pod_uid=vol.pod_uid, name=vol.name)
     assert code_of(stub.NodePublishVolume, other_cache.publish_request()) == Code.ALREADY_EXISTS

@@ -85,3 +85,20 @@ def test_refused_registration_keeps_driver_unready(node):
     assert "is supported" in error
     assert readyz(node.csi_metrics_port) == 503
     assert "kubelet refused the registration" in node.csi.log()
+
+
+def test_registration_socket_served_again_when_removed(node):
+    """kubelet's plugin watcher only notices new sockets: a wiped one is made again and the
+    driver is unready until kubelet confirms the new registration."""
+    node.csi.start()
+    watcher = PluginWatcher(node.registry_dir)
+    sock = watcher.find_socket()
+    watcher.register(sock)
+    assert readyz(node.csi_metrics_port) == 200
+    sock.unlink()
+    again = watcher.find_socket(timeout=30)  # only the driver makes it again
+    assert again == sock
+    assert readyz(node.csi_metrics_port) == 503  # marked unregistered before the new socket appeared
+    _, error = watcher.register(again)
+    assert error == "" and readyz(node.csi_metrics_port) == 200
+    assert "registration socket is gone" in node.csi.log()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import grpc
 import pytest
 
 from csi_driver.api import csi
+
+from tests.conftest import accelnode_cmd
 
 from .conftest import error_of
 
@@ -114,3 +118,54 @@ def test_node_info_and_capabilities(csi_only):
     rpc = csi.NodeServiceCapability.RPC
     caps = {c.rpc.type for c in stub.NodeGetCapabilities(csi.NodeGetCapabilitiesRequest(), timeout=10).capabilities}
     assert caps == {rpc.GET_VOLUME_STATS, rpc.VOLUME_CONDITION}  # no staging: caches need none
+
+
+def _with_capability(vol, mutate) -> csi.NodePublishVolumeRequest:
+    req = vol.publish_request()
+    mutate(req.volume_capability)
+    return req
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda c: c.ClearField("mount"), "needs an access type: mount"),
+    (lambda c: c.ClearField("access_mode"), "is not a known access mode"),
+    (lambda c: setattr(c.access_mode, "mode", 42), "42 is not a known access mode"),
+    (lambda c: c.mount.mount_flags.append("rw"), "mount flag 'rw' is not supported"),
+    (lambda c: c.mount.mount_flags.append("exec"), "mount flag 'exec' is not supported"),
+], ids=["no-access-type", "no-access-mode", "unknown-access-mode", "flag-rw", "flag-exec"])
+def test_bad_volume_capability(csi_only, mutate, message):
+    vol = csi_only.volume(IMAGE)
+    err = error_of(csi_only.node_stub().NodePublishVolume, _with_capability(vol, mutate))
+    assert err.code() == Code.INVALID_ARGUMENT and message in err.details()
+    assert not vol.target.exists()
+
+
+@pytest.mark.parametrize("target,code,message", [
+    ("relative/mount", Code.INVALID_ARGUMENT, "is not an absolute path"),
+    ("/", Code.INVALID_ARGUMENT, "names no directory"),
+])
+def test_bad_target_path(csi_only, target, code, message):
+    err = error_of(csi_only.node_stub().NodePublishVolume, csi_only.volume(IMAGE).publish_request(target_path=target))
+    assert err.code() == code and message in err.details()
+
+
+def test_target_parent_must_exist(csi_only):
+    """The CO makes the parent (kubelet does, 0750); the driver makes only the target itself."""
+    vol = csi_only.volume(IMAGE)
+    missing = csi_only.root / "no-such-pod" / "volumes" / "mount"
+    err = error_of(csi_only.node_stub().NodePublishVolume, vol.publish_request(target_path=str(missing)))
+    assert err.code() == Code.FAILED_PRECONDITION and "parent directory" in err.details()
+    assert not (csi_only.root / "no-such-pod").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--node-id", ""], "argument --node-id: must not be empty"),
+    (["--node-id", "n", "--pull-wait", "-1"], "'-1' is not a number of seconds >= 0"),
+    (["--node-id", "n", "--pull-wait", "soon"], "'soon' is not a number of seconds >= 0"),
+])
+def test_bad_flags_exit_with_usage(tmp_path, argv, message):
+    proc = subprocess.run(accelnode_cmd() + ["csi", "--endpoint", f"unix://{tmp_path}/csi.sock",
+                                             "--agent-socket", str(tmp_path / "agent.sock"), *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "csi.sock").exists()
