@@ -37,8 +37,11 @@ def apply_env(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Give every long option of ``parser`` an ACCELNODE_* environment equivalent.
 
     The env value becomes the option's default (so the command line still wins) and the
-    option's help text names the variable. Bad env values fail like bad flags.
+    option's help text names the variable. A bad env value fails like a bad flag, but only when
+    this parser's command runs: every subcommand's parser is built for ``--help``, and a variable
+    meant for one command must not break another.
     """
+    errors: list[str] = []
     for action in parser._actions:  # argparse has no public accessor
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or action.dest in ("help", "version"):
@@ -51,7 +54,8 @@ def apply_env(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             low = raw.strip().lower()
             if low not in _TRUE | _FALSE:
-                parser.error(f"{name}={raw!r}: expected true or false")
+                errors.append(f"{name}={raw!r}: expected true or false")
+                continue
             val = low in _TRUE
             action.default = val if isinstance(action, argparse._StoreTrueAction) else not val
         elif isinstance(action, argparse._AppendAction):
@@ -59,13 +63,24 @@ def apply_env(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             try:
                 val = action.type(raw) if action.type else raw
-            except (TypeError, ValueError) as e:
-                parser.error(f"{name}={raw!r}: {e}")
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                errors.append(f"{name}={raw!r}: {e}")
+                continue
             if action.choices is not None and val not in action.choices:
-                parser.error(f"{name}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+                errors.append(f"{name}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+                continue
             action.default = val
             action.required = False
+    if errors:
+        parser.set_defaults(_env_errors=(parser, errors))
     return parser
+
+
+def check_env(args: argparse.Namespace) -> None:
+    """Fail like argparse (exit 2) if the chosen command's ACCELNODE_* variables were bad."""
+    parser, errors = getattr(args, "_env_errors", (None, []))
+    if errors:
+        parser.error("; ".join(errors))
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_env(args)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return exitcodes.USAGE

@@ -62,10 +62,21 @@ def test_env_equivalents_set_defaults_and_flags_win():
     ({"ACCELNODE_LOG_FORMAT": "xml"}, "choose from json, text"),
 ])
 def test_bad_env_value_is_a_usage_error(env, fragment, capsys):
+    p = _parser(env)
     with pytest.raises(SystemExit) as e:
-        _parser(env)
+        cli.check_env(p.parse_args([]))
     assert e.value.code == exitcodes.USAGE
     assert fragment in capsys.readouterr().err
+
+
+def test_a_bad_variable_of_one_command_does_not_break_another():
+    bad = {"ACCELNODE_PULL_WAIT": "soon"}  # a csi flag
+    out = run("cache", "--help", env=bad)
+    assert out.returncode == 0, out.stderr
+    out = run("csi", "--endpoint", "unix:///nonexistent/csi.sock", "--node-id", "n", "--agent-socket", "/nonexistent",
+              env=bad)
+    assert out.returncode == exitcodes.USAGE
+    assert "ACCELNODE_PULL_WAIT='soon'" in out.stderr
 
 
 def test_socket_path_over_the_unix_limit_is_refused_before_binding(tmp_path):
