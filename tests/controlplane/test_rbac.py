@@ -35,16 +35,20 @@ def test_agent_reads_caches_and_writes_its_node_objects(agent, kube_namespace):
 
     node_obj = {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCacheNode",
                 "metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE}}}
-    objs.create_namespaced_custom_object(*GKM, kube_namespace, "gkmcachenodes", body=node_obj)
-    patched = objs.patch_namespaced_custom_object_status(
-        *GKM, kube_namespace, "gkmcachenodes", NODE, body={"status": {"nodeName": NODE}}
-    )
-    assert patched["status"]["nodeName"] == NODE
-    objs.patch_namespaced_custom_object(
-        *GKM, kube_namespace, "gkmcachenodes", NODE, body={"metadata": {"finalizers": ["gkm.io.demo/finalizer"]}}
-    )
-    objs.create_cluster_custom_object(*GKM, "clustergkmcachenodes", body={**node_obj, "kind": "ClusterGKMCacheNode"})
-    objs.patch_cluster_custom_object_status(*GKM, "clustergkmcachenodes", NODE, body={"status": {"nodeName": NODE}})
+    created = objs.create_namespaced_custom_object(*GKM, kube_namespace, "gkmcachenodes", body=node_obj)
+    updated = objs.replace_namespaced_custom_object_status(
+        *GKM, kube_namespace, "gkmcachenodes", NODE, body={**created, "status": {"nodeName": NODE}})
+    assert updated["status"]["nodeName"] == NODE
+    assert objs.list_namespaced_custom_object(*GKM, kube_namespace, "gkmcachenodes")["items"]
+    created = objs.create_cluster_custom_object(*GKM, "clustergkmcachenodes",
+                                                body={**node_obj, "kind": "ClusterGKMCacheNode"})
+    objs.replace_cluster_custom_object_status(*GKM, "clustergkmcachenodes", NODE,
+                                              body={**created, "status": {"nodeName": NODE}})
+    # what it does not need: patching or relabelling its objects, patching their status
+    forbidden(objs.patch_namespaced_custom_object, *GKM, kube_namespace, "gkmcachenodes", NODE,
+              body={"metadata": {"finalizers": ["gkm.io.demo/finalizer"]}})
+    forbidden(objs.patch_cluster_custom_object_status, *GKM, "clustergkmcachenodes", NODE,
+              body={"status": {"nodeName": "someone-else"}})
 
 
 def test_agent_watches_its_node_and_the_pods_on_it(agent, kube_api, kube_namespace):
