@@ -38,8 +38,9 @@ def register(sub) -> None:
             g.add_argument("--plain-http", action="store_true", help="talk plain HTTP to the registry")
             g.add_argument("--registry-config", metavar="FILE",
                            help="Docker config JSON with credentials (also a dockerconfigjson Secret's content)")
-            g.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                           help="deadline for the whole operation (default: %(default)s)")
+            g.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
+                           help="deadline for the whole operation; an unreachable registry still fails "
+                                "after 5 quick attempts (default: %(default)s)")
         a.set_defaults(func=func)
         return a
 

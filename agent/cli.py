@@ -16,8 +16,9 @@ def register(sub) -> None:
     p.add_argument("--plain-http", action="store_true", help="talk to registries over plain HTTP (tests only)")
     p.add_argument("--registry-config", metavar="FILE",
                    help="Docker-style config.json with registry credentials")
-    p.add_argument("--registry-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="deadline of one registry request (default: %(default)s)")
+    p.add_argument("--registry-timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="deadline of one whole pull (every blob of the image); an unreachable registry "
+                        "still fails after 5 quick attempts (default: %(default)s)")
     p.add_argument("--sysfs-root", default="/sys", help="sysfs to read accelerators from (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
     p.add_argument("--metrics-address", default="127.0.0.1:9811", metavar="HOST:PORT",

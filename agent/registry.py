@@ -49,6 +49,12 @@ INDEX_TYPES = (
 MAX_MANIFEST_BYTES = 4 << 20
 CHUNK = 1 << 20
 _RETRY_STATUS = {429, 500, 502, 503, 504}
+# One request is tried at most this many times in a row (backoff 0.2 s, doubling): a registry
+# that refuses connections fails in about 3 s whatever the pull's total deadline, which only
+# bounds how long a pull that is making progress may take.
+MAX_ATTEMPTS = 5
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 30.0
 _REF = re.compile(
     r"^(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?)/"
     r"(?P<repo>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
@@ -65,7 +71,7 @@ _HOST_ALIASES = {"index.docker.io": "docker.io", "registry-1.docker.io": "docker
 class RegistryOptions:
     plain_http: bool = False  # talk HTTP instead of HTTPS (only when asked for)
     config_file: str | None = None  # Docker config JSON with credentials
-    timeout: float = 60.0  # total deadline of one pull or push, seconds
+    timeout: float = 1800.0  # total deadline of one pull or push, seconds
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ class _Session(requests.Session):
     def request(self, method, url, **kw):
         if self.deadline is not None and kw.get("timeout") is None:
             left = max(self.deadline.remaining(), 0.05)
-            kw["timeout"] = (min(left, 10.0), min(left, 30.0))
+            kw["timeout"] = (min(left, CONNECT_TIMEOUT), min(left, READ_TIMEOUT))
         return super().request(method, url, **kw)
 
 
@@ -169,10 +175,11 @@ class Registry:
     def _send(self, session, method, url, image, doing, headers, **kw) -> requests.Response:
         """One request with retries on connection errors and retryable statuses, within the deadline."""
         delay = 0.2
-        while True:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
             left = self.deadline.check(image, doing)
             try:
-                resp = session.request(method, url, headers=headers, timeout=(min(left, 10.0), min(left, 30.0)), **kw)
+                resp = session.request(method, url, headers=headers,
+                                       timeout=(min(left, CONNECT_TIMEOUT), min(left, READ_TIMEOUT)), **kw)
                 if resp.status_code not in _RETRY_STATUS:
                     return resp
                 problem = f"HTTP {resp.status_code}"
@@ -181,10 +188,13 @@ class Registry:
                 problem = _describe(e)
             log.info("registry request failed, retrying", extra=kv(image=image, doing=doing, problem=problem,
                                                                   retry_in=round(delay, 2)))
+            if attempt == MAX_ATTEMPTS:
+                break
             if self.deadline.remaining() <= delay:
                 raise RegistryUnavailable(f"{doing}: {problem} (gave up within the {self.deadline.seconds:g}s deadline)", image)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
+        raise RegistryUnavailable(f"{doing}: {problem} (gave up after {MAX_ATTEMPTS} attempts)", image)
 
     def request(self, method: str, path: str, image: str, doing: str, *, headers=None, ok=(200,), **kw):
         """An authenticated request to ``/v2/<path>``; maps 401/403/404 to our errors."""

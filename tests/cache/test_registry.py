@@ -64,6 +64,15 @@ def test_unreachable_registry_fails_within_the_deadline(tmp_path):
             store.ensure(f"127.0.0.1:{silent.getsockname()[1]}/x/y:latest")
 
 
+def test_unreachable_registry_fails_after_a_few_attempts_whatever_the_deadline(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    store = CacheStore(tmp_path / "store", registry=RegistryOptions(plain_http=True, timeout=3600))
+    with pytest.raises(RegistryUnavailable, match="Connection refused.*gave up after 5 attempts"):
+        store.ensure(f"127.0.0.1:{closed}/x/y:latest")
+
+
 def test_not_found_and_invalid_reference(registry, tmp_path):
     store = CacheStore(tmp_path / "store", registry=registry.options())
     with pytest.raises(ImageNotFound, match="HTTP 404"):
