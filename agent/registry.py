@@ -417,7 +417,7 @@ class BlobStream:
     def read(self, n: int = CHUNK) -> bytes:
         want = min(n if n and n > 0 else CHUNK, self.size - self.offset + 1)
         delay = 0.2
-        while True:
+        for attempt in range(1, MAX_ATTEMPTS + 1):  # failures in a row, with no byte read between
             self.registry.deadline.check(self.image, f"downloading blob {self.digest}")
             try:
                 if self._resp is None:
@@ -427,6 +427,9 @@ class BlobStream:
             except _NET_ERRORS as e:
                 problem = _describe(e)
             self.close()
+            if attempt == MAX_ATTEMPTS:
+                raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} "
+                                          f"(gave up after {MAX_ATTEMPTS} attempts without progress)", self.image)
             log.info("blob download interrupted, resuming", extra=kv(image=self.image, digest=self.digest,
                                                                      offset=self.offset, problem=problem))
             if self.registry.deadline.remaining() <= delay:

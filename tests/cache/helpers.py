@@ -148,7 +148,8 @@ class BlobRedirector:
     - ``"cut"``: ends its first response longer than ``cut_after`` bytes there, then honours ranges;
     - ``"ignore-range"``: like ``cut``, then answers ranged requests with 200 and the whole blob;
     - ``"wrong-range"``: like ``cut``, then answers ranged requests with a 206 that starts at 0;
-    - ``"drip"``: sends the body one byte every 0.2 s.
+    - ``"drip"``: sends the body one byte every 0.2 s;
+    - ``"cut-forever"``: like ``cut``, then answers every request with headers and no body.
     """
 
     def __init__(self, registry, *, mode: str = "ok", cut_after: int = 100_000):
@@ -185,6 +186,9 @@ class BlobRedirector:
                 elif front.mode != "ok" and not front.cuts and len(body) > front.cut_after:
                     front.cuts += 1
                     self.wfile.write(body[:front.cut_after])
+                    self.close_connection = True
+                elif front.mode == "cut-forever" and front.cuts:
+                    front.cuts += 1
                     self.close_connection = True
                 else:
                     self.wfile.write(body)

@@ -107,6 +107,19 @@ def test_resumes_a_blob_cut_mid_transfer(registry, tmp_path):
     assert store.verify() == []
 
 
+def test_a_blob_server_that_never_resumes_fails_after_a_few_attempts(registry, tmp_path):
+    image = registry.push(triton_tree(tmp_path / "src", nbytes=2_000_000), "faults/cut-forever")
+    proxy = BlobRedirector(registry, mode="cut-forever")
+    try:
+        store = CacheStore(tmp_path / "store", registry=registry.options(timeout=3600))
+        with pytest.raises(RegistryUnavailable, match="at byte 100000 .gave up after 5 attempts without progress"):
+            store.ensure(image.replace(registry.host, proxy.host))
+    finally:
+        proxy.close()
+    assert proxy.cuts == 5  # the first cut is the first failed attempt, then four resumes bring nothing
+    assert store.list() == [] and os.listdir(tmp_path / "store" / "tmp") == []
+
+
 @pytest.mark.parametrize("fault", ["stall", "drip"])
 def test_a_blob_server_that_stalls_or_drips_fails_within_the_deadline(registry, tmp_path, fault):
     image = registry.push(triton_tree(tmp_path / "src", nbytes=2_000_000), f"faults/{fault}")
