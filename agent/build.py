@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import json
 import os
+import stat
 import tarfile
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -84,10 +85,10 @@ def _split(members: list[tuple[str, Path]], n: int) -> list[list[tuple[str, Path
     dirs = {name: p for name, p in members if p.is_dir() and not p.is_symlink()}
     groups: list[list] = [[] for _ in range(max(1, n))]
     load = [0] * len(groups)
-    for name, p in sorted(files, key=lambda m: -m[1].lstat().st_size):
+    for size, name, p in sorted(((p.lstat().st_size, name, p) for name, p in files), key=lambda m: -m[0]):
         i = load.index(min(load))
         groups[i].append((name, p))
-        load[i] += p.lstat().st_size
+        load[i] += size
     out = []
     for i, g in enumerate(groups):
         need = {d for name, _ in g for d in _parents(name) if d in dirs}
@@ -95,6 +96,12 @@ def _split(members: list[tuple[str, Path]], n: int) -> list[list[tuple[str, Path
             need = set(dirs)  # the first layer carries the whole directory skeleton
         out.append(sorted(g + [(d, dirs[d]) for d in need]))
     return [g for g in out if g]
+
+
+def _regular_size(p: Path) -> int:
+    """Size of a regular file (not through a symlink); 0 for anything else."""
+    st = p.lstat()
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _parents(name: str):
@@ -160,9 +167,9 @@ def build(src, image: str, *, options: RegistryOptions, kind: str | None = None,
     if prefix:
         members = [(fmt.CACHE_DIR[kind], src)] + members
     groups = _split(members, layers)
-    total = sum(p.lstat().st_size for _, p in members if p.is_file() and not p.is_symlink())
-    tar_bytes = sum(512 + (-(-p.lstat().st_size // 512) * 512 if p.is_file() and not p.is_symlink() else 0)
-                    for _, p in members)  # progress counts tar stream bytes (headers included)
+    file_sizes = [_regular_size(p) for _, p in members]
+    total = sum(file_sizes)
+    tar_bytes = sum(512 + -(-size // 512) * 512 for size in file_sizes)  # progress counts tar stream bytes
     if progress is not None:
         progress.start(tar_bytes, f"packaging {src}")
     with tempfile.TemporaryDirectory(prefix="accelnode-build.") as tmp:
@@ -187,7 +194,7 @@ def build(src, image: str, *, options: RegistryOptions, kind: str | None = None,
                 reg.upload_blob(ref.repository, desc["digest"], f, image)
         reg.upload_blob(ref.repository, config_desc["digest"], config_body, image)
     body = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    digest = reg.put_manifest(ref.repository, ref.digest or ref.tag or "latest", body, fmt.OCI_MANIFEST, image)
+    digest = reg.put_manifest(ref.repository, ref.ref, body, fmt.OCI_MANIFEST, image)
     return Built(ref.pinned(digest), digest, kind, all_labels, total, len(body))
 
 

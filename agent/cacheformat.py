@@ -140,22 +140,23 @@ def choose_manifest(index: dict, accelerators: list[dict] | None) -> dict | None
 def summarize(cache: Path, kind: str, extra_targets: list[dict] = (), manifest: Path | None = None) -> dict:
     """Config labels for the cache tree ``cache`` (the content of ``io.<kind>.cache/``); a JAX
     cache's versions come from its ``io.jax.manifest/manifest.json`` when given."""
-    size = entries = 0
+    size = kernels = files_seen = 0
     targets: list[dict] = [normalize_target(t) for t in extra_targets]
     for dirpath, _dirs, files in os.walk(cache):
+        files_seen += len(files)
         for name in files:
             p = Path(dirpath) / name
             if p.is_symlink():
                 continue
-            size += p.stat().st_size
+            nbytes = p.stat().st_size
+            size += nbytes
             if name.endswith(".json") and not name.startswith("__grp__"):
-                t = _triton_target(p)
+                t = _triton_target(p, nbytes)
                 if t is not None:
-                    entries += 1
+                    kernels += 1
                     if t not in targets:
                         targets.append(t)
-    if kind == "jax":
-        entries = sum(1 for d, _s, f in os.walk(cache) for _ in f)
+    entries = files_seen if kind == "jax" else kernels  # a JAX cache entry is one file
     labels = {
         label(kind, "summary"): json.dumps({"targets": targets}, sort_keys=True, separators=(",", ":")),
         label(kind, "cache-size-bytes"): str(size),
@@ -169,9 +170,9 @@ def summarize(cache: Path, kind: str, extra_targets: list[dict] = (), manifest: 
     return labels
 
 
-def _triton_target(path: Path) -> dict | None:
-    """The ``target`` of a Triton kernel metadata file, or None for any other JSON."""
-    if path.stat().st_size > 1 << 20:
+def _triton_target(path: Path, size: int) -> dict | None:
+    """The ``target`` of a Triton kernel metadata file (``size`` bytes), or None for any other JSON."""
+    if size > 1 << 20:
         return None
     try:
         doc = json.loads(path.read_text())

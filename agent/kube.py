@@ -8,7 +8,7 @@ models cost about 20 MB of memory on every node.
   or the pod's service account. https only, the server certificate always verified; inline
   secrets stay in memory (a client key is written to a private temporary file only for as long
   as ``ssl`` needs to load it) and out of ``repr``.
-* :class:`Client` - ``request()`` for GET/POST/PUT/PATCH, raising :class:`KubeError` (with the
+* :class:`Client` - ``request()`` (JSON in and out), raising :class:`KubeError` (with the
   Status ``code``/``reason``/``message`` of the answer) or :class:`Unreachable`. A token file
   is re-read every minute and after a 401 (kubelet rotates projected tokens); tokens never
   appear in errors or logs.
@@ -155,21 +155,21 @@ class Client:
             cached = self._token = (Path(self.config.token_file).read_text().strip(), time.monotonic())
         return cached[0]
 
-    def _headers(self, content_type: str | None) -> dict:
+    def _headers(self, has_body: bool) -> dict:
         h = {"Accept": "application/json", "User-Agent": "accelnode-agent"}
-        if content_type:
-            h["Content-Type"] = content_type
+        if has_body:
+            h["Content-Type"] = "application/json"
         token = self._bearer()
         if token:
             h["Authorization"] = "Bearer " + token
         return h
 
-    def _open(self, method: str, path: str, query: dict | None, body, content_type: str | None,
-              timeout, stream: bool) -> urllib3.BaseHTTPResponse:
+    def _open(self, method: str, path: str, query: dict | None, body, timeout,
+              stream: bool) -> urllib3.BaseHTTPResponse:
         url = self.config.server + path + ("?" + urlencode(query) if query else "")
         data = json.dumps(body).encode() if body is not None else None
         try:
-            resp = self._http.request(method, url, body=data, headers=self._headers(content_type), timeout=timeout,
+            resp = self._http.request(method, url, body=data, headers=self._headers(body is not None), timeout=timeout,
                                       preload_content=not stream)
         except urllib3.exceptions.HTTPError as e:
             raise Unreachable(f"{method} {path}: {e}") from None
@@ -179,18 +179,16 @@ class Client:
             raise _status_error(resp.status, resp.read() if stream else resp.data)
         return resp
 
-    def request(self, method: str, path: str, *, query: dict | None = None, body=None,
-                content_type: str = "application/json") -> dict:
-        resp = self._open(method, path, query, body, content_type if body is not None else None,
-                          self.timeout, stream=False)
-        return json.loads(resp.data)
+    def request(self, method: str, path: str, *, query: dict | None = None, body=None) -> dict:
+        """One call with an optional JSON body; the answer's JSON."""
+        return json.loads(self._open(method, path, query, body, self.timeout, stream=False).data)
 
     def watch(self, path: str, query: dict, timeout_seconds: int, on_open=None):
         """Watch events (dicts) until the server ends the watch; ERROR events raise KubeError.
         ``on_open(response)`` gets the open response (``response.shutdown()`` ends the watch)."""
         query = dict(query, watch="1", allowWatchBookmarks="true", timeoutSeconds=str(timeout_seconds))
-        resp = self._open("GET", path, query, None, None,
-                          urllib3.Timeout(connect=self.timeout, read=timeout_seconds + 30), stream=True)
+        resp = self._open("GET", path, query, None, urllib3.Timeout(connect=self.timeout, read=timeout_seconds + 30),
+                          stream=True)
         if on_open is not None:
             on_open(resp)
         buf = b""

@@ -132,9 +132,37 @@ class _Session(requests.Session):
 
     def request(self, method, url, **kw):
         if self.deadline is not None and kw.get("timeout") is None:
-            left = max(self.deadline.remaining(), 0.05)
-            kw["timeout"] = (min(left, CONNECT_TIMEOUT), min(left, READ_TIMEOUT))
+            kw["timeout"] = _timeouts(max(self.deadline.remaining(), 0.05))
         return super().request(method, url, **kw)
+
+
+def _timeouts(left: float) -> tuple[float, float]:
+    """(connect, read) socket timeouts for a request with ``left`` seconds of deadline."""
+    return (min(left, CONNECT_TIMEOUT), min(left, READ_TIMEOUT))
+
+
+class _Backoff:
+    """Pauses between failed attempts in a row: 0.2 s, doubling up to 5 s, at most MAX_ATTEMPTS
+    attempts, and never a pause that would end past the deadline."""
+
+    def __init__(self, deadline: Deadline, attempts: str = "attempts"):
+        self.deadline = deadline
+        self.attempts = attempts  # what the message calls them
+        self.delay = 0.2
+        self.failures = 0
+
+    def give_up(self) -> str | None:
+        """Count a failure; why to stop trying (for the error message), or None to pause and retry."""
+        self.failures += 1
+        if self.failures == MAX_ATTEMPTS:
+            return f"gave up after {MAX_ATTEMPTS} {self.attempts}"
+        if self.deadline.remaining() <= self.delay:
+            return f"gave up within the {self.deadline.seconds:g}s deadline"
+        return None
+
+    def pause(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, 5.0)
 
 
 class Registry:
@@ -174,27 +202,22 @@ class Registry:
 
     def _send(self, session, method, url, image, doing, headers, **kw) -> requests.Response:
         """One request with retries on connection errors and retryable statuses, within the deadline."""
-        delay = 0.2
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        backoff = _Backoff(self.deadline)
+        while True:
             left = self.deadline.check(image, doing)
             try:
-                resp = session.request(method, url, headers=headers,
-                                       timeout=(min(left, CONNECT_TIMEOUT), min(left, READ_TIMEOUT)), **kw)
+                resp = session.request(method, url, headers=headers, timeout=_timeouts(left), **kw)
                 if resp.status_code not in _RETRY_STATUS:
                     return resp
                 problem = f"HTTP {resp.status_code}"
                 resp.close()
             except requests.RequestException as e:
                 problem = _describe(e)
+            if (why := backoff.give_up()) is not None:
+                raise RegistryUnavailable(f"{doing}: {problem} ({why})", image)
             log.info("registry request failed, retrying", extra=kv(image=image, doing=doing, problem=problem,
-                                                                  retry_in=round(delay, 2)))
-            if attempt == MAX_ATTEMPTS:
-                break
-            if self.deadline.remaining() <= delay:
-                raise RegistryUnavailable(f"{doing}: {problem} (gave up within the {self.deadline.seconds:g}s deadline)", image)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        raise RegistryUnavailable(f"{doing}: {problem} (gave up after {MAX_ATTEMPTS} attempts)", image)
+                                                                  retry_in=round(backoff.delay, 2)))
+            backoff.pause()
 
     def request(self, method: str, path: str, image: str, doing: str, *, headers=None, ok=(200,), **kw):
         """An authenticated request to ``/v2/<path>``; maps 401/403/404 to our errors."""
@@ -258,8 +281,7 @@ class Registry:
     def read_blob(self, repository: str, descriptor: dict, image: str, *, limit: int) -> bytes:
         """A small blob (a config) read whole, verified."""
         with self.open_blob(repository, descriptor, image, limit=limit) as blob:
-            data = blob.read_all()
-        return data
+            return blob.read_all()
 
     # -- writing (build/push) ----------------------------------------------------------------
 
@@ -416,8 +438,8 @@ class BlobStream:
 
     def read(self, n: int = CHUNK) -> bytes:
         want = min(n if n and n > 0 else CHUNK, self.size - self.offset + 1)
-        delay = 0.2
-        for attempt in range(1, MAX_ATTEMPTS + 1):  # failures in a row, with no byte read between
+        backoff = _Backoff(self.registry.deadline, "attempts without progress")  # failures with no byte between
+        while True:
             self.registry.deadline.check(self.image, f"downloading blob {self.digest}")
             try:
                 if self._resp is None:
@@ -427,16 +449,11 @@ class BlobStream:
             except _NET_ERRORS as e:
                 problem = _describe(e)
             self.close()
-            if attempt == MAX_ATTEMPTS:
-                raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} "
-                                          f"(gave up after {MAX_ATTEMPTS} attempts without progress)", self.image)
+            if (why := backoff.give_up()) is not None:
+                raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} ({why})", self.image)
             log.info("blob download interrupted, resuming", extra=kv(image=self.image, digest=self.digest,
                                                                      offset=self.offset, problem=problem))
-            if self.registry.deadline.remaining() <= delay:
-                raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} "
-                                          f"(gave up within the {self.registry.deadline.seconds:g}s deadline)", self.image)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            backoff.pause()
         if not data:
             self._finish()
             return b""

@@ -6,7 +6,8 @@
   waited on it; the next EnsureCache starts a fresh one.
 * References are the store's durable references, so they survive restarts of the agent and of
   the CSI driver. A volume id holds one digest at one target path; asking again with other
-  values is ALREADY_EXISTS.
+  values is ALREADY_EXISTS, and asking for an exclusive volume at a second target path is
+  FAILED_PRECONDITION (:func:`_refusal`).
 """
 
 from __future__ import annotations
@@ -155,9 +156,7 @@ class AgentService(pb_grpc.AgentServicer):
     # -- references ----------------------------------------------------------------------
 
     def AcquireReference(self, request, context):  # noqa: N802
-        for name in ("volume_id", "digest", "target_path"):
-            if not getattr(request, name):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
+        _require(context, request, "volume_id", "digest", "target_path")
         vid, target = request.volume_id, request.target_path
         meta = {"volume_id": vid, "target_path": target, "namespace": request.pod.namespace,
                 "name": request.pod.name, "uid": request.pod.uid}
@@ -165,17 +164,17 @@ class AgentService(pb_grpc.AgentServicer):
             if not request.cache.name:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache.name is required when cache is set")
             meta["cache"] = {"namespace": request.cache.namespace, "name": request.cache.name}
+        key = holder(vid, target)
         with self._lock:
-            for held in self._refs.values():
-                conflict = _conflict(held, meta, request.digest, request.exclusive)
-                if conflict:
-                    context.abort(grpc.StatusCode.ALREADY_EXISTS, conflict)
-            key = holder(vid, target)
+            refusal = _refusal(list(self._refs.values()), meta, request.digest, request.exclusive)
+            if refusal is not None:
+                context.abort(*refusal)
             if key in self._refs:
                 return pb.AcquireReferenceResponse()
-            if self.store.installed(request.digest) is None:
+            try:
+                self.store.acquire(request.digest, key, meta)
+            except errors.ImageNotFound:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{request.digest} is not installed on this node")
-            self.store.acquire(request.digest, key, meta)
             self._refs[key] = dict(meta, digest=request.digest)
             self.metrics.references.set(len(self._refs))
         log.info("reference acquired", extra=kv(volume_id=vid, target=target, digest=request.digest,
@@ -184,9 +183,7 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.AcquireReferenceResponse()
 
     def ReleaseReference(self, request, context):  # noqa: N802
-        for name in ("volume_id", "target_path"):
-            if not getattr(request, name):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
+        _require(context, request, "volume_id", "target_path")
         key = holder(request.volume_id, request.target_path)
         with self._lock:
             held = key in self._refs
@@ -202,25 +199,18 @@ class AgentService(pb_grpc.AgentServicer):
     # -- ListCaches ----------------------------------------------------------------------
 
     def ListCaches(self, request, context):  # noqa: N802
-        refs: dict[str, list] = {}
-        with self._lock:
-            held = list(self._refs.values())
-        for meta in held:
-            pod = pb.PodRef(namespace=meta.get("namespace", ""), name=meta.get("name", ""), uid=meta.get("uid", ""))
-            cache = pb.CacheRef(**meta["cache"]) if "cache" in meta else None
-            refs.setdefault(meta.get("digest"), []).append(
-                pb.Reference(volume_id=meta.get("volume_id", ""), pod=pod, target_path=meta.get("target_path", ""),
-                             cache=cache))
         # pulls first: one that ends while the store is listed then shows as installed (which
         # wins) rather than vanishing from this answer
         with self._lock:
+            held = list(self._refs.values())
             pulls = [(key, pull, pull.done.is_set()) for key, pull in self._pulls.items()]
-        caches = []
-        for inst in self.store.list():
-            caches.append(pb.CacheInfo(
-                image=inst.image, digest=inst.digest, state=pb.CacheInfo.INSTALLED, path=str(inst.path),
-                kind=inst.kind, size_bytes=inst.size_bytes, references=refs.get(inst.digest, []),
-                compatible=compat.check(inst.targets, self.accelerators) is None))
+        refs: dict[str, list] = {}
+        for meta in held:
+            refs.setdefault(meta.get("digest"), []).append(_reference(meta))
+        caches = [pb.CacheInfo(image=inst.image, digest=inst.digest, state=pb.CacheInfo.INSTALLED, path=str(inst.path),
+                               kind=inst.kind, size_bytes=inst.size_bytes, references=refs.get(inst.digest, []),
+                               compatible=compat.check(inst.targets, self.accelerators) is None)
+                  for inst in self.store.list()]
         for key, pull, done in pulls:
             if not done:
                 caches.append(pb.CacheInfo(image=pull.image, digest=key, state=pb.CacheInfo.PULLING))
@@ -235,19 +225,46 @@ def holder(volume_id: str, target_path: str) -> str:
     return f"{volume_id}@{target_path}"
 
 
-def _conflict(held: dict, want: dict, digest: str, exclusive: bool) -> str | None:
-    """Why an existing reference forbids the wanted one, or None."""
-    same_volume = held.get("volume_id") == want["volume_id"]
-    same_target = held.get("target_path") == want["target_path"]
-    if same_target and not same_volume:
-        return f"target path {want['target_path']} is already published for volume {held.get('volume_id')}"
-    if same_volume and same_target and (held.get("digest") != digest or held.get("uid") != want["uid"]):
-        return (f"volume {want['volume_id']} is already published at {want['target_path']} with "
-                f"{held.get('digest')} for pod {held.get('namespace')}/{held.get('name')}")
-    if same_volume and not same_target and exclusive:
-        return (f"volume {want['volume_id']} is already published at {held.get('target_path')} and its access "
-                "mode allows one target")
+def _require(context, request, *fields: str) -> None:
+    for name in fields:
+        if not getattr(request, name):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name} is required")
+
+
+def _reference(meta: dict) -> pb.Reference:
+    """A held reference as ListCaches shows it (references written by older agents may lack fields)."""
+    return pb.Reference(volume_id=meta.get("volume_id", ""), target_path=meta.get("target_path", ""),
+                        pod=pb.PodRef(namespace=meta.get("namespace", ""), name=meta.get("name", ""),
+                                      uid=meta.get("uid", "")),
+                        cache=pb.CacheRef(**meta["cache"]) if "cache" in meta else None)
+
+
+def _refusal(held: list[dict], want: dict, digest: str, exclusive: bool) -> tuple[grpc.StatusCode, str] | None:
+    """Why the references ``held`` forbid the wanted one, as the gRPC code and message to answer
+    with, or None. An exclusive volume held at other target paths only is FAILED_PRECONDITION
+    (the CSI spec's code for a single-node volume published at a second target); every other
+    clash is ALREADY_EXISTS."""
+    vid, target = want["volume_id"], want["target_path"]
+    targets = {h.get("target_path") for h in held if h.get("volume_id") == vid}
+    elsewhere = sorted(targets - {target})
+    if exclusive and elsewhere and target not in targets:
+        return grpc.StatusCode.FAILED_PRECONDITION, _one_target(vid, elsewhere[0])
+    for h in held:
+        if h.get("target_path") != target:
+            continue
+        if h.get("volume_id") != vid:
+            return grpc.StatusCode.ALREADY_EXISTS, (f"target path {target} is already published for volume "
+                                                    f"{h.get('volume_id')}")
+        if h.get("digest") != digest or h.get("uid") != want["uid"]:
+            return grpc.StatusCode.ALREADY_EXISTS, (f"volume {vid} is already published at {target} with "
+                                                    f"{h.get('digest')} for pod {h.get('namespace')}/{h.get('name')}")
+    if exclusive and elsewhere:
+        return grpc.StatusCode.ALREADY_EXISTS, _one_target(vid, elsewhere[0])
     return None
+
+
+def _one_target(vid: str, held_at: str) -> str:
+    return f"volume {vid} is already published at {held_at} and its access mode allows one target"
 
 
 def _failure(e: Exception) -> int:

@@ -161,16 +161,14 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
         manifest = local.manifest_of(d)
         if manifest is not None:
             inst = local.installed[manifest]
-            entry = {"volumeSize": inst["size"]}
-            fits = [ids for a, ids in groups if compat.check(inst["targets"], [a]) is None]
-            entry["compatibleGPUs"] = sorted(i for ids in fits for i in ids)
-            entry["incompatibleGPUs"] = sorted(i for _, ids in groups for i in ids if i not in entry["compatibleGPUs"])
-            pods = pods_of(manifest, cache)
+            fits = {i for a, ids in groups if compat.check(inst["targets"], [a]) is None for i in ids}
             mismatch = compat.check(inst["targets"], accelerators)
+            pods = pods_of(manifest, cache)
+            entry = {"state": "Error" if mismatch is not None else "Running" if pods else "Extracted",
+                     "volumeSize": inst["size"], "compatibleGPUs": sorted(fits),
+                     "incompatibleGPUs": sorted(i for _, ids in groups for i in ids if i not in fits)}
             if mismatch is not None:
-                entry.update(state="Error", message=f"incompatible: {mismatch}")
-            else:
-                entry["state"] = "Running" if pods else "Extracted"
+                entry["message"] = f"incompatible: {mismatch}"
             if pods:
                 entry["pods"] = pods
             put(cache.key, manifest, entry)
@@ -189,8 +187,7 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
         for key in sorted(keys):
             if key in current:
                 continue
-            scope = cache or Cache(cache_key[0], cache_key[1], "", None, {}, False, ())
-            pods = pods_of(key, scope) if key in local.installed else []
+            pods = pods_of(key, cache or Cache(cache_key[0], cache_key[1], "", None, {}, False, ()))
             if not pods:
                 keys.discard(key)
                 continue
@@ -213,15 +210,15 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
 
 
 def _counts(caches: dict, deleting_pods: set) -> dict:
-    states = [e["state"] for by_digest in caches.values() for e in by_digest.values()]
+    entries = [e for by_digest in caches.values() for e in by_digest.values()]
+    states = {e["state"] for e in entries}
     in_use = any(s in IN_USE for s in states)
+    users = [(e["state"], (p["podNamespace"], p["podName"])) for e in entries for p in e.get("pods", ())]
 
-    def pods(*which: str) -> int:
-        return len({(p["podNamespace"], p["podName"]) for by_digest in caches.values() for e in by_digest.values()
-                    if e["state"] in which for p in e.get("pods", ())})
+    def pods(state: str) -> int:
+        return len({pod for s, pod in users if s == state})
 
-    deleting = {(p["podNamespace"], p["podName"]) for by_digest in caches.values() for e in by_digest.values()
-                for p in e.get("pods", ()) if e["state"] == "Deleting" or (p["podNamespace"], p["podName"]) in deleting_pods}
+    deleting = {pod for s, pod in users if s == "Deleting" or pod in deleting_pods}
     return {"nodeCnt": 1, "nodeInUseCnt": int(in_use),
             "nodeNotInUseCnt": int(not in_use and "Extracted" in states), "nodeErrorCnt": int("Error" in states),
             "podRunningCnt": pods("Running"), "podOutdatedCnt": pods("Outdated"), "podDeletingCnt": len(deleting)}
@@ -365,8 +362,7 @@ class Reporter:
     # -- API -----------------------------------------------------------------------------------
 
     def _path(self, ns: str, sub: str | None = None) -> str:
-        plural = "gkmcachenodes" if ns else "clustergkmcachenodes"
-        return custom_path(GROUP, VERSION, plural, ns or None, self.node, sub)
+        return custom_path(GROUP, VERSION, _plural(ns), ns or None, self.node, sub)
 
     def _read_back(self) -> dict[str, _Written]:
         """What this node wrote before (survives agent restarts: no rewrite when unchanged)."""
@@ -397,11 +393,11 @@ class Reporter:
         """Make the object's status ``status``: a PUT at the version last seen; on a conflict,
         re-read the object and try again only if it still differs (never over a version we
         have not seen)."""
-        kind = "GKMCacheNode" if ns else "ClusterGKMCacheNode"
+        kind = _kind(ns)
         for _ in range(self.CONFLICT_ATTEMPTS):
             w = self._written.get(ns)
             if w is None:
-                w = self._written[ns] = self._create(ns, kind, node_uid)
+                w = self._written[ns] = self._create(ns, node_uid)
             if w.status == status:
                 return
             body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind, "status": status,
@@ -410,11 +406,13 @@ class Reporter:
             try:
                 obj = self.client.request("PUT", self._path(ns, "status"), body=body)
             except KubeError as e:
-                if e.code not in (404, 409):
-                    raise
                 if e.code == 409:
                     self.writes.conflicts += 1
-                current = self._get(ns) if e.code == 409 else None
+                    current = self._get(ns)
+                elif e.code == 404:
+                    current = None
+                else:
+                    raise
                 if current is None:  # deleted under us (its node's garbage collection?): create it again
                     del self._written[ns]
                 else:
@@ -428,21 +426,30 @@ class Reporter:
         raise KubeError(409, "Conflict", f"{kind} {self.node}: still changing under us after "
                                          f"{self.CONFLICT_ATTEMPTS} attempts")
 
-    def _create(self, ns: str, kind: str, node_uid: str | None) -> _Written:
+    def _create(self, ns: str, node_uid: str | None) -> _Written:
         """Create the object (owned by the Node, so it goes when the node goes); an object that
         exists already is taken as it is."""
         md = {"name": self.node, "labels": {HOSTNAME_LABEL: self.node}}
         if node_uid:
             md["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid}]
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind, "metadata": md}
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": _kind(ns), "metadata": md}
         try:
-            obj = self.client.request("POST", custom_path(GROUP, VERSION, kind.lower() + "s", ns or None), body=body)
+            obj = self.client.request("POST", custom_path(GROUP, VERSION, _plural(ns), ns or None), body=body)
             self.writes.creates += 1
         except KubeError as e:
             obj = self._get(ns) if e.code == 409 else None
             if obj is None:
                 raise
         return _Written(obj.get("status") or {}, obj["metadata"]["resourceVersion"])
+
+
+def _kind(ns: str) -> str:
+    """The kind of the node object of a namespace key (CLUSTER: the cluster-scoped one)."""
+    return "GKMCacheNode" if ns else "ClusterGKMCacheNode"
+
+
+def _plural(ns: str) -> str:
+    return _kind(ns).lower() + "s"
 
 
 def _trim_cache(obj: dict) -> dict:

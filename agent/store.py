@@ -71,20 +71,23 @@ class CacheStore:
 
     def installed(self, digest: str) -> Installed | None:
         check_digest(digest)
-        d = self._dir(digest)
         try:
-            meta = json.loads((d / "meta.json").read_bytes())
+            meta = json.loads((self._dir(digest) / "meta.json").read_bytes())
         except FileNotFoundError:
             return None
-        return Installed(digest, d / "content", meta["image"], meta["kind"], meta["targets"],
+        return self._from_meta(digest, meta)
+
+    def _from_meta(self, digest: str, meta: dict) -> Installed:
+        return Installed(digest, self._dir(digest) / "content", meta["image"], meta["kind"], meta["targets"],
                          meta["size_bytes"], meta["labels"])
 
     def list(self) -> list[Installed]:
         out = []
         for d in sorted((self.root / "caches").iterdir()):
-            if not DIGEST.match(d.name.replace("-", ":", 1)):
+            digest = d.name.replace("-", ":", 1)
+            if not DIGEST.match(digest):
                 continue  # not ours (e.g. lost+found)
-            inst = self.installed(d.name.replace("-", ":", 1))
+            inst = self.installed(digest)
             if inst is not None:
                 out.append(inst)
         return out
@@ -99,38 +102,33 @@ class CacheStore:
             if found is not None:
                 return found
         reg = Registry(ref.host, self.options, Deadline(self.options.timeout))
-        body, media_type, digest = reg.get_manifest(ref, image, limit=self.limits.max_manifest_bytes)
-        manifest = _json(body, image, "manifest")
-        media_type = manifest.get("mediaType") or media_type
+        body, manifest, media_type, digest = _get_manifest(reg, ref, image, self.limits)
         if media_type in INDEX_TYPES:
             self._save_index(digest, body)
             desc = self._choose(manifest, image, accelerators)
-            found = self._touch(self.installed(desc["digest"]))
+            found = self._use(desc["digest"])
             if found is not None:
                 return found
-            body, media_type, digest = reg.get_manifest(ref, image, limit=self.limits.max_manifest_bytes,
-                                                        digest=desc["digest"])
-            manifest = _json(body, image, "manifest")
-            media_type = manifest.get("mediaType") or media_type
+            _, manifest, media_type, digest = _get_manifest(reg, ref, image, self.limits, desc["digest"])
         if media_type not in MANIFEST_TYPES:
             raise HostileContent(f"unsupported manifest media type {media_type!r}", image)
-        found = self._touch(self.installed(digest))
+        found = self._use(digest)
         if found is not None:
             return found
         with self._digest_lock(digest, image, reg.deadline):
-            found = self._touch(self.installed(digest))
+            found = self._use(digest)
             if found is not None:  # another thread or process installed it while we waited
                 return found
             return self._install(reg, ref, image, digest, manifest, progress)
 
     def _installed_offline(self, digest: str, image: str, accelerators) -> Installed | None:
-        found = self._touch(self.installed(digest))
+        found = self._use(digest)
         if found is None:
             try:
                 index = json.loads(self._index_path(digest).read_bytes())
             except FileNotFoundError:
                 return None
-            found = self._touch(self.installed(self._choose(index, image, accelerators)["digest"]))
+            found = self._use(self._choose(index, image, accelerators)["digest"])
         return found
 
     def _choose(self, index: dict, image: str, accelerators) -> dict:
@@ -147,10 +145,7 @@ class CacheStore:
         return desc
 
     def _install(self, reg: Registry, ref: Reference, image: str, digest: str, manifest: dict, progress) -> Installed:
-        layers, config_desc = _validate_manifest(manifest, image, self.limits)
-        config = _json(reg.read_blob(ref.repository, config_desc, image, limit=self.limits.max_config_bytes),
-                       image, "config")
-        kind, targets, labels = _parse_config(config, image)
+        layers, kind, targets, labels = _read_config(reg, ref, manifest, image, self.limits)
         stage = Path(tempfile.mkdtemp(prefix=digest.split(":")[1] + ".", dir=self.root / "tmp"))
         started = time.monotonic()
         try:
@@ -176,7 +171,7 @@ class CacheStore:
             raise
         log.info("cache installed", extra=kv(image=image, digest=digest, kind=kind, bytes=size,
                                              layers=len(layers), seconds=round(time.monotonic() - started, 3)))
-        return self.installed(digest)
+        return self._from_meta(digest, meta)
 
     def _extract_all(self, reg, repository, image, layers, where: Path, progress) -> Layer:
         """Download and unpack every layer in parallel, then merge them in order."""
@@ -237,7 +232,7 @@ class CacheStore:
     def acquire(self, digest: str, holder: str, meta: dict) -> None:
         check_digest(digest)
         with self._store_lock():
-            if self._touch(self.installed(digest)) is None:
+            if self._use(digest) is None:
                 raise ImageNotFound("not installed in the store", digest)
             _write(self._ref_path(holder), json.dumps({"holder": holder, "digest": digest, "meta": meta}), sync=True)
             _fsync_dir(self.root / "refs")
@@ -361,12 +356,14 @@ class CacheStore:
     def _save_index(self, digest: str, body: bytes) -> None:
         path = self._index_path(digest)
         if not path.exists():
-            _write(path, body, sync=False)
+            _write(path, body)
 
-    def _touch(self, inst: Installed | None) -> Installed | None:
+    def _use(self, digest: str) -> Installed | None:
+        """The installed cache, its last use (directory mtime, for LRU) set to now; None if absent."""
+        inst = self.installed(digest)
         if inst is not None:
             try:
-                os.utime(self._dir(inst.digest))
+                os.utime(self._dir(digest))
             except FileNotFoundError:  # removed by gc just now
                 return None
         return inst
@@ -377,21 +374,18 @@ def inspect(image: str, options: RegistryOptions, limits: Limits | None = None) 
     limits = limits or Limits()
     ref = Reference.parse(image)
     reg = Registry(ref.host, options, Deadline(options.timeout))
-    body, media_type, digest = reg.get_manifest(ref, image, limit=limits.max_manifest_bytes)
-    doc = _json(body, image, "manifest")
+    _, doc, media_type, digest = _get_manifest(reg, ref, image, limits)
     out = {"image": image, "index": None, "manifests": []}
     entries = [(digest, doc, None)]
-    if (doc.get("mediaType") or media_type) in INDEX_TYPES:
+    if media_type in INDEX_TYPES:
         out["index"] = digest
         entries = []
         _check_index(doc, image, limits)
         for desc in doc["manifests"]:
-            child = reg.get_manifest(ref, image, limit=limits.max_manifest_bytes, digest=check_digest(desc.get("digest"), image))
-            entries.append((child[2], _json(child[0], image, "manifest"), desc))
+            _, child, _, child_digest = _get_manifest(reg, ref, image, limits, check_digest(desc.get("digest"), image))
+            entries.append((child_digest, child, desc))
     for d, manifest, desc in entries:
-        layers, config_desc = _validate_manifest(manifest, image, limits)
-        config = _json(reg.read_blob(ref.repository, config_desc, image, limit=limits.max_config_bytes), image, "config")
-        kind, targets, labels = _parse_config(config, image)
+        layers, kind, targets, labels = _read_config(reg, ref, manifest, image, limits)
         size = labels.get(fmt.label(kind, "cache-size-bytes")) if kind else None
         info = {"digest": d, "kind": kind, "targets": targets, "labels": labels,
                 "size_bytes": int(size) if size and size.isdigit() else None,
@@ -401,6 +395,23 @@ def inspect(image: str, options: RegistryOptions, limits: Limits | None = None) 
             info["annotations"] = desc.get("annotations") or {}
         out["manifests"].append(info)
     return out
+
+
+def _get_manifest(reg: Registry, ref: Reference, image: str, limits: Limits,
+                  digest: str | None = None) -> tuple[bytes, dict, str, str]:
+    """A manifest or index: (body, parsed document, media type, digest). The document's own
+    ``mediaType`` wins over the Content-Type the registry sent."""
+    body, media_type, digest = reg.get_manifest(ref, image, limit=limits.max_manifest_bytes, digest=digest)
+    doc = _json(body, image, "manifest")
+    return body, doc, doc.get("mediaType") or media_type, digest
+
+
+def _read_config(reg: Registry, ref: Reference, manifest: dict, image: str,
+                 limits: Limits) -> tuple[list[dict], str | None, list[dict], dict]:
+    """(layer descriptors, kind, targets, labels) of a validated manifest and its config blob."""
+    layers, config_desc = _validate_manifest(manifest, image, limits)
+    config = _json(reg.read_blob(ref.repository, config_desc, image, limit=limits.max_config_bytes), image, "config")
+    return (layers, *_parse_config(config, image))
 
 
 def _json(body: bytes, image: str, what: str) -> dict:

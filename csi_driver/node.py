@@ -113,16 +113,15 @@ class NodeServer(csi_grpc.NodeServicer):
 
         with self._only_call_on(where, context):
             top = mounts.top_mount(where)
+            wanted = mounts.options_of(flags)
+            if top is None:
+                _check_empty_dir(context, where, target)
+            elif not (mounts.same_directory(where, ready.path) and wanted == top.options & mounts.FLAGS.keys()):
+                context.abort(Code.ALREADY_EXISTS, f"{target} is already a mount point of something other than "
+                                                   f"{cache} ({ready.digest}) {','.join(sorted(wanted))}")
+            self._acquire(context, request, ready.digest, pod, cache)  # also: is a mount there this volume's?
             if top is not None:
-                wanted = mounts.options_of(flags)
-                if not (mounts.same_directory(where, ready.path) and wanted == top.options & mounts.FLAGS.keys()):
-                    context.abort(Code.ALREADY_EXISTS, f"{target} is already a mount point of something other than "
-                                                       f"{cache} ({ready.digest}) {','.join(sorted(wanted))}")
-                self._acquire_checked(context, request, ready.digest, pod, cache)  # the same volume?
                 return csi.NodePublishVolumeResponse()
-            _check_empty_dir(context, where, target)
-
-            self._acquire_checked(context, request, ready.digest, pod, cache)
             created = not os.path.lexists(where)
             try:
                 if created:
@@ -155,28 +154,14 @@ class NodeServer(csi_grpc.NodeServicer):
         context.abort(FAILURE_CODES.get(answer.failure, Code.INTERNAL), f"{cache}: {answer.message}")
 
     def _acquire(self, context, request, digest: str, pod: resolve.Pod, cache: resolve.CacheRef) -> None:
+        """AcquireReference; the agent's refusal is the code kubelet gets (ALREADY_EXISTS, or
+        FAILED_PRECONDITION for a single-node volume wanted at a second target)."""
         mode = request.volume_capability.access_mode.mode
         self.agent.call(context, "AcquireReference", agent.AcquireReferenceRequest(
             volume_id=request.volume_id, digest=digest, target_path=request.target_path,
             exclusive=mode not in SHARED_MODES,
             pod=agent.PodRef(namespace=pod.namespace, name=pod.name, uid=pod.uid),
             cache=agent.CacheRef(namespace=cache.namespace or "", name=cache.name)))
-
-    def _acquire_checked(self, context, request, digest: str, pod: resolve.Pod, cache: resolve.CacheRef) -> None:
-        """AcquireReference, with CSI's code for a single-node volume wanted at a second target:
-        FAILED_PRECONDITION (the agent calls every conflict ALREADY_EXISTS)."""
-        try:
-            self._acquire(context, request, digest, pod, cache)
-        except AgentError as e:
-            if (e.code == Code.ALREADY_EXISTS and request.volume_capability.access_mode.mode not in SHARED_MODES
-                    and self._published_elsewhere(context, request.volume_id, request.target_path)):
-                raise AgentError(Code.FAILED_PRECONDITION, str(e)) from None
-            raise
-
-    def _published_elsewhere(self, context, volume_id: str, target: str) -> bool:
-        listing = self.agent.call(context, "ListCaches", agent.ListCachesRequest())
-        targets = {r.target_path for c in listing.caches for r in c.references if r.volume_id == volume_id}
-        return bool(targets) and target not in targets
 
     def _release_after_failure(self, context, vid: str, target: str) -> None:
         """Drop the reference a failed publish took; the publish's own error is what kubelet gets."""

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import re
 
 from accelnode import cli as acli
 from accelnode import exitcodes
-
-# kubelet accepts an extended resource name: <domain>/<name>, outside kubernetes.io
-_RESOURCE = re.compile(r"^(?!(?:[^/]*\.)?kubernetes\.io/)[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 def _tick(raw: str) -> float:
@@ -56,14 +52,15 @@ def run(args) -> int:
 
     from accelnode.httpserve import MetricsServer, parse_address
 
+    from .api import KUBELET_SOCKET, is_extended_resource_name
     from .metrics import Metrics
     from .server import Plugin
     from .topology import NodeConfig
 
-    if not _RESOURCE.match(args.resource_name):
+    if not is_extended_resource_name(args.resource_name):
         raise exitcodes.CLIError(f"--resource-name {args.resource_name!r} is not an extended resource name "
                                  "(<domain>/<name> outside kubernetes.io)", exitcodes.USAGE)
-    if "/" in args.socket_name or args.socket_name in ("", ".", "..", "kubelet.sock"):
+    if "/" in args.socket_name or args.socket_name in ("", ".", "..", KUBELET_SOCKET):
         raise exitcodes.CLIError(f"--socket-name {args.socket_name!r} must be a plain file name other than "
                                  "kubelet.sock", exitcodes.USAGE)
     config = NodeConfig(accelerator_type=args.accelerator_type or None, topology=args.topology or None)

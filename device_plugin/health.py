@@ -8,8 +8,9 @@ A chip is Unhealthy while any of these holds, and Healthy again once none does:
   since the chip appeared. Counters only fall on a function reset, which therefore clears it.
 
 sysfs attributes give no inotify events, so :meth:`Inventory.scan` is cheap enough to run every
-few tens of milliseconds: it lists the PCI bus, probes only functions it has not seen, and reads
-three small attributes per known chip.
+few tens of milliseconds: it lists the PCI bus, skips functions known not to be chips, probes the
+rest (so device nodes follow IOMMU group and driver changes) and then reads the health attributes
+of each chip - the vendor only of a chip that no longer probes, since probing read it already.
 """
 
 from __future__ import annotations
@@ -59,6 +60,18 @@ def _not_a_chip(pci: Path) -> bool:
         return False
 
 
+def _vendor_problem(pci: Path) -> str | None:
+    try:
+        vendor = (pci / "vendor").read_text().strip()
+    except OSError as e:
+        return f"vendor attribute unreadable: {e.strerror}"
+    if vendor.lower() == "0xffff":
+        return "vendor reads 0xffff (chip fell off the bus)"
+    if vendor.lower() != f"0x{VENDOR_GOOGLE:04x}":
+        return f"vendor reads {vendor!r}, expected 0x{VENDOR_GOOGLE:04x}"
+    return None
+
+
 class Inventory:
     """The chips under one sysfs/dev root and their health, updated by :meth:`scan`."""
 
@@ -77,29 +90,25 @@ class Inventory:
             del self._chips[gone]
             self._aer_floor.pop(gone, None)
         self._others &= on_bus
+        probed = set()  # chips whose vendor just read as Google's
         for bdf in present:
             if bdf in self._others:
                 continue
             chip = probe(self.sysfs_root, self.dev_root, bdf)
             if chip is not None:
                 self._chips[bdf] = chip  # refreshed: device nodes follow group/driver changes
+                probed.add(bdf)
             elif bdf not in self._chips and _not_a_chip(self.sysfs_root / PCI_DEVICES / bdf):
                 self._others.add(bdf)
             # else: a known chip that no longer probes (vendor 0xffff), kept and unhealthy below,
             # or a function that can't be identified yet, probed again next scan
         chips = numbered(self._chips.values())
-        return tuple(ChipState(c, self._problem(c)) for c in chips)
+        return tuple(ChipState(c, self._problem(c, vendor_ok=c.bdf in probed)) for c in chips)
 
-    def _problem(self, chip: Chip) -> str | None:
+    def _problem(self, chip: Chip, vendor_ok: bool) -> str | None:
         pci = self.sysfs_root / PCI_DEVICES / chip.bdf
-        try:
-            vendor = (pci / "vendor").read_text().strip()
-        except OSError as e:
-            return f"vendor attribute unreadable: {e.strerror}"
-        if vendor.lower() == "0xffff":
-            return "vendor reads 0xffff (chip fell off the bus)"
-        if vendor.lower() != f"0x{VENDOR_GOOGLE:04x}":
-            return f"vendor reads {vendor!r}, expected 0x{VENDOR_GOOGLE:04x}"
+        if not vendor_ok and (problem := _vendor_problem(pci)):
+            return problem
         if not os.path.lexists(pci / "driver"):
             return "no driver bound"
         if not chip.dev_paths:

@@ -14,7 +14,6 @@ Used by the tests, the benchmarks and ``make demo``.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,17 +27,6 @@ from . import api
 
 SUPPORTED_VERSIONS = ("v1beta1",)
 DIAL_TIMEOUT = 10.0
-_QUALIFIED = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/"
-                        r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-
-
-def is_extended_resource_name(name: str) -> bool:
-    """kubelet's rule: a qualified <domain>/<name>, not in the kubernetes.io namespaces, no "requests." prefix."""
-    m = _QUALIFIED.match(name)
-    if not m or name.startswith("requests."):
-        return False
-    domain = m.group(1)
-    return not (domain == "kubernetes.io" or domain.endswith(".kubernetes.io"))
 
 
 @dataclass(frozen=True)
@@ -109,7 +97,7 @@ class KubeletHarness(api.RegistrationServicer):
         if request.version not in SUPPORTED_VERSIONS:
             self._reject(context, f"requested API version {request.version!r} is not supported by kubelet; "
                                   f"supported versions are {list(SUPPORTED_VERSIONS)}")
-        if not is_extended_resource_name(request.resource_name):
+        if not api.is_extended_resource_name(request.resource_name):
             self._reject(context, f"the ResourceName {request.resource_name!r} is invalid")
         channel = grpcutil.unix_channel(self.dir / request.endpoint)
         stub = api.DevicePluginStub(channel)

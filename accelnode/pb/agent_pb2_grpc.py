@@ -71,7 +71,11 @@ class AgentServicer:
     def AcquireReference(self, request, context):
         """Record that a volume published at a target path (a pod's use of a cache) holds an installed
         digest. Idempotent per (volume id, target path); the record survives agent and driver
-        restarts.
+        restarts. Refusals are gRPC status codes, which the CSI driver passes on to kubelet:
+        ALREADY_EXISTS when another volume holds the target path, or this volume holds it with
+        another digest or pod; FAILED_PRECONDITION when `exclusive` is set and the volume is held at
+        other target paths only (the CSI spec's code for a single-node volume published at a second
+        target); NOT_FOUND when the digest is not installed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
