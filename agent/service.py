@@ -173,6 +173,8 @@ class AgentService(pb_grpc.AgentServicer):
                 return pb.AcquireReferenceResponse()
             try:
                 self.store.acquire(request.digest, key, meta)
+            except errors.InvalidReference as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except errors.ImageNotFound:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{request.digest} is not installed on this node")
             self._refs[key] = dict(meta, digest=request.digest)

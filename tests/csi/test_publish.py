@@ -170,3 +170,20 @@ def test_probe_follows_the_agent(running_node):
     assert ident.Probe(csi.ProbeRequest(), timeout=10).ready.value is False
     running_node.agent.start()
     assert eventually(lambda: ident.Probe(csi.ProbeRequest(), timeout=10).ready.value)
+
+
+@pytest.mark.parametrize("digest, code", [
+    ("sha256:" + "ab" * 32, Code.NOT_FOUND),  # well formed, not installed
+    ("sha256:nothex", Code.INVALID_ARGUMENT),
+    ("md5:" + "ab" * 16, Code.INVALID_ARGUMENT),
+])
+def test_agent_reference_to_a_digest_it_does_not_hold(running_node, digest, code):
+    from accelnode.pb import agent_pb2
+
+    req = agent_pb2.AcquireReferenceRequest(volume_id="csi-" + "0" * 64, digest=digest,
+                                            target_path="/var/lib/kubelet/pods/u/volumes/x/mount")
+    err = error_of(running_node.agent_stub().AcquireReference, req)
+    assert err.code() == code, err.details()
+    assert digest in err.details()
+    assert running_node.agent_stub().ListCaches(agent_pb2.ListCachesRequest(), timeout=30).caches == []
+
