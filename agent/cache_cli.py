@@ -24,6 +24,25 @@ def _label(text: str) -> tuple[str, str]:
     return tuple(text.split("=", 1))
 
 
+def add_registry_flags(group, timeout_flag: str = "--timeout") -> None:
+    """The registry flags of every command that talks to a registry (``accelnode cache``,
+    ``accelnode agent``); the agent names its deadline ``--registry-timeout``."""
+    group.add_argument("--plain-http", action="store_true",
+                       help="talk plain HTTP to the registry (only when asked: tests, trusted networks)")
+    group.add_argument("--registry-config", metavar="FILE",
+                       help="Docker config JSON with credentials (also a dockerconfigjson Secret's content)")
+    group.add_argument(timeout_flag, dest="registry_timeout", type=float, default=1800.0, metavar="SECONDS",
+                       help="deadline of one whole pull or push (every blob of the image); an unreachable "
+                            "registry still fails after 5 quick attempts (default: %(default)s)")
+
+
+def registry_options(args):
+    from .registry import RegistryOptions
+
+    return RegistryOptions(plain_http=args.plain_http, config_file=args.registry_config,
+                           timeout=args.registry_timeout)
+
+
 def register(sub) -> None:
     p = sub.add_parser("cache", help="build, push, pull, inspect, verify and collect kernel-cache images",
                        description="Kernel-cache images (Triton, vLLM, JAX/XLA) and the node's cache store.")
@@ -34,13 +53,7 @@ def register(sub) -> None:
         if store:
             a.add_argument("--store", required=True, metavar="DIR", help="the cache store directory")
         if registry:
-            g = a.add_argument_group("registry")
-            g.add_argument("--plain-http", action="store_true", help="talk plain HTTP to the registry")
-            g.add_argument("--registry-config", metavar="FILE",
-                           help="Docker config JSON with credentials (also a dockerconfigjson Secret's content)")
-            g.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
-                           help="deadline for the whole operation; an unreachable registry still fails "
-                                "after 5 quick attempts (default: %(default)s)")
+            add_registry_flags(a.add_argument_group("registry"))
         a.set_defaults(func=func)
         return a
 
@@ -89,12 +102,6 @@ def _build_flags(p, *, kind=True) -> None:
     p.add_argument("--compression", choices=["gzip", "zstd", "none"], default="gzip")
 
 
-def _options(args):
-    from .registry import RegistryOptions
-
-    return RegistryOptions(plain_http=args.plain_http, config_file=args.registry_config, timeout=args.timeout)
-
-
 def _errors(fn):
     """Run ``fn`` mapping store errors to one-line CLI errors with the right exit code."""
     from . import errors
@@ -121,13 +128,13 @@ def _progress():
 def _store(args):
     from .store import CacheStore
 
-    return CacheStore(args.store, registry=_options(args) if hasattr(args, "plain_http") else None)
+    return CacheStore(args.store, registry=registry_options(args) if hasattr(args, "plain_http") else None)
 
 
 def _build(args) -> int:
     from .build import build
 
-    built = _errors(lambda: build(args.dir, args.image, options=_options(args), kind=args.kind,
+    built = _errors(lambda: build(args.dir, args.image, options=registry_options(args), kind=args.kind,
                                   targets=args.target, labels=dict(args.label), layers=args.layers,
                                   compression=args.compression, progress=_progress()))
     print(built.reference)
@@ -141,7 +148,7 @@ def _push(args) -> int:
         inst = _store(args).installed(args.digest)
         if inst is None:
             raise exitcodes.CLIError(f"{args.digest}: not installed in {args.store}")
-        return build(inst.path, args.image, options=_options(args), labels={**inst.labels, **dict(args.label)},
+        return build(inst.path, args.image, options=registry_options(args), labels={**inst.labels, **dict(args.label)},
                      targets=args.target, layers=args.layers, compression=args.compression, progress=_progress())
 
     print(_errors(go).reference)
@@ -165,7 +172,7 @@ def _installed_json(inst) -> dict:
 def _inspect(args) -> int:
     from .store import inspect
 
-    info = _errors(lambda: inspect(args.image, _options(args)))
+    info = _errors(lambda: inspect(args.image, registry_options(args)))
     if args.json:
         print(json.dumps(info, indent=2))
         return exitcodes.OK

@@ -7,18 +7,15 @@ import argparse
 from accelnode import cli as acli
 from accelnode import exitcodes
 
+from .cache_cli import add_registry_flags, registry_options
+
 
 def register(sub) -> None:
     p = sub.add_parser("agent", help="serve the node's cache store to the CSI driver (local gRPC API)",
                        description=__doc__)
     p.add_argument("--store", required=True, metavar="DIR", help="root of the node's cache store")
     p.add_argument("--socket", required=True, metavar="PATH", help="unix socket to serve the agent API on")
-    p.add_argument("--plain-http", action="store_true", help="talk to registries over plain HTTP (tests only)")
-    p.add_argument("--registry-config", metavar="FILE",
-                   help="Docker-style config.json with registry credentials")
-    p.add_argument("--registry-timeout", type=float, default=1800.0, metavar="SECONDS",
-                   help="deadline of one whole pull (every blob of the image); an unreachable registry "
-                        "still fails after 5 quick attempts (default: %(default)s)")
+    add_registry_flags(p, timeout_flag="--registry-timeout")
     p.add_argument("--sysfs-root", default="/sys", help="sysfs to read accelerators from (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
     p.add_argument("--metrics-address", default="127.0.0.1:9811", metavar="HOST:PORT",
@@ -49,15 +46,13 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.log import kv
 
     from . import accelerators, service, status
-    from .registry import RegistryOptions
     from .store import CacheStore
 
     log = logging.getLogger("accelnode.agent")
     sock = Path(args.socket)
     if not sock.parent.is_dir():
         raise exitcodes.CLIError(f"socket directory {sock.parent} does not exist", exitcodes.PREREQUISITE)
-    store = CacheStore(args.store, registry=RegistryOptions(
-        plain_http=args.plain_http, config_file=args.registry_config, timeout=args.registry_timeout))
+    store = CacheStore(args.store, registry=registry_options(args))
     registry = CollectorRegistry()
     svc = service.AgentService(store, accelerators.detect(args.sysfs_root, args.dev_root),
                                service.Metrics(registry))

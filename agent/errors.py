@@ -43,15 +43,6 @@ class HostileContent(CacheError):
     """A layer tried something forbidden: path escape, device node, bomb, unknown media type..."""
 
 
-class Incompatible(CacheError):
-    """The cache was built for accelerators this node does not have."""
-
-    def __init__(self, message: str, image: str | None = None, *, expected=None, found=None):
-        super().__init__(message, image)
-        self.expected = expected
-        self.found = found
-
-
 class StoreCorrupt(CacheError):
     """Installed content no longer matches what was recorded (found by verify)."""
 

@@ -25,13 +25,19 @@ def settle(node) -> int:
     return node.reporter.writes.passes
 
 
+def extracted_cache(cluster, node, image, ns: str) -> str:
+    """A GKMCache ``kernels`` in ``ns`` whose image the node holds, reported Extracted; its digest."""
+    cluster.cache("kernels", image, namespace=ns)
+    d = digest_of(image)
+    node.ensure(image)
+    assert entry_in("Extracted", cluster, node.name, ns, "kernels", d)
+    return d
+
+
 def test_one_write_per_state_change_and_none_when_idle(cluster, node_factory, images, kube_namespace):
     ns = kube_namespace
     node = node_factory().start()
-    cluster.cache("kernels", images.tpu, namespace=ns)
-    d = digest_of(images.tpu)
-    node.ensure(images.tpu)
-    assert entry_in("Extracted", cluster, node.name, ns, "kernels", d)
+    d = extracted_cache(cluster, node, images.tpu, ns)
     settle(node)
     before = status_writes(cluster, node.name)
 
@@ -52,10 +58,7 @@ def test_one_write_per_state_change_and_none_when_idle(cluster, node_factory, im
 def test_survives_an_api_server_restart(control_plane, cluster, node_factory, images, kube_namespace):
     ns = kube_namespace
     node = node_factory().start()
-    cluster.cache("kernels", images.tpu, namespace=ns)
-    d = digest_of(images.tpu)
-    node.ensure(images.tpu)
-    assert entry_in("Extracted", cluster, node.name, ns, "kernels", d)
+    d = extracted_cache(cluster, node, images.tpu, ns)
 
     control_plane.stop_apiserver()
     try:
@@ -132,10 +135,7 @@ def test_watch_of_a_kind_not_installed_yet_waits_for_its_crd(control_plane, kube
 def test_conflict_rereads_and_writes_over_the_version_it_saw(cluster, node_factory, images, kube_namespace):
     ns = kube_namespace
     node = node_factory(labels={}).start()
-    cluster.cache("kernels", images.tpu, namespace=ns)
-    d = digest_of(images.tpu)
-    node.ensure(images.tpu)
-    assert entry_in("Extracted", cluster, node.name, ns, "kernels", d)
+    d = extracted_cache(cluster, node, images.tpu, ns)
     # someone else writes the status: the agent's resourceVersion is stale now
     cluster.objs.patch_namespaced_custom_object_status("gkm.io", "v1alpha1", ns, "gkmcachenodes", node.name,
                                                        body={"status": {"counts": {"nodeCnt": 7}}})
@@ -150,9 +150,7 @@ def test_node_objects_are_owned_by_the_node(cluster, node_factory, images, kube_
     """So the garbage collector removes them with the Node (the agent never deletes)."""
     ns = kube_namespace
     node = node_factory(labels={}).start()
-    cluster.cache("kernels", images.tpu, namespace=ns)
-    node.ensure(images.tpu)
-    assert entry_in("Extracted", cluster, node.name, ns, "kernels", digest_of(images.tpu))
+    extracted_cache(cluster, node, images.tpu, ns)
     uid = cluster.core.read_node(node.name).metadata.uid
     want = [{"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": uid}]
     objs = [cluster.objs.get_cluster_custom_object("gkm.io", "v1alpha1", "clustergkmcachenodes", node.name),

@@ -51,10 +51,15 @@ def test_missing_and_wrong_credentials_are_auth_errors(auth_registry, tmp_path):
     assert "wrong" not in str(info.value) and bad not in str(info.value)
 
 
-def test_unreachable_registry_fails_within_the_deadline(tmp_path):
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_unreachable_registry_fails_within_the_deadline(tmp_path):
+    closed = closed_port()
     store = CacheStore(tmp_path / "store", registry=RegistryOptions(plain_http=True, timeout=2))
     with pytest.raises(RegistryUnavailable, match="Connection refused.*2s deadline"):
         store.ensure(f"127.0.0.1:{closed}/x/y:latest")
@@ -65,9 +70,7 @@ def test_unreachable_registry_fails_within_the_deadline(tmp_path):
 
 
 def test_unreachable_registry_fails_after_a_few_attempts_whatever_the_deadline(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = closed_port()
     store = CacheStore(tmp_path / "store", registry=RegistryOptions(plain_http=True, timeout=3600))
     with pytest.raises(RegistryUnavailable, match="Connection refused.*gave up after 5 attempts"):
         store.ensure(f"127.0.0.1:{closed}/x/y:latest")
