@@ -32,7 +32,7 @@ deps: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -e '.[dev,test]'
 	touch $@
 
 tools: system-deps
@@ -43,7 +43,7 @@ proto: deps
 	$(PY) -m accelnode.protogen --out accelnode/pb $(PROTOS)
 
 demo: deps
-	$(PY) -m device_plugin.demo
+	$(PY) -m accelnode.testing.demo
 
 test: deps tools
 	@echo "tests: $(TESTS)"

@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the node is not as the command needs it: path, socket, permission, port
         print(f"accelnode {args.command}: {e}", file=sys.stderr)
         return exitcodes.PREREQUISITE
-    except Exception as e:  # last resort: one line, not a traceback, unless debugging
-        logging.getLogger("accelnode").debug("unhandled error", exc_info=True)
+    except Exception as e:  # last resort: the traceback once, as a structured record, and one line
+        logging.getLogger("accelnode").critical("command died", exc_info=True,
+                                                extra=alog.kv(command=args.command, error=f"{type(e).__name__}: {e}"))
         print(f"accelnode {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return exitcodes.FAILURE
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 
 _STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -65,12 +66,22 @@ class TextFormatter(logging.Formatter):
 
 
 def setup(level: str = "info", fmt: str = "json", stream=None) -> None:
-    """Configure the root logger once for a process."""
+    """Configure the root logger once for a process, and log a thread that dies of an uncaught
+    exception as one structured record with its traceback (at critical: whatever the level)."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    threading.excepthook = _thread_died
     # grpc and urllib3 are chatty at debug; keep them at warning unless asked.
     for name in ("urllib3", "grpc", "asyncio"):
         logging.getLogger(name).setLevel(logging.WARNING if level != "debug" else logging.DEBUG)
+
+
+def _thread_died(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else None
+    logging.getLogger("accelnode").critical("thread died", exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+                                            extra=kv(thread=name, error=f"{args.exc_type.__name__}: {args.exc_value}"))

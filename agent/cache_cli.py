@@ -8,6 +8,7 @@ import sys
 
 from accelnode import exitcodes
 from accelnode.cli import add_common, apply_env
+from accelnode.oci.flags import add_registry_flags, registry_options
 
 
 def _target(text: str) -> dict:
@@ -22,25 +23,6 @@ def _label(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return tuple(text.split("=", 1))
-
-
-def add_registry_flags(group, timeout_flag: str = "--timeout") -> None:
-    """The registry flags of every command that talks to a registry (``accelnode cache``,
-    ``accelnode agent``); the agent names its deadline ``--registry-timeout``."""
-    group.add_argument("--plain-http", action="store_true",
-                       help="talk plain HTTP to the registry (only when asked: tests, trusted networks)")
-    group.add_argument("--registry-config", metavar="FILE",
-                       help="Docker config JSON with credentials (also a dockerconfigjson Secret's content)")
-    group.add_argument(timeout_flag, dest="registry_timeout", type=float, default=1800.0, metavar="SECONDS",
-                       help="deadline of one whole pull or push (every blob of the image); an unreachable "
-                            "registry still fails after 5 quick attempts (default: %(default)s)")
-
-
-def registry_options(args):
-    from .registry import RegistryOptions
-
-    return RegistryOptions(plain_http=args.plain_http, config_file=args.registry_config,
-                           timeout=args.registry_timeout)
 
 
 def register(sub) -> None:
@@ -104,8 +86,8 @@ def _build_flags(p, *, kind=True) -> None:
 
 def _errors(fn):
     """Run ``fn`` mapping store errors to one-line CLI errors with the right exit code."""
-    from . import errors
-    from .build import BuildError
+    from accelnode.oci import errors
+    from accelnode.oci.build import BuildError
 
     try:
         return fn()
@@ -113,7 +95,7 @@ def _errors(fn):
         raise exitcodes.CLIError(str(e), exitcodes.UNAVAILABLE) from None
     except errors.InvalidReference as e:
         raise exitcodes.CLIError(str(e), exitcodes.USAGE) from None
-    except (errors.CacheError, BuildError) as e:
+    except (errors.ImageError, BuildError) as e:
         raise exitcodes.CLIError(f"{type(e).__name__}: {e}") from None
     except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
         raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
@@ -132,7 +114,7 @@ def _store(args):
 
 
 def _build(args) -> int:
-    from .build import build
+    from accelnode.oci.build import build
 
     built = _errors(lambda: build(args.dir, args.image, options=registry_options(args), kind=args.kind,
                                   targets=args.target, labels=dict(args.label), layers=args.layers,
@@ -142,7 +124,7 @@ def _build(args) -> int:
 
 
 def _push(args) -> int:
-    from .build import build
+    from accelnode.oci.build import build
 
     def go():
         inst = _store(args).installed(args.digest)
@@ -170,7 +152,7 @@ def _installed_json(inst) -> dict:
 
 
 def _inspect(args) -> int:
-    from .store import inspect
+    from accelnode.oci.manifest import inspect
 
     info = _errors(lambda: inspect(args.image, registry_options(args)))
     if args.json:
@@ -180,7 +162,7 @@ def _inspect(args) -> int:
         print(f"image:   {info['image']}")
         print(f"digest:  {m['digest']}" + (f"  (in index {info['index']})" if info.get("index") else ""))
         print(f"kind:    {m['kind'] or 'unknown (not a kernel-cache image)'}")
-        print(f"targets: " + (", ".join(_fmt_target(t) for t in m["targets"]) or "none recorded"))
+        print("targets: " + (", ".join(_fmt_target(t) for t in m["targets"]) or "none recorded"))
         print(f"size:    {m['size_bytes']} bytes in {m['layers']} layer(s), {m['compressed_bytes']} compressed")
         for k, v in sorted(m["labels"].items()):
             print(f"label:   {k}={v}")

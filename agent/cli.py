@@ -7,7 +7,7 @@ import argparse
 from accelnode import cli as acli
 from accelnode import exitcodes
 
-from .cache_cli import add_registry_flags, registry_options
+from accelnode.oci.flags import add_registry_flags, registry_options
 
 
 def register(sub) -> None:
@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.httpserve import MetricsServer
     from accelnode.log import kv
 
-    from . import accelerators, service, status
+    from accelnode.hw import accelerators
+
+    from . import core, reporter as status_reporter, service
     from .store import CacheStore
 
     log = logging.getLogger("accelnode.agent")
@@ -54,21 +56,21 @@ def run(args: argparse.Namespace) -> int:
         raise exitcodes.CLIError(f"socket directory {sock.parent} does not exist", exitcodes.PREREQUISITE)
     store = CacheStore(args.store, registry=registry_options(args))
     registry = CollectorRegistry()
-    svc = service.AgentService(store, accelerators.detect(args.sysfs_root, args.dev_root),
-                               service.Metrics(registry))
+    agent = core.Agent(store, accelerators.detect(args.sysfs_root, args.dev_root), core.Metrics(registry))
     metrics = MetricsServer(args.metrics_address, registry, lambda: (True, "")).start()
-    server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(svc, s), max_workers=32)
+    server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(service.AgentService(agent), s),
+                                 max_workers=32)
     log.info("agent serving", extra=kv(socket=str(sock), store=args.store,
-                                       accelerators=[str(a) for a in svc.accelerators]))
+                                       accelerators=[str(a) for a in agent.accelerators]))
     reporter = None
     if args.node_name:
         try:
-            reporter = status.for_service(svc, store, args.node_name, args.kubeconfig, resync=args.status_resync)
+            reporter = status_reporter.for_agent(agent, args.node_name, args.kubeconfig, resync=args.status_resync)
         except (ValueError, OSError) as e:
             server.stop(grace=0)
             metrics.stop()
             raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
-        svc.on_change = reporter.poke
+        agent.on_change = reporter.poke
         reporter.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import zstandard
 
+from accelnode.oci.limits import Limits
+
 
 CHUNK = 512 << 10  # per-read size: 8 layers in parallel stay well under 100 MB RSS
 WHITEOUT = ".wh."
@@ -44,22 +46,6 @@ _MAX_META = 1 << 20  # a pax or GNU long-name header larger than this is a bomb,
 _MAX_META_CHAIN = 8  # metadata headers in a row before one member (tarfile recurses per header)
 NAME_MAX, PATH_MAX = 255, 4095  # bytes of one path component / of a whole name or link target
 _RATIO_FLOOR = 16 << 20  # compression ratio is judged once a layer has produced this much
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_bytes: int = 64 << 30  # regular-file bytes of one image, all layers together
-    max_files: int = 2_000_000  # entries of one image, all layers together
-    max_ratio: int = 250  # uncompressed / compressed bytes of one layer
-    max_manifest_bytes: int = 4 << 20
-    max_config_bytes: int = 4 << 20
-    max_layers: int = 128  # layers of one manifest
-    max_index_entries: int = 256  # manifests of one image index
-
-    @property
-    def max_tar_bytes(self) -> int:
-        """The most tar stream (content plus headers) one image can need within these limits."""
-        return self.max_bytes + (self.max_files + 16) * 2048
 
 
 class Refused(Exception):

@@ -35,10 +35,15 @@ from pathlib import Path
 
 from accelnode.log import kv
 
-from . import cacheformat as fmt
-from .errors import Busy, HostileContent, ImageNotFound, NoMatchingManifest, StoreCorrupt
-from .extract import Budget, Entry, Layer, Limits, Refused, check_symlinks, extract_layer, merge, mkdir
-from .registry import DIGEST, INDEX_TYPES, MANIFEST_TYPES, Deadline, Reference, Registry, RegistryOptions, check_digest
+from accelnode.oci import cacheformat as fmt
+from accelnode.oci.errors import HostileContent, ImageNotFound, NoMatchingManifest
+from accelnode.oci.limits import Limits
+from accelnode.oci.manifest import check_index, get_manifest, read_config
+from accelnode.oci.reference import DIGEST, Reference, check_digest
+from accelnode.oci.registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Registry, RegistryOptions
+
+from .errors import Busy, StoreCorrupt
+from .extract import Budget, Entry, Layer, Refused, check_symlinks, extract_layer, merge, mkdir
 
 log = logging.getLogger("accelnode.agent.store")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -102,14 +107,14 @@ class CacheStore:
             if found is not None:
                 return found
         reg = Registry(ref.host, self.options, Deadline(self.options.timeout))
-        body, manifest, media_type, digest = _get_manifest(reg, ref, image, self.limits)
+        body, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits)
         if media_type in INDEX_TYPES:
             self._save_index(digest, body)
             desc = self._choose(manifest, image, accelerators)
             found = self._use(desc["digest"])
             if found is not None:
                 return found
-            _, manifest, media_type, digest = _get_manifest(reg, ref, image, self.limits, desc["digest"])
+            _, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits, desc["digest"])
         if media_type not in MANIFEST_TYPES:
             raise HostileContent(f"unsupported manifest media type {media_type!r}", image)
         found = self._use(digest)
@@ -132,7 +137,7 @@ class CacheStore:
         return found
 
     def _choose(self, index: dict, image: str, accelerators) -> dict:
-        _check_index(index, image, self.limits)
+        check_index(index, image, self.limits)
         desc = fmt.choose_manifest(index, accelerators)
         if desc is None:
             offered = [(d.get("platform"), (d.get("annotations") or {}).get(fmt.TARGETS_ANNOTATION))
@@ -145,7 +150,7 @@ class CacheStore:
         return desc
 
     def _install(self, reg: Registry, ref: Reference, image: str, digest: str, manifest: dict, progress) -> Installed:
-        layers, kind, targets, labels = _read_config(reg, ref, manifest, image, self.limits)
+        layers, kind, targets, labels = read_config(reg, ref, manifest, image, self.limits)
         stage = Path(tempfile.mkdtemp(prefix=digest.split(":")[1] + ".", dir=self.root / "tmp"))
         started = time.monotonic()
         try:
@@ -367,101 +372,6 @@ class CacheStore:
             except FileNotFoundError:  # removed by gc just now
                 return None
         return inst
-
-
-def inspect(image: str, options: RegistryOptions, limits: Limits | None = None) -> dict:
-    """What an image is, from its manifest(s) and config only (no layers are fetched)."""
-    limits = limits or Limits()
-    ref = Reference.parse(image)
-    reg = Registry(ref.host, options, Deadline(options.timeout))
-    _, doc, media_type, digest = _get_manifest(reg, ref, image, limits)
-    out = {"image": image, "index": None, "manifests": []}
-    entries = [(digest, doc, None)]
-    if media_type in INDEX_TYPES:
-        out["index"] = digest
-        entries = []
-        _check_index(doc, image, limits)
-        for desc in doc["manifests"]:
-            _, child, _, child_digest = _get_manifest(reg, ref, image, limits, check_digest(desc.get("digest"), image))
-            entries.append((child_digest, child, desc))
-    for d, manifest, desc in entries:
-        layers, kind, targets, labels = _read_config(reg, ref, manifest, image, limits)
-        size = labels.get(fmt.label(kind, "cache-size-bytes")) if kind else None
-        info = {"digest": d, "kind": kind, "targets": targets, "labels": labels,
-                "size_bytes": int(size) if size and size.isdigit() else None,
-                "layers": len(layers), "compressed_bytes": sum(x["size"] for x in layers)}
-        if desc is not None:
-            info["platform"] = desc.get("platform")
-            info["annotations"] = desc.get("annotations") or {}
-        out["manifests"].append(info)
-    return out
-
-
-def _get_manifest(reg: Registry, ref: Reference, image: str, limits: Limits,
-                  digest: str | None = None) -> tuple[bytes, dict, str, str]:
-    """A manifest or index: (body, parsed document, media type, digest). The document's own
-    ``mediaType`` wins over the Content-Type the registry sent."""
-    body, media_type, digest = reg.get_manifest(ref, image, limit=limits.max_manifest_bytes, digest=digest)
-    doc = _json(body, image, "manifest")
-    return body, doc, doc.get("mediaType") or media_type, digest
-
-
-def _read_config(reg: Registry, ref: Reference, manifest: dict, image: str,
-                 limits: Limits) -> tuple[list[dict], str | None, list[dict], dict]:
-    """(layer descriptors, kind, targets, labels) of a validated manifest and its config blob."""
-    layers, config_desc = _validate_manifest(manifest, image, limits)
-    config = _json(reg.read_blob(ref.repository, config_desc, image, limit=limits.max_config_bytes), image, "config")
-    return (layers, *_parse_config(config, image))
-
-
-def _json(body: bytes, image: str, what: str) -> dict:
-    try:
-        doc = json.loads(body)
-    except ValueError as e:
-        raise HostileContent(f"{what} is not valid JSON: {e}", image) from None
-    except RecursionError:
-        raise HostileContent(f"{what} is JSON nested too deeply", image) from None
-    if not isinstance(doc, dict):
-        raise HostileContent(f"{what} is not a JSON object", image)
-    return doc
-
-
-def _parse_config(config: dict, image: str) -> tuple[str | None, list[dict], dict]:
-    try:
-        return fmt.parse_config(config)
-    except (ValueError, TypeError, AttributeError, RecursionError) as e:
-        raise HostileContent(f"config labels are malformed: {type(e).__name__}: {str(e)[:200]}", image) from None
-
-
-def _check_index(index: dict, image: str, limits: Limits) -> None:
-    manifests = index.get("manifests")
-    if not isinstance(manifests, list):
-        raise HostileContent("image index has no manifests list", image)
-    if len(manifests) > limits.max_index_entries:
-        raise HostileContent(f"image index lists {len(manifests)} manifests (limit {limits.max_index_entries})",
-                             image)
-
-
-def _validate_manifest(manifest: dict, image: str, limits: Limits) -> tuple[list[dict], dict]:
-    layers, config = manifest.get("layers"), manifest.get("config")
-    if not isinstance(layers, list) or not isinstance(config, dict):
-        raise HostileContent("manifest lacks a config descriptor or a layers list", image)
-    if len(layers) > limits.max_layers:
-        raise HostileContent(f"manifest has {len(layers)} layers (limit {limits.max_layers})", image)
-    if config.get("mediaType") not in fmt.CONFIG_TYPES:
-        raise HostileContent(f"unsupported config media type {config.get('mediaType')!r}", image)
-    for i, d in enumerate(layers):
-        if not isinstance(d, dict) or d.get("mediaType") not in fmt.LAYER_TYPES:
-            raise HostileContent(f"layer {i} has unsupported media type "
-                                 f"{d.get('mediaType') if isinstance(d, dict) else d!r}", image)
-        check_digest(d.get("digest"), image)
-        if not isinstance(d.get("size"), int) or d["size"] < 0:
-            raise HostileContent(f"layer {i} has no valid size", image)
-    declared = sum(d["size"] for d in layers)
-    if declared > limits.max_tar_bytes:  # even uncompressed, that much tar cannot fit in the limits
-        raise HostileContent(f"layers declare {declared} bytes, more than the {limits.max_tar_bytes} "
-                             "the limits allow", image)
-    return layers, config
 
 
 def _scan(root: Path) -> dict[str, Entry]:

@@ -72,7 +72,7 @@ def oras_pull_untar(oras: str, image: str, work: Path) -> float:
 
 
 def main() -> None:
-    from agent.registry import RegistryOptions
+    from accelnode.oci.registry import RegistryOptions
     from agent.store import CacheStore
     from tests.fixtures.registry import RunningRegistry
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import psutil
 
-from device_plugin.kubelet_harness import KubeletHarness
-from device_plugin.simhost import SimHost
+from accelnode.testing.kubelet_harness import KubeletHarness
+from accelnode.testing.simhost import SimHost
 
 G = "device_plugin"
 HEALTH_TRIALS = 60

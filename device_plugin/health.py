@@ -20,7 +20,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .discovery import GENERATIONS, PCI_DEVICES, VENDOR_GOOGLE, Chip, numbered, pci_addresses, probe, read_hex
+from accelnode.hw.tpu import (GENERATIONS, PCI_DEVICES, VENDOR_GOOGLE, Chip, aer_fatal_total, numbered, pci_addresses,
+                              probe, read_hex)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -34,18 +35,6 @@ class ChipState:
     @property
     def health(self) -> str:
         return HEALTHY if self.problem is None else UNHEALTHY
-
-
-def aer_fatal_total(text: str) -> int:
-    """Total of an ``aer_dev_fatal`` file: its TOTAL_ERR_FATAL line, else the sum of the counters."""
-    total = 0
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name == "TOTAL_ERR_FATAL":
-            return int(value)
-        if value.isdigit():
-            total += int(value)
-    return total
 
 
 def _not_a_chip(pci: Path) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .discovery import Chip
+from accelnode.hw.tpu import Chip
 
 # block size -> (x, y) bounds of an aligned block of that many chips
 BLOCK_BOUNDS = {1: (1, 1), 2: (1, 2), 4: (2, 2), 8: (2, 4)}

@@ -138,23 +138,23 @@ class Node:
 
     def __init__(self, root: Path, name: str, control_plane, registry):
         from accelnode import grpcutil
-        from agent import accelerators, service, status
+        from accelnode.hw import accelerators
+        from accelnode.testing.simhost import SimHost
+        from agent import core, reporter, service
         from agent.store import CacheStore
-        from device_plugin.simhost import SimHost
         from prometheus_client import CollectorRegistry
 
         self.name = name
         self.host = SimHost.preset(root / "host", "v5e-4")
         self.store = CacheStore(root / "store", registry=registry.options())
         accs = accelerators.detect(self.host.sysfs_root, self.host.dev_root)
-        self.service = service.AgentService(self.store, accs, service.Metrics(CollectorRegistry()))
+        self.agent = core.Agent(self.store, accs, core.Metrics(CollectorRegistry()))
         self.socket = root / "agent.sock"
-        self.server = grpcutil.serve_unix(self.socket, lambda s: service.add_to_server(self.service, s))
+        self.server = grpcutil.serve_unix(self.socket, lambda s: service.add_to_server(service.AgentService(self.agent), s))
         # resync far beyond any test: every update must come from a watch event or the
-        # service's change cue
-        self.reporter = status.for_service(self.service, self.store, name, str(control_plane.kubeconfig("agent")),
-                                           resync=3600)
-        self.service.on_change = self.reporter.poke
+        # agent's change cue
+        self.reporter = reporter.for_agent(self.agent, name, str(control_plane.kubeconfig("agent")), resync=3600)
+        self.agent.on_change = self.reporter.poke
         self._channel = grpcutil.unix_channel(self.socket)
 
     def start(self) -> "Node":
@@ -162,13 +162,13 @@ class Node:
         return self
 
     def stub(self):
-        from csi_driver.api import agent_grpc
+        from agent.api import agent_grpc
 
         return agent_grpc.AgentStub(self._channel)
 
     def ensure(self, image: str):
         """What the CSI driver does before a publish: EnsureCache, waiting for the pull."""
-        from csi_driver.api import agent
+        from agent.api import agent
 
         return self.stub().EnsureCache(agent.EnsureCacheRequest(image=image, wait_seconds=60), timeout=90)
 
@@ -176,7 +176,7 @@ class Node:
                 cache: tuple[str, str] | None = None) -> None:
         """A reference as the CSI driver takes it; ``cache`` (namespace, name - namespace "" for
         a ClusterGKMCache) is the cache the volume names, None for a driver that does not say."""
-        from csi_driver.api import agent
+        from agent.api import agent
 
         self.stub().AcquireReference(agent.AcquireReferenceRequest(
             volume_id=volume_id, digest=digest, target_path=self.target(volume_id),
@@ -184,7 +184,7 @@ class Node:
             cache=agent.CacheRef(namespace=cache[0], name=cache[1]) if cache else None), timeout=30)
 
     def release(self, volume_id: str) -> None:
-        from csi_driver.api import agent
+        from agent.api import agent
 
         self.stub().ReleaseReference(agent.ReleaseReferenceRequest(volume_id=volume_id, target_path=self.target(volume_id)),
                                      timeout=30)

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import yaml
 
-from agent.kube import Client, Config, KubeError, Unreachable
+from accelnode.kube.client import Client, Config, KubeError, Unreachable
 
 SA = ("accelnode-system", "accelnode-agent")
 

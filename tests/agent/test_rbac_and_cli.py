@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from agent.kube import Client, Config, KubeError, custom_path
+from accelnode.kube.client import Client, Config, KubeError, custom_path
 from tests.agent.conftest import eventually
 from tests.agent.test_status import digest_of, entry_in
 from tests.conftest import accelnode_cmd
@@ -39,7 +39,7 @@ def test_agent_identity_cannot_write_outside_its_role(control_plane, cluster, no
 
 
 def test_agent_process_reports_status(tmp_path, control_plane, cluster, images, kube_namespace, registry):
-    from device_plugin.simhost import SimHost
+    from accelnode.testing.simhost import SimHost
     from tests.csi.conftest import Daemon, free_ports
     from tests.agent.conftest import TPU_LABELS
 

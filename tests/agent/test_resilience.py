@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 import uuid
 
-from agent.kube import Client, Config, Reflector, custom_path
+from accelnode.kube.client import Client, Config, custom_path
+from accelnode.kube.reflector import Reflector
 from tests.agent.conftest import eventually
 from tests.agent.test_status import digest_of, entry_in
 

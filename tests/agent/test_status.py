@@ -4,7 +4,7 @@ drives it (EnsureCache, AcquireReference, ReleaseReference over the agent's gRPC
 
 from __future__ import annotations
 
-from csi_driver.api import agent as agent_api
+from agent.api import agent as agent_api
 from tests.agent.conftest import eventually
 
 

@@ -11,8 +11,8 @@ import stat
 
 import pytest
 
-from agent.errors import HostileContent, IntegrityError
-from agent.extract import Limits
+from accelnode.oci.errors import HostileContent, IntegrityError
+from accelnode.oci.limits import Limits
 from agent.store import CacheStore
 from tests.cache.helpers import GZ, TAR, TRITON_CONFIG, ZST, tar
 
@@ -167,7 +167,8 @@ def _index_of(n):
 
 
 def _manifest_size(registry, image):
-    from agent.registry import Deadline, Reference, Registry
+    from accelnode.oci.reference import Reference
+    from accelnode.oci.registry import Deadline, Registry
 
     ref = Reference.parse(image)
     return len(Registry(ref.host, registry.options(), Deadline(10)).get_manifest(ref, image)[0])

@@ -10,8 +10,8 @@ import socket
 
 import pytest
 
-from agent.errors import AuthError, ImageNotFound, IntegrityError, InvalidReference, RegistryUnavailable
-from agent.registry import RegistryOptions
+from accelnode.oci.errors import AuthError, ImageNotFound, IntegrityError, InvalidReference, RegistryUnavailable
+from accelnode.oci.registry import RegistryOptions
 from agent.store import CacheStore
 from tests.cache.helpers import BlobRedirector, FaultProxy
 from tests.cache.test_store import _layer_digests, triton_tree

@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from agent.build import build, push_index
-from agent.errors import ImageNotFound, NoMatchingManifest, StoreCorrupt
-from agent.store import CacheStore, inspect
+from accelnode.oci.build import build, push_index
+from accelnode.oci.errors import ImageNotFound, NoMatchingManifest
+from agent.errors import StoreCorrupt
+from accelnode.oci.manifest import inspect
+from agent.store import CacheStore
 from tests.cache.helpers import GZ, TRITON_CONFIG, FaultProxy, tar
 from tests.conftest import accelnode_cmd
 
@@ -115,7 +117,8 @@ def test_pinned_index_resolves_offline_once_installed(registry, tmp_path):
 
 
 def _layer_digests(registry, image):
-    from agent.registry import Deadline, Reference, Registry
+    from accelnode.oci.reference import Reference
+    from accelnode.oci.registry import Deadline, Registry
 
     ref = Reference.parse(image)
     body, _, _ = Registry(ref.host, registry.options(), Deadline(10)).get_manifest(ref, image)

@@ -5,9 +5,10 @@ import stat
 
 import pytest
 
-from device_plugin.discovery import discover
-from device_plugin.health import Inventory, aer_fatal_total
-from device_plugin.simhost import SimHost
+from accelnode.hw.tpu import discover
+from accelnode.hw.tpu import aer_fatal_total
+from device_plugin.health import Inventory
+from accelnode.testing.simhost import SimHost
 from tests.conftest import require_root
 
 

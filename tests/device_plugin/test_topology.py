@@ -2,7 +2,7 @@
 
 import pytest
 
-from device_plugin.discovery import Chip
+from accelnode.hw.tpu import Chip
 from device_plugin.topology import NodeConfig, bounds, container_env, preferred
 
 

@@ -1,7 +1,7 @@
 # A real Kubernetes control plane for the tests: etcd, kube-apiserver and a kubectl of the same
 # minor, built from the Go modules pinned in tools/k8s/go.mod (Kubernetes 1.35, etcd 3.6).
 # Rebuilt only when missing or when that go.mod/go.sum change. `make cluster` runs one in the
-# foreground for a person (accelnode/devcluster.py, docs/local-cluster.md).
+# foreground for a person (accelnode/testing/devcluster.py, docs/local-cluster.md).
 K8S_TOOLS := $(TOOLS_BIN)/etcd $(TOOLS_BIN)/kube-apiserver $(TOOLS_BIN)/kubectl
 TOOLS += $(K8S_TOOLS)
 
@@ -22,4 +22,4 @@ $(K8S_TOOLS): $(TOOLS_BIN)/%: tools/k8s/go.mod tools/k8s/go.sum
 
 .PHONY: cluster
 cluster: deps $(K8S_TOOLS)
-	$(PY) -m accelnode.devcluster --tools-bin $(TOOLS_BIN)
+	$(PY) -m accelnode.testing.devcluster --tools-bin $(TOOLS_BIN)

@@ -81,7 +81,7 @@ def detect(sysfs_root: str | Path = "/sys", dev_root: str | Path = "/dev") -> li
 
 
 def _tpus(sysfs_root, dev_root) -> list[Accelerator]:
-    from device_plugin.discovery import discover
+    from .tpu import discover
 
     gens = Counter(c.generation for c in discover(sysfs_root=str(sysfs_root), dev_root=str(dev_root)))
     return [Accelerator("tpu", g, n, "tpu-discovery") for g, n in sorted(gens.items())]

@@ -1,7 +1,7 @@
 """A real, throwaway Kubernetes control plane on loopback: etcd + kube-apiserver.
 
 Used by the pytest fixture (``tests/fixtures/cluster.py``) and by ``make cluster``
-(``python -m accelnode.devcluster``). Both binaries are the real ones, built from their Go
+(``python -m accelnode.testing.devcluster``). Both binaries are the real ones, built from their Go
 modules into ``.tools/bin`` by ``make tools`` (``tools/mk/k8s.mk``).
 
 What one :class:`ControlPlane` sets up in its work directory:
@@ -390,7 +390,7 @@ class ControlPlane:
 def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parent.parent
     p = argparse.ArgumentParser(
-        prog="python -m accelnode.devcluster",
+        prog="python -m accelnode.testing.devcluster",
         description="Run a local etcd + kube-apiserver in the foreground until Ctrl-C.")
     p.add_argument("--tools-bin", type=Path, default=Path(os.environ.get("ACCELNODE_TOOLS_BIN", root / ".tools/bin")),
                    help="where etcd and kube-apiserver are (default: .tools/bin)")

@@ -121,3 +121,15 @@ def _dev_paths(dev: Path, pci: Path, generation: str, group: str | None) -> tupl
     except OSError:
         return ()
     return tuple(str(dev / n) for n in names)
+
+
+def aer_fatal_total(text: str) -> int:
+    """Total of an ``aer_dev_fatal`` file: its TOTAL_ERR_FATAL line, else the sum of the counters."""
+    total = 0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == "TOTAL_ERR_FATAL":
+            return int(value)
+        if value.isdigit():
+            total += int(value)
+    return total

@@ -18,8 +18,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from .discovery import DEVICE_IDS, VENDOR_GOOGLE, VFIO_GENERATIONS, pci_sort_key
-from .health import aer_fatal_total
+from accelnode.hw.tpu import DEVICE_IDS, VENDOR_GOOGLE, VFIO_GENERATIONS, aer_fatal_total, pci_sort_key
 
 SIM_MAJOR_VFIO_GROUP = 240
 SIM_MAJOR_ACCEL = 241

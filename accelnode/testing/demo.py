@@ -34,7 +34,7 @@ def show_devices(devices) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m device_plugin.demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m accelnode.testing.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="v5e-4", help="simulated host, <generation>-<chips> (default: %(default)s)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:

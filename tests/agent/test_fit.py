@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agent import accelerators, compat
-from agent.accelerators import Accelerator
+from accelnode.hw import accelerators
+from accelnode.hw.accelerators import Accelerator
+from agent import fit
 from tests.conftest import require_root
 
 V5E = Accelerator("tpu", "v5e", 4, "tpu-discovery")
@@ -16,7 +17,7 @@ RDNA3 = Accelerator("hip", "gfx1100", 1, "pci 1002:744c")
 
 @pytest.fixture
 def host(tmp_path):
-    from device_plugin.simhost import SimHost
+    from accelnode.testing.simhost import SimHost
 
     require_root()
     return SimHost(tmp_path / "host")
@@ -56,20 +57,20 @@ def test_plain_cpu_node(host):
     ([], []),  # accelerator-neutral
 ])
 def test_fits(targets, node):
-    assert compat.check(targets, node) is None
+    assert fit.check(targets, node) is None
 
 
 def test_mismatch_names_expected_and_found():
-    m = compat.check([{"backend": "cuda", "arch": "sm_90"}, {"backend": "hip", "arch": "gfx942"}], [V5E])
+    m = fit.check([{"backend": "cuda", "arch": "sm_90"}, {"backend": "hip", "arch": "gfx942"}], [V5E])
     assert (m.expected, m.found) == ("cuda/sm_90, hip/gfx942", "tpu/v5e x4")
     assert str(m) == "built for cuda/sm_90, hip/gfx942; this node has tpu/v5e x4"
 
 
 def test_unknown_arch_fits_nothing():
     unknown = Accelerator("hip", None, 1, "pci 1002:9999")
-    m = compat.check([{"backend": "hip", "arch": "gfx942"}], [unknown])
+    m = fit.check([{"backend": "hip", "arch": "gfx942"}], [unknown])
     assert m is not None and m.found == "hip/unknown-arch x1"
-    assert compat.check([{"backend": "tpu", "arch": "v5e"}], []).found == "no accelerators"
+    assert fit.check([{"backend": "tpu", "arch": "v5e"}], []).found == "no accelerators"
 
 
 @pytest.mark.parametrize("targets,node", [
@@ -79,11 +80,11 @@ def test_unknown_arch_fits_nothing():
     ([{"backend": "hip", "arch": "gfx90a", "warp_size": 32}], [MI250]),  # CDNA runs wave64
 ])
 def test_does_not_fit(targets, node):
-    assert compat.check(targets, node) is not None
+    assert fit.check(targets, node) is not None
 
 
 def test_warp_size_mismatch_names_both_sizes():
-    m = compat.check([{"backend": "hip", "arch": "gfx1100", "warp_size": 64}], [RDNA3])
+    m = fit.check([{"backend": "hip", "arch": "gfx1100", "warp_size": 64}], [RDNA3])
     assert (m.expected, m.found) == ("hip/gfx1100 (warp 64)", "hip/gfx1100 x1 (warp 32)")
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .accelerators import Accelerator
-from .cacheformat import normalize_target
+from accelnode.hw.accelerators import Accelerator
+from accelnode.oci.cacheformat import normalize_target
 
 _CUDA_ARCH = re.compile(r"^(?:sm_?|compute_)?(\d+)\.?(\d*)[af]?$")
 

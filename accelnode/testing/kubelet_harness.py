@@ -23,7 +23,7 @@ import grpc
 
 from accelnode import grpcutil
 
-from . import api
+from device_plugin import api
 
 SUPPORTED_VERSIONS = ("v1beta1",)
 DIAL_TIMEOUT = 10.0

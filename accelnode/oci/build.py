@@ -20,7 +20,8 @@ from pathlib import Path
 import zstandard
 
 from . import cacheformat as fmt
-from .registry import Deadline, Reference, Registry, RegistryOptions
+from .reference import Reference
+from .registry import Deadline, Registry, RegistryOptions
 
 _LAYER_TYPE = {"gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
                "zstd": "application/vnd.oci.image.layer.v1.tar+zstd",

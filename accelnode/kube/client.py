@@ -1,6 +1,6 @@
-"""A small Kubernetes API client for the node agent: JSON over HTTPS, and watches that survive.
+"""A small Kubernetes API client: JSON over HTTPS.
 
-The agent needs a handful of verbs on a few resources, so it speaks the REST API directly
+The node daemons need a handful of verbs on a few resources, so this speaks the REST API directly
 with urllib3 (already loaded for registries) instead of the official client, whose generated
 models cost about 20 MB of memory on every node.
 
@@ -12,11 +12,8 @@ models cost about 20 MB of memory on every node.
   Status ``code``/``reason``/``message`` of the answer) or :class:`Unreachable`. A token file
   is re-read every minute and after a 401 (kubelet rotates projected tokens); tokens never
   appear in errors or logs.
-* :class:`Reflector` - a local copy of one collection (or one named object): list, then watch
-  from the list's resourceVersion with bookmarks; a dropped watch resumes from the last
-  resourceVersion seen; ``410 Gone`` re-lists; any other failure (a kind not served yet because
-  its CRD is missing, an unreachable server, a watch that ends at once) retries with capped
-  exponential backoff. It never raises out of :meth:`Reflector.run`.
+
+Watches that survive are :class:`accelnode.kube.reflector.Reflector`.
 """
 
 from __future__ import annotations
@@ -27,18 +24,15 @@ import logging
 import os
 import ssl
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 from urllib.parse import quote, urlencode
 
 import urllib3
 
-from accelnode.log import kv
 
-log = logging.getLogger("accelnode.agent.kube")
+log = logging.getLogger("accelnode.kube")
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
@@ -225,132 +219,3 @@ def custom_path(group: str, version: str, plural: str, namespace: str | None = N
     parts += [name] if name else []
     parts += [sub] if sub else []
     return "/".join(quote(p, safe="") if i else p for i, p in enumerate(parts))
-
-
-class Reflector:
-    """A local copy of the objects at ``path`` (``query`` may hold field/label selectors),
-    kept current by watching; ``on_change()`` runs after every change.
-
-    With ``name`` set, the reflector follows that one object: GET instead of list (for
-    identities that may get and watch but not list), watch with ``metadata.name=<name>``.
-    ``keep(obj)`` trims an object before it is stored (memory: keep what you read).
-    """
-
-    MIN_WATCH = 5.0  # a watch that ends sooner without events counts as a failure (no hot loop)
-
-    def __init__(self, client: Client, path: str, *, on_change: Callable[[], None], query: dict | None = None,
-                 name: str | None = None, keep: Callable[[dict], dict] = lambda o: o,
-                 watch_seconds: int = 300, max_backoff: float = 30.0):
-        self.client, self.path, self.name = client, path, name
-        self.query = dict(query or {})
-        if name:
-            self.query["fieldSelector"] = f"metadata.name={name}"
-        self.on_change, self.keep = on_change, keep
-        self.watch_seconds, self.max_backoff = watch_seconds, max_backoff
-        self._items: dict[str, dict] = {}
-        self._lock = threading.Lock()  # items are read by the reporter's thread
-        self.synced = threading.Event()
-        self.resource_version: str | None = None
-        self.relists = 0  # lists done (the first one included)
-        self.retry_in = 0.0  # the current backoff (0 while all is well)
-        self._resp = None
-
-    def snapshot(self) -> list[dict]:
-        with self._lock:
-            return list(self._items.values())
-
-    def interrupt(self) -> None:
-        """End the watch in flight (after setting :meth:`run`'s ``stop``, so it returns promptly)."""
-        _shutdown(self._resp)
-
-    def run(self, stop: threading.Event) -> None:
-        delay = 0.0
-        while not stop.wait(delay):
-            try:
-                if self.resource_version is None:
-                    self._list()
-                started, events = time.monotonic(), self._watch(stop)
-                if events or time.monotonic() - started >= self.MIN_WATCH:
-                    delay = 0.0  # the server ended a healthy watch: resume at once
-                else:
-                    delay = self._backoff(delay, "the watch ended at once without events")
-            except KubeError as e:
-                if e.code == 410:  # our resourceVersion was compacted away: start over
-                    log.info("watch expired, re-listing", extra=kv(path=self.path, message=e.message))
-                    self.resource_version, delay = None, 0.0
-                elif e.code == 404 and not self.name:
-                    delay = self._backoff(delay, f"{self.path} is not served by the API server (is its "
-                                                 f"CustomResourceDefinition installed?): {e}")
-                else:
-                    delay = self._backoff(delay, e)
-            except (Unreachable, ValueError, OSError) as e:
-                if stop.is_set():
-                    return
-                delay = self._backoff(delay, e)
-            self.retry_in = delay
-
-    def _backoff(self, delay: float, err) -> float:
-        delay = min(self.max_backoff, max(0.5, delay * 2))
-        log.warning("watch failed, retrying", extra=kv(path=self.path, error=str(err), retry_in=delay))
-        return delay
-
-    def _key(self, obj: dict) -> str:
-        md = obj.get("metadata") or {}
-        return f"{md.get('namespace', '')}/{md.get('name', '')}"
-
-    def _list(self) -> None:
-        if self.name:  # a missing object is an error like any other: retried with backoff
-            obj = self.client.request("GET", f"{self.path}/{quote(self.name, safe='')}")
-            items, rv = [obj], obj["metadata"]["resourceVersion"]
-        else:
-            doc = self.client.request("GET", self.path, query=self.query)
-            items, rv = doc.get("items") or [], doc["metadata"]["resourceVersion"]
-        fresh = {self._key(o): self.keep(o) for o in items}
-        with self._lock:
-            self._items = fresh
-        self.resource_version = rv
-        self.relists += 1
-        self.synced.set()
-        self.on_change()
-
-    def _watch(self, stop: threading.Event) -> int:
-        """Follow one watch until it ends; the number of events it brought."""
-        query = dict(self.query, resourceVersion=self.resource_version)
-
-        def opened(resp) -> None:
-            self._resp, self.retry_in = resp, 0.0
-            if stop.is_set():  # stopped while the watch was being opened
-                _shutdown(resp)
-
-        try:
-            return self._follow(self.client.watch(self.path, query, self.watch_seconds, on_open=opened), stop)
-        finally:
-            self._resp = None
-
-    def _follow(self, events, stop: threading.Event) -> int:
-        n = 0
-        for event in events:
-            n += 1
-            obj = event.get("object") or {}
-            rv = (obj.get("metadata") or {}).get("resourceVersion")
-            kind = event.get("type")
-            with self._lock:
-                if kind in ("ADDED", "MODIFIED"):
-                    self._items[self._key(obj)] = self.keep(obj)
-                elif kind == "DELETED":
-                    self._items.pop(self._key(obj), None)
-            if rv:
-                self.resource_version = rv
-            if kind != "BOOKMARK":
-                self.on_change()
-            if stop.is_set():
-                break
-        return n
-
-
-def _shutdown(resp) -> None:
-    if resp is not None:
-        try:
-            resp.shutdown()
-        except (RuntimeError, ValueError, OSError):  # the watch ended on its own meanwhile
-            pass

@@ -1,4 +1,5 @@
-"""OCI distribution client for the cache store, on top of oras-py's session and auth backends.
+"""OCI distribution client: the HTTP protocol with one registry, blob streaming included, on top
+of oras-py's session and auth backends.
 
 oras-py's own request path retries for minutes and has no timeouts, so every request here goes
 through :meth:`Registry.request`: one deadline for the whole operation, per-request socket
@@ -16,12 +17,8 @@ whenever the host, port or scheme changes.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import json
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -34,9 +31,11 @@ import urllib3
 
 from accelnode.log import kv
 
-from .errors import AuthError, ImageNotFound, IntegrityError, InvalidReference, RegistryUnavailable
+from .credentials import docker_credentials
+from .errors import AuthError, ImageNotFound, IntegrityError, RegistryUnavailable
+from .reference import Reference, check_digest
 
-log = logging.getLogger("accelnode.agent.registry")
+log = logging.getLogger("accelnode.oci.registry")
 
 MANIFEST_TYPES = (
     "application/vnd.oci.image.manifest.v1+json",
@@ -55,16 +54,9 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 MAX_ATTEMPTS = 5
 CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 30.0
-_REF = re.compile(
-    r"^(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?)/"
-    r"(?P<repo>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
-    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
-    r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
-)
-DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _NET_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
-_HOST_ALIASES = {"index.docker.io": "docker.io", "registry-1.docker.io": "docker.io", "localhost": "127.0.0.1"}
+
 
 
 @dataclass(frozen=True)
@@ -72,40 +64,6 @@ class RegistryOptions:
     plain_http: bool = False  # talk HTTP instead of HTTPS (only when asked for)
     config_file: str | None = None  # Docker config JSON with credentials
     timeout: float = 1800.0  # total deadline of one pull or push, seconds
-
-
-@dataclass(frozen=True)
-class Reference:
-    host: str
-    repository: str
-    tag: str | None = None
-    digest: str | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> Reference:
-        m = _REF.match(text or "")
-        if not m or ("." not in m["host"] and ":" not in m["host"] and m["host"] != "localhost"):
-            raise InvalidReference(
-                "not an image reference: expected HOST[:PORT]/REPOSITORY[:TAG][@sha256:HEX]", text)
-        return cls(m["host"], m["repo"], m["tag"], m["digest"])
-
-    @property
-    def ref(self) -> str:
-        """What the manifest endpoint is asked for: the digest when pinned, else the tag."""
-        return self.digest or self.tag or "latest"
-
-    def pinned(self, digest: str) -> str:
-        return f"{self.host}/{self.repository}@{digest}"
-
-    def __str__(self) -> str:
-        return (f"{self.host}/{self.repository}" + (f":{self.tag}" if self.tag else "")
-                + (f"@{self.digest}" if self.digest else ""))
-
-
-def check_digest(digest: str, image: str | None = None) -> str:
-    if not isinstance(digest, str) or not DIGEST.match(digest):
-        raise InvalidReference(f"not a sha256 digest: {digest!r}", image)
-    return digest
 
 
 class Deadline:
@@ -311,60 +269,6 @@ class Registry:
         self.request("PUT", f"{repository}/manifests/{ref}", image, "uploading the manifest", ok=(201,),
                      data=body, headers={"Content-Type": media_type}).close()
         return "sha256:" + hashlib.sha256(body).hexdigest()
-
-
-def docker_credentials(host: str, config_file: str | None, image: str) -> tuple[str, str] | None:
-    """(username, password) for ``host`` from ``config_file`` (a Docker config JSON or
-    dockerconfigjson Secret content), then ``~/.docker/config.json``; None when neither has any.
-    Keys are matched as Docker does (``https://host:port/v1/`` is ``host:port``). Credential
-    helpers (``credsStore``/``credHelpers``) are not run, and OAuth2 ``identitytoken``s are refused
-    with a clear error. Messages never contain credential values."""
-    files = [config_file] if config_file else []
-    home = os.path.expanduser("~/.docker/config.json")
-    if os.path.isfile(home):
-        files.append(home)
-    want = _config_host(host)
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                cfg = json.loads(f.read(1 << 20))
-        except FileNotFoundError:
-            raise AuthError(f"registry config {path} does not exist", image) from None
-        except (OSError, ValueError, RecursionError) as e:
-            raise AuthError(f"registry config {path} is not readable JSON ({type(e).__name__})", image) from None
-        auths = cfg.get("auths", cfg) if isinstance(cfg, dict) else None  # no "auths": the legacy .dockercfg shape
-        if not isinstance(auths, dict):
-            raise AuthError(f"registry config {path} has no auths object", image)
-        keys = [k for k, v in auths.items() if isinstance(v, dict) and _config_host(k) == want]
-        for key in sorted(keys, key=lambda k: (k != host, k)):  # an exact key first
-            creds = _entry_credentials(auths[key], path, key, image)
-            if creds is not None:
-                return creds
-    return None
-
-
-def _config_host(key: str) -> str:
-    host = key.strip().lower().removeprefix("https://").removeprefix("http://").split("/", 1)[0]
-    name, _, port = host.partition(":")
-    name = _HOST_ALIASES.get(name, name)
-    return f"{name}:{port}" if port else name
-
-
-def _entry_credentials(entry: dict, path: str, key: str, image: str) -> tuple[str, str] | None:
-    if entry.get("auth"):
-        try:
-            user, sep, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError, TypeError, ValueError):
-            sep = ""
-        if not sep or not user:
-            raise AuthError(f"registry config {path}: the auth of {key!r} is not base64 of USER:PASSWORD", image)
-        return user, password
-    if entry.get("username"):
-        return str(entry["username"]), str(entry.get("password") or "")
-    if entry.get("identitytoken"):
-        raise AuthError(f"registry config {path}: {key!r} has only an identitytoken (OAuth2 refresh token), "
-                        "which is not supported; give username and password or auth", image)
-    return None
 
 
 def _has_creds(auth) -> bool:

@@ -1,0 +1,44 @@
+"""Errors of the OCI library: one type per thing a caller acts on.
+
+The agent maps these to its API's failure kinds, the CSI driver to gRPC codes and the CLI to
+exit codes, so keep the classes stable. Every message names the image (reference or digest)
+and the problem.
+"""
+
+from __future__ import annotations
+
+
+class ImageError(Exception):
+    """Base class. ``image`` is the reference or digest the error concerns."""
+
+    def __init__(self, message: str, image: str | None = None):
+        self.image = image
+        super().__init__(f"{image}: {message}" if image else message)
+
+
+class ImageNotFound(ImageError):
+    """The registry says the repository, tag or digest does not exist (HTTP 404)."""
+
+
+class RegistryUnavailable(ImageError):
+    """The registry could not be reached or kept failing within the deadline."""
+
+
+class AuthError(ImageError):
+    """The registry refused our credentials (401/403)."""
+
+
+class InvalidReference(ImageError):
+    """The image reference is malformed (or not digest-pinned where a digest is required)."""
+
+
+class NoMatchingManifest(ImageError):
+    """An image index has no manifest for this node's platform or accelerators."""
+
+
+class IntegrityError(ImageError):
+    """Content does not match its digest or size (blob, manifest, truncated stream)."""
+
+
+class HostileContent(ImageError):
+    """An image tried something forbidden: path escape, device node, bomb, unknown media type..."""

@@ -1,0 +1,107 @@
+"""Manifests, image indexes and config blobs of kernel-cache images, validated as hostile input,
+and :func:`inspect` (what an image is, without fetching its layers)."""
+
+from __future__ import annotations
+
+import json
+
+from . import cacheformat as fmt
+from .errors import HostileContent
+from .limits import Limits
+from .reference import Reference, check_digest
+from .registry import INDEX_TYPES, Deadline, Registry, RegistryOptions
+
+
+def inspect(image: str, options: RegistryOptions, limits: Limits | None = None) -> dict:
+    """What an image is, from its manifest(s) and config only (no layers are fetched)."""
+    limits = limits or Limits()
+    ref = Reference.parse(image)
+    reg = Registry(ref.host, options, Deadline(options.timeout))
+    _, doc, media_type, digest = get_manifest(reg, ref, image, limits)
+    out = {"image": image, "index": None, "manifests": []}
+    entries = [(digest, doc, None)]
+    if media_type in INDEX_TYPES:
+        out["index"] = digest
+        entries = []
+        check_index(doc, image, limits)
+        for desc in doc["manifests"]:
+            _, child, _, child_digest = get_manifest(reg, ref, image, limits, check_digest(desc.get("digest"), image))
+            entries.append((child_digest, child, desc))
+    for d, manifest, desc in entries:
+        layers, kind, targets, labels = read_config(reg, ref, manifest, image, limits)
+        size = labels.get(fmt.label(kind, "cache-size-bytes")) if kind else None
+        info = {"digest": d, "kind": kind, "targets": targets, "labels": labels,
+                "size_bytes": int(size) if size and size.isdigit() else None,
+                "layers": len(layers), "compressed_bytes": sum(x["size"] for x in layers)}
+        if desc is not None:
+            info["platform"] = desc.get("platform")
+            info["annotations"] = desc.get("annotations") or {}
+        out["manifests"].append(info)
+    return out
+
+
+def get_manifest(reg: Registry, ref: Reference, image: str, limits: Limits,
+                  digest: str | None = None) -> tuple[bytes, dict, str, str]:
+    """A manifest or index: (body, parsed document, media type, digest). The document's own
+    ``mediaType`` wins over the Content-Type the registry sent."""
+    body, media_type, digest = reg.get_manifest(ref, image, limit=limits.max_manifest_bytes, digest=digest)
+    doc = json_object(body, image, "manifest")
+    return body, doc, doc.get("mediaType") or media_type, digest
+
+
+def read_config(reg: Registry, ref: Reference, manifest: dict, image: str,
+                 limits: Limits) -> tuple[list[dict], str | None, list[dict], dict]:
+    """(layer descriptors, kind, targets, labels) of a validated manifest and its config blob."""
+    layers, config_desc = validate_manifest(manifest, image, limits)
+    config = json_object(reg.read_blob(ref.repository, config_desc, image, limit=limits.max_config_bytes), image, "config")
+    return (layers, *parse_config(config, image))
+
+
+def json_object(body: bytes, image: str, what: str) -> dict:
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise HostileContent(f"{what} is not valid JSON: {e}", image) from None
+    except RecursionError:
+        raise HostileContent(f"{what} is JSON nested too deeply", image) from None
+    if not isinstance(doc, dict):
+        raise HostileContent(f"{what} is not a JSON object", image)
+    return doc
+
+
+def parse_config(config: dict, image: str) -> tuple[str | None, list[dict], dict]:
+    try:
+        return fmt.parse_config(config)
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
+        raise HostileContent(f"config labels are malformed: {type(e).__name__}: {str(e)[:200]}", image) from None
+
+
+def check_index(index: dict, image: str, limits: Limits) -> None:
+    manifests = index.get("manifests")
+    if not isinstance(manifests, list):
+        raise HostileContent("image index has no manifests list", image)
+    if len(manifests) > limits.max_index_entries:
+        raise HostileContent(f"image index lists {len(manifests)} manifests (limit {limits.max_index_entries})",
+                             image)
+
+
+def validate_manifest(manifest: dict, image: str, limits: Limits) -> tuple[list[dict], dict]:
+    layers, config = manifest.get("layers"), manifest.get("config")
+    if not isinstance(layers, list) or not isinstance(config, dict):
+        raise HostileContent("manifest lacks a config descriptor or a layers list", image)
+    if len(layers) > limits.max_layers:
+        raise HostileContent(f"manifest has {len(layers)} layers (limit {limits.max_layers})", image)
+    if config.get("mediaType") not in fmt.CONFIG_TYPES:
+        raise HostileContent(f"unsupported config media type {config.get('mediaType')!r}", image)
+    for i, d in enumerate(layers):
+        if not isinstance(d, dict) or d.get("mediaType") not in fmt.LAYER_TYPES:
+            raise HostileContent(f"layer {i} has unsupported media type "
+                                 f"{d.get('mediaType') if isinstance(d, dict) else d!r}", image)
+        check_digest(d.get("digest"), image)
+        if not isinstance(d.get("size"), int) or d["size"] < 0:
+            raise HostileContent(f"layer {i} has no valid size", image)
+    declared = sum(d["size"] for d in layers)
+    if declared > limits.max_tar_bytes:  # even uncompressed, that much tar cannot fit in the limits
+        raise HostileContent(f"layers declare {declared} bytes, more than the {limits.max_tar_bytes} "
+                             "the limits allow", image)
+    return layers, config

@@ -1,0 +1,327 @@
+"""The agent's work, free of any transport: the gRPC service (:mod:`agent.service`) and the
+status reporter and prefetcher (:mod:`agent.reporter`, :mod:`agent.prefetch`) all call this.
+
+* :meth:`Agent.ensure` answers from what is installed when it can. Otherwise it starts one
+  background pull per reference digest (later callers join it) and waits at most
+  ``wait_seconds`` for it, answering PULLING when the pull is still running. A failed pull is
+  reported to everyone who waited on it; the next ``ensure`` starts a fresh one.
+* References are the store's durable references, so they survive restarts of the agent and of
+  the CSI driver. A volume id holds one digest at one target path; asking again with other
+  values is ALREADY_EXISTS, and asking for an exclusive volume at a second target path is
+  FAILED_PRECONDITION (:func:`_refusal`).
+
+Refusals are :class:`Refused` with the name of the status code a caller answers with (the gRPC
+and CSI vocabulary: ``INVALID_ARGUMENT``, ``NOT_FOUND``, ``ALREADY_EXISTS``,
+``FAILED_PRECONDITION``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from accelnode.hw.accelerators import Accelerator
+from accelnode.log import kv
+from accelnode.oci import errors
+
+from . import fit
+
+log = logging.getLogger("accelnode.agent")
+
+DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+
+# Answer.state
+READY, PULLING, FAILED, INCOMPATIBLE = "READY", "PULLING", "FAILED", "INCOMPATIBLE"
+# Answer.failure (FAILED only)
+NOT_FOUND, REGISTRY_UNAVAILABLE, DENIED, INVALID_REFERENCE, BAD_CONTENT, INTERNAL = (
+    "NOT_FOUND", "REGISTRY_UNAVAILABLE", "DENIED", "INVALID_REFERENCE", "BAD_CONTENT", "INTERNAL")
+# CacheInfo.state
+INSTALLED = "INSTALLED"
+
+FAILURES = [
+    (errors.ImageNotFound, NOT_FOUND),
+    (errors.RegistryUnavailable, REGISTRY_UNAVAILABLE),
+    (errors.AuthError, DENIED),
+    (errors.InvalidReference, INVALID_REFERENCE),
+    ((errors.IntegrityError, errors.HostileContent), BAD_CONTENT),
+]
+
+
+class Refused(Exception):
+    """A request the agent will not carry out; ``code`` names the status to answer with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What :meth:`Agent.ensure` says about one image (the fields of EnsureCacheResponse)."""
+
+    state: str
+    digest: str = ""
+    path: str = ""  # READY: the directory to bind-mount read-only
+    message: str = ""
+    failure: str = ""  # FAILED only
+    expected: str = ""  # INCOMPATIBLE: what the image was built for
+    found: str = ""  # INCOMPATIBLE: what this node has
+    size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """One cache of the node as :meth:`Agent.caches` lists it."""
+
+    image: str
+    digest: str
+    state: str  # INSTALLED, PULLING or FAILED
+    path: str = ""
+    kind: str = ""
+    size_bytes: int = 0
+    references: tuple = ()  # the held references' metadata (dicts, as the store keeps them)
+    message: str = ""
+    compatible: bool = False
+    targets: tuple = ()  # INSTALLED: the image's targets
+
+
+@dataclass
+class Pull:
+    """One background pull of one reference digest."""
+
+    image: str
+    started: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: Answer | None = None  # set when done
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.pulls = Counter("accelnode_agent_pulls", "Pulls started, by result", ["result"], registry=registry)
+        self.pull_seconds = Histogram("accelnode_agent_pull_seconds", "Duration of pulls", registry=registry,
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+        self.ensure = Counter("accelnode_agent_ensure", "EnsureCache answers, by state", ["state"],
+                              registry=registry)
+        self.references = Gauge("accelnode_agent_references", "Volumes holding a cache", registry=registry)
+
+
+class Agent:
+    def __init__(self, store, accelerators: list[Accelerator], metrics: Metrics):
+        self.store = store
+        self.accelerators = accelerators
+        self.metrics = metrics
+        self._targets = [a.target() for a in accelerators if a.arch]
+        self._lock = threading.Lock()
+        self._ready: dict[str, Answer] = {}  # reference digest -> READY/INCOMPATIBLE answer
+        self._pulls: dict[str, Pull] = {}  # reference digest -> latest pull
+        # The store's durable references, mirrored: the agent is their only writer.
+        self._refs: dict[str, dict] = store.references()
+        metrics.references.set(len(self._refs))
+        # Called after a pull starts or ends and after a reference is taken or dropped: the
+        # status reporter's cue to look again (agent/reporter.py).
+        self.on_change: Callable[[], None] = lambda: None
+
+    # -- ensure --------------------------------------------------------------------------
+
+    def ensure(self, image: str, wait_seconds: float) -> Answer:
+        if not image:
+            raise Refused("INVALID_ARGUMENT", "image is required")
+        if not DIGEST_PINNED.match(image):
+            return self._answer(Answer(FAILED, failure=INVALID_REFERENCE,
+                                       message=f"{image}: not a digest-pinned reference (…@sha256:<64 hex>)"))
+        key = image.rsplit("@", 1)[1]
+        answer = self._ready.get(key)
+        if answer is None or (answer.path and not os.path.isdir(answer.path)):  # gone: removed by gc
+            answer = self._from_store(key)
+        if answer is None:
+            pull = self._pull(key, image)
+            if pull.done.wait(max(0.0, wait_seconds)):
+                answer = pull.answer
+            else:
+                answer = Answer(PULLING, digest=key,
+                                message=f"{image}: pull in progress for {time.monotonic() - pull.started:.1f}s")
+        return self._answer(answer)
+
+    def _answer(self, answer: Answer) -> Answer:
+        self.metrics.ensure.labels(answer.state).inc()
+        return answer
+
+    def _from_store(self, key: str) -> Answer | None:
+        inst = self.store.installed(key)
+        if inst is None:
+            return None
+        answer = self._judge(inst)
+        self._ready[key] = answer
+        return answer
+
+    def _judge(self, inst) -> Answer:
+        mismatch = fit.check(inst.targets, self.accelerators)
+        if mismatch:
+            return Answer(INCOMPATIBLE, digest=inst.digest, expected=mismatch.expected, found=mismatch.found,
+                          message=f"{inst.image}: {mismatch}")
+        return Answer(READY, digest=inst.digest, path=str(inst.path), size_bytes=inst.size_bytes)
+
+    def _pull(self, key: str, image: str) -> Pull:
+        with self._lock:
+            pull = self._pulls.get(key)
+            if pull is None or pull.done.is_set():
+                pull = self._pulls[key] = Pull(image)
+                threading.Thread(target=self._run_pull, args=(key, pull), name=f"pull-{key[7:19]}",
+                                 daemon=True).start()
+                self.on_change()
+            return pull
+
+    def _run_pull(self, key: str, pull: Pull) -> None:
+        log.info("pull started", extra=kv(image=pull.image))
+        try:
+            inst = self.store.ensure(pull.image, accelerators=self._targets or None)
+        except errors.NoMatchingManifest as e:
+            answer = Answer(INCOMPATIBLE, digest=key, message=str(e), expected="a platform the image index lists",
+                            found=fit.describe_node(self.accelerators))
+        except Exception as e:  # every failure is reported to the callers, none kills the agent
+            answer = Answer(FAILED, digest=key, failure=_failure(e), message=str(e))
+        else:
+            answer = self._judge(inst)
+            self._ready[key] = answer
+        result = answer.state.lower()
+        self.metrics.pulls.labels(result).inc()
+        self.metrics.pull_seconds.observe(time.monotonic() - pull.started)
+        log.log(logging.INFO if answer.state == READY else logging.WARNING, "pull finished",
+                extra=kv(image=pull.image, result=result, message=answer.message,
+                         seconds=round(time.monotonic() - pull.started, 3)))
+        pull.answer = answer
+        pull.done.set()
+        self.on_change()
+
+    def ensure_until_done(self, image: str, timeout: float) -> tuple[bool, str]:
+        """Ensure ``image`` and wait for its pull to end (at most ``timeout`` seconds): (installed
+        and fits, why not). What the prefetcher asks."""
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = self.ensure(image, 30)
+            if answer.state != PULLING:
+                return answer.state == READY, answer.message
+            if time.monotonic() > deadline:
+                return False, f"{image}: pull still running after {timeout:.0f}s"
+
+    # -- references ----------------------------------------------------------------------
+
+    def acquire(self, volume_id: str, target_path: str, digest: str, pod: dict, *,
+                cache: tuple[str, str] | None = None, exclusive: bool = False) -> None:
+        """Record that ``pod`` (namespace, name, uid) holds ``digest`` through the volume published
+        at ``target_path``; ``cache`` is the (namespace, name) of the cache the volume names."""
+        _require(volume_id=volume_id, digest=digest, target_path=target_path)
+        meta = {"volume_id": volume_id, "target_path": target_path, "namespace": pod.get("namespace", ""),
+                "name": pod.get("name", ""), "uid": pod.get("uid", "")}
+        if cache is not None:
+            if not cache[1]:
+                raise Refused("INVALID_ARGUMENT", "cache.name is required when cache is set")
+            meta["cache"] = {"namespace": cache[0], "name": cache[1]}
+        key = holder(volume_id, target_path)
+        with self._lock:
+            refusal = _refusal(list(self._refs.values()), meta, digest, exclusive)
+            if refusal is not None:
+                raise refusal
+            if key in self._refs:
+                return
+            try:
+                self.store.acquire(digest, key, meta)
+            except errors.InvalidReference as e:
+                raise Refused("INVALID_ARGUMENT", str(e)) from None
+            except errors.ImageNotFound:
+                raise Refused("NOT_FOUND", f"{digest} is not installed on this node") from None
+            self._refs[key] = dict(meta, digest=digest)
+            self.metrics.references.set(len(self._refs))
+        log.info("reference acquired", extra=kv(volume_id=volume_id, target=target_path, digest=digest,
+                                                 pod=f"{meta['namespace']}/{meta['name']}"))
+        self.on_change()
+
+    def release(self, volume_id: str, target_path: str) -> bool:
+        """Drop the reference of a volume at a target path; whether one was held."""
+        _require(volume_id=volume_id, target_path=target_path)
+        key = holder(volume_id, target_path)
+        with self._lock:
+            held = key in self._refs
+            if held:
+                self.store.release(key)
+                del self._refs[key]
+                self.metrics.references.set(len(self._refs))
+        if held:
+            log.info("reference released", extra=kv(volume_id=volume_id, target=target_path))
+            self.on_change()
+        return held
+
+    # -- listing -------------------------------------------------------------------------
+
+    def caches(self) -> list[CacheInfo]:
+        """Every installed cache with its references, then pulls running or failed."""
+        # pulls first: one that ends while the store is listed then shows as installed (which
+        # wins) rather than vanishing from this answer
+        with self._lock:
+            held = list(self._refs.values())
+            pulls = [(key, pull, pull.done.is_set()) for key, pull in self._pulls.items()]
+        refs: dict[str, list] = {}
+        for meta in held:
+            refs.setdefault(meta.get("digest"), []).append(meta)
+        out = [CacheInfo(inst.image, inst.digest, INSTALLED, path=str(inst.path), kind=inst.kind,
+                         size_bytes=inst.size_bytes, references=tuple(refs.get(inst.digest, ())),
+                         compatible=fit.check(inst.targets, self.accelerators) is None, targets=tuple(inst.targets))
+               for inst in self.store.list()]
+        for key, pull, done in pulls:
+            if not done:
+                out.append(CacheInfo(pull.image, key, PULLING))
+            elif pull.answer.state == FAILED:
+                out.append(CacheInfo(pull.image, key, FAILED, message=pull.answer.message))
+        return out
+
+
+def holder(volume_id: str, target_path: str) -> str:
+    """The store's reference holder for a volume published at a target path."""
+    return f"{volume_id}@{target_path}"
+
+
+def _require(**fields: str) -> None:
+    for name, value in fields.items():
+        if not value:
+            raise Refused("INVALID_ARGUMENT", f"{name} is required")
+
+
+def _refusal(held: list[dict], want: dict, digest: str, exclusive: bool) -> Refused | None:
+    """Why the references ``held`` forbid the wanted one, or None. An exclusive volume held at
+    other target paths only is FAILED_PRECONDITION (the CSI spec's code for a single-node volume
+    published at a second target); every other clash is ALREADY_EXISTS."""
+    vid, target = want["volume_id"], want["target_path"]
+    targets = {h.get("target_path") for h in held if h.get("volume_id") == vid}
+    elsewhere = sorted(targets - {target})
+    if exclusive and elsewhere and target not in targets:
+        return Refused("FAILED_PRECONDITION", _one_target(vid, elsewhere[0]))
+    for h in held:
+        if h.get("target_path") != target:
+            continue
+        if h.get("volume_id") != vid:
+            return Refused("ALREADY_EXISTS", f"target path {target} is already published for volume "
+                                             f"{h.get('volume_id')}")
+        if h.get("digest") != digest or h.get("uid") != want["uid"]:
+            return Refused("ALREADY_EXISTS", f"volume {vid} is already published at {target} with "
+                                             f"{h.get('digest')} for pod {h.get('namespace')}/{h.get('name')}")
+    if exclusive and elsewhere:
+        return Refused("ALREADY_EXISTS", _one_target(vid, elsewhere[0]))
+    return None
+
+
+def _one_target(vid: str, held_at: str) -> str:
+    return f"volume {vid} is already published at {held_at} and its access mode allows one target"
+
+
+def _failure(e: Exception) -> str:
+    for kinds, failure in FAILURES:
+        if isinstance(e, kinds):
+            return failure
+    return INTERNAL

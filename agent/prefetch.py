@@ -1,0 +1,100 @@
+"""Pulls the caches this node should hold before any pod asks for them."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from accelnode.log import kv
+
+from . import fit
+from .nodestatus import Cache, Local
+
+log = logging.getLogger("accelnode.agent.prefetch")
+
+
+@dataclass
+class _Outcome:
+    fits: bool = True
+    failed: str | None = None
+    at: float = field(default_factory=time.monotonic)
+
+
+class Prefetcher:
+    """Pulls the caches this node should hold, one at a time, before any pod asks.
+
+    A cache wanted by node selector is pulled as is (a misfit then shows as Error). One wanted
+    only through the prefetch annotation is first inspected (manifests and config, no layers)
+    and pulled only if it fits this node's accelerators. A failed pull is retried after
+    ``retry`` seconds.
+    """
+
+    def __init__(self, pull, accelerators, inspect, *, on_done, retry: float = 60.0):
+        self._pull, self._inspect, self._on_done = pull, inspect, on_done
+        self.accelerators, self.retry = accelerators, retry
+        self._queue: queue.Queue = queue.Queue()
+        self._outcomes: dict[str, _Outcome] = {}  # pinned image -> last outcome
+        self._queued: set[str] = set()
+        self._lock = threading.Lock()
+
+    def want(self, caches: list[Cache], local: Local) -> None:
+        """Queue what should be on the node and is not: never tried, failed more than ``retry``
+        seconds ago, or pulled before and removed since (``accelnode cache gc``)."""
+        now = time.monotonic()
+        with self._lock:
+            for c in caches:
+                image = c.pinned()
+                if image is None or image in self._queued:
+                    continue
+                done = self._outcomes.get(image)
+                if done is not None:
+                    if done.failed is not None and now - done.at < self.retry:
+                        continue
+                    if done.failed is None and (not done.fits or local.manifest_of(c.digest) is not None):
+                        continue
+                self._queued.add(image)
+                self._queue.put((image, not c.node_selector))
+
+    def outcome(self, image: str) -> _Outcome | None:
+        """How the last prefetch of a pinned image ended (None: not tried yet)."""
+        with self._lock:
+            return self._outcomes.get(image)
+
+    def fits(self, cache: Cache) -> bool:
+        """Known to fit (a node-selector cache is taken to fit until its pull says otherwise)."""
+        done = self.outcome(cache.pinned())
+        return done.fits if done is not None else bool(cache.node_selector)
+
+    def failed(self) -> dict[str, str]:
+        with self._lock:
+            return {img.rsplit("@", 1)[1]: o.failed for img, o in self._outcomes.items() if o.failed}
+
+    def wake(self) -> None:
+        self._queue.put(None)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            item = self._queue.get()
+            if item is None:
+                continue
+            image, check_fit = item
+            outcome = _Outcome()
+            try:
+                if check_fit and self._inspect is not None:
+                    info = self._inspect(image)
+                    outcome.fits = any(fit.check(m["targets"], self.accelerators) is None for m in info["manifests"])
+                if outcome.fits:
+                    ok, message = self._pull(image)
+                    outcome.failed = None if ok else message
+            except Exception as e:  # registry down, bad image...: report it, retry later
+                outcome.failed = str(e)
+            log.log(logging.WARNING if outcome.failed else logging.INFO, "prefetch done",
+                    extra=kv(image=image, fits=outcome.fits, error=outcome.failed))
+            with self._lock:
+                outcome.at = time.monotonic()
+                self._outcomes[image] = outcome
+                self._queued.discard(image)
+            self._on_done()

@@ -1,0 +1,308 @@
+"""The node's cache status in the Kubernetes API: one ``GKMCacheNode`` per (namespace, node) and
+one ``ClusterGKMCacheNode`` per node, written by this node's agent only (docs/agent-status.md).
+
+Inputs, all kept current without polling the API server:
+
+* the ``GKMCache``/``ClusterGKMCache`` objects (watched: they are few), this node's ``Node``
+  (labels, for prefetch node selectors) and the pods on this node (``spec.nodeName``), each a
+  :class:`~accelnode.kube.reflector.Reflector`;
+* the agent's own view - installed digests, pulls in progress or failed, the CSI references -
+  read from the agent core (local, cheap: :func:`local_view`) whenever :meth:`Reporter.poke` is
+  called and every ``resync`` seconds.
+
+:func:`agent.nodestatus.node_statuses` turns them into the wanted status of each object; the reporter writes an
+object only when its wanted status differs from what it last wrote (one ``PUT .../status`` per
+change, plus a ``POST`` the first time an object is needed). Caches this node should hold are
+pulled before any pod asks (:class:`~agent.prefetch.Prefetcher`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path
+from accelnode.kube.reflector import Reflector
+from accelnode.log import kv
+from accelnode.oci.manifest import inspect
+
+from . import core
+from .nodestatus import CLUSTER, GROUP, HOSTNAME_LABEL, VERSION, Cache, Local, node_statuses, wanted
+from .prefetch import Prefetcher
+
+log = logging.getLogger("accelnode.agent.status")
+
+
+@dataclass
+class Writes:
+    """What the reporter did to the API (also exported as metrics by the CLI)."""
+
+    passes: int = 0  # reconcile passes completed (writing or not)
+    creates: int = 0
+    updates: int = 0
+    conflicts: int = 0
+    failures: int = 0
+
+
+@dataclass
+class _Written:
+    status: dict
+    resource_version: str | None
+
+
+class Reporter:
+    """Keeps this node's GKMCacheNode/ClusterGKMCacheNode objects equal to the node's state.
+
+    ``view()`` returns the agent's :class:`Local` view; ``prefetch(image) -> (ok, message)``
+    pulls one digest-pinned image (blocking) and says whether it is on the node now.
+    """
+
+    CONFLICT_ATTEMPTS = 3
+
+    def __init__(self, client: Client, node: str, accelerators, view, prefetch, *, resync: float = 2.0,
+                 inspect=None):
+        self.client, self.node, self.accelerators = client, node, list(accelerators)
+        self.view, self.resync = view, resync
+        self.writes = Writes()
+        self.retry_in = 0.0  # the current backoff after failed writes (0 while all is well)
+        self._stop = threading.Event()
+        self._dirty = threading.Event()
+        poke = self.poke
+        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), on_change=poke, keep=_trim_cache)
+        self.cluster_caches = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"), on_change=poke,
+                                        keep=_trim_cache)
+        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke, keep=_trim_node)
+        self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"}, on_change=poke,
+                              keep=_trim_pod)
+        self._reflectors = (self.caches, self.cluster_caches, self.node_obj, self.pods)
+        # touched by the reconcile thread only
+        self._written: dict[str, _Written] | None = None  # None until read back from the API
+        self._history: dict = {}
+        self.prefetcher = Prefetcher(prefetch, self.accelerators, inspect, on_done=poke)
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> "Reporter":
+        for r in self._reflectors:
+            self._spawn(r.run, self._stop)
+        self._spawn(self._loop)
+        self._spawn(self.prefetcher.run, self._stop)
+        log.info("status reporter started", extra=kv(node=self.node))
+        return self
+
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, name=f"status-{len(self._threads)}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop watching and writing; waits at most ``timeout`` seconds in all (a prefetch in
+        flight is left to finish on its own)."""
+        self._stop.set()
+        self._dirty.set()
+        self.prefetcher.wake()
+        for r in self._reflectors:
+            r.interrupt()
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+    def poke(self) -> None:
+        """Something may have changed: reconcile soon."""
+        self._dirty.set()
+
+    # -- reconcile -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self._dirty.wait(self.resync)
+            if self._stop.is_set():
+                return
+            self._dirty.clear()
+            try:
+                self.reconcile()
+                self.retry_in = 0.0
+                continue
+            except (KubeError, Unreachable, OSError) as e:
+                self.writes.failures += 1
+                self.retry_in = min(30.0, max(0.5, self.retry_in * 2))
+                log.warning("status write failed, retrying", extra=kv(node=self.node, error=str(e),
+                                                                      retry_in=self.retry_in))
+            except Exception:  # a bug must not stop the agent's other duties; keep trying
+                log.exception("status reconcile failed", extra=kv(node=self.node))
+                self.retry_in = 30.0
+            # back off: cues that come meanwhile wait (they are folded into the retry)
+            if self._stop.wait(self.retry_in):
+                return
+            self._dirty.set()
+
+    def reconcile(self) -> None:
+        """One pass: compute every object's status and write the ones that changed."""
+        if not all(r.synced.is_set() for r in self._reflectors):
+            return
+        if self._written is None:
+            self._written = self._read_back()
+        caches = [Cache.from_object(o) for r in (self.caches, self.cluster_caches) for o in r.snapshot()]
+        node = next(iter(self.node_obj.snapshot()), {}).get("metadata", {})
+        want = [c for c in caches if c.digest and wanted(c, node.get("labels", {}))]
+        local = self.view()
+        self.prefetcher.want(want, local)
+        local.failed.update(self.prefetcher.failed())
+        wanted_keys = {c.key for c in want if self.prefetcher.fits(c)}
+        deleting = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in self.pods.snapshot()
+                    if p["metadata"].get("deletionTimestamp")}
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        desired = node_statuses(self.node, self.accelerators, caches, local, wanted_keys, self._history, deleting,
+                                {ns: w.status for ns, w in self._written.items()}, now)
+        for ns, status in sorted(desired.items()):
+            w = self._written.get(ns)
+            if w is not None and w.status == status:
+                continue
+            if w is None and ns != CLUSTER and not status["caches"]:
+                continue  # no object for a namespace with nothing to report
+            self._write(ns, status, node.get("uid"))
+        self.writes.passes += 1
+
+    # -- API -----------------------------------------------------------------------------------
+
+    def _path(self, ns: str, sub: str | None = None) -> str:
+        return custom_path(GROUP, VERSION, _plural(ns), ns or None, self.node, sub)
+
+    def _read_back(self) -> dict[str, _Written]:
+        """What this node wrote before (survives agent restarts: no rewrite when unchanged)."""
+        found = {}
+        sel = {"labelSelector": f"{HOSTNAME_LABEL}={self.node}"}
+        items = self.client.request("GET", custom_path(GROUP, VERSION, "gkmcachenodes"), query=sel).get("items") or []
+        cluster_obj = self._get(CLUSTER)
+        for obj in items + ([cluster_obj] if cluster_obj else []):
+            md = obj["metadata"]
+            if md["name"] != self.node:
+                continue
+            ns = md.get("namespace", CLUSTER)
+            status = obj.get("status") or {}
+            found[ns] = _Written(status, md["resourceVersion"])
+            for name, by_digest in (status.get("caches") or {}).items():
+                self._history.setdefault((ns, name), set()).update(by_digest)
+        return found
+
+    def _get(self, ns: str) -> dict | None:
+        try:
+            return self.client.request("GET", self._path(ns))
+        except KubeError as e:
+            if e.code == 404:
+                return None
+            raise
+
+    def _write(self, ns: str, status: dict, node_uid: str | None) -> None:
+        """Make the object's status ``status``: a PUT at the version last seen; on a conflict,
+        re-read the object and try again only if it still differs (never over a version we
+        have not seen)."""
+        kind = _kind(ns)
+        for _ in range(self.CONFLICT_ATTEMPTS):
+            w = self._written.get(ns)
+            if w is None:
+                w = self._written[ns] = self._create(ns, node_uid)
+            if w.status == status:
+                return
+            body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": kind, "status": status,
+                    "metadata": {"name": self.node, "resourceVersion": w.resource_version,
+                                 **({"namespace": ns} if ns else {})}}
+            try:
+                obj = self.client.request("PUT", self._path(ns, "status"), body=body)
+            except KubeError as e:
+                if e.code == 409:
+                    self.writes.conflicts += 1
+                    current = self._get(ns)
+                elif e.code == 404:
+                    current = None
+                else:
+                    raise
+                if current is None:  # deleted under us (its node's garbage collection?): create it again
+                    del self._written[ns]
+                else:
+                    self._written[ns] = _Written(current.get("status") or {}, current["metadata"]["resourceVersion"])
+                continue
+            self.writes.updates += 1
+            self._written[ns] = _Written(status, obj["metadata"]["resourceVersion"])
+            log.info("node status written", extra=kv(kind=kind, namespace=ns or None, node=self.node,
+                                                     caches=sorted(status["caches"]), counts=status["counts"]))
+            return
+        raise KubeError(409, "Conflict", f"{kind} {self.node}: still changing under us after "
+                                         f"{self.CONFLICT_ATTEMPTS} attempts")
+
+    def _create(self, ns: str, node_uid: str | None) -> _Written:
+        """Create the object (owned by the Node, so it goes when the node goes); an object that
+        exists already is taken as it is."""
+        md = {"name": self.node, "labels": {HOSTNAME_LABEL: self.node}}
+        if node_uid:
+            md["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid}]
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": _kind(ns), "metadata": md}
+        try:
+            obj = self.client.request("POST", custom_path(GROUP, VERSION, _plural(ns), ns or None), body=body)
+            self.writes.creates += 1
+        except KubeError as e:
+            obj = self._get(ns) if e.code == 409 else None
+            if obj is None:
+                raise
+        return _Written(obj.get("status") or {}, obj["metadata"]["resourceVersion"])
+
+
+def _kind(ns: str) -> str:
+    """The kind of the node object of a namespace key (CLUSTER: the cluster-scoped one)."""
+    return "GKMCacheNode" if ns else "ClusterGKMCacheNode"
+
+
+def _plural(ns: str) -> str:
+    return _kind(ns).lower() + "s"
+
+
+def _trim_cache(obj: dict) -> dict:
+    md = obj.get("metadata") or {}
+    return {"metadata": {k: md[k] for k in ("name", "namespace", "annotations") if k in md},
+            "spec": obj.get("spec") or {}, "status": {"resolvedDigest": (obj.get("status") or {}).get("resolvedDigest")}}
+
+
+def _trim_node(obj: dict) -> dict:
+    md = obj.get("metadata") or {}
+    return {"metadata": {"name": md.get("name"), "uid": md.get("uid"), "labels": md.get("labels") or {}}}
+
+
+def _trim_pod(obj: dict) -> dict:
+    md = obj.get("metadata") or {}
+    return {"metadata": {k: md[k] for k in ("name", "namespace", "uid", "deletionTimestamp") if k in md}}
+
+
+# ---------------------------------------------------------------------------------------------
+# the agent core as the reporter sees it
+
+
+def local_view(agent: core.Agent) -> Local:
+    """The reporter's input from the in-process agent core."""
+    installed, pulling, failed = {}, set(), {}
+    for c in agent.caches():
+        if c.state == core.INSTALLED:
+            installed[c.digest] = {"image": c.image, "size": c.size_bytes, "targets": list(c.targets),
+                                   "refs": [{"volume_id": m.get("volume_id", ""), "namespace": m.get("namespace", ""),
+                                             "name": m.get("name", ""), "uid": m.get("uid", ""),
+                                             "cache": (m["cache"]["namespace"], m["cache"]["name"]) if "cache" in m
+                                             else None} for m in c.references]}
+        elif c.state == core.PULLING:
+            pulling.add(c.digest)
+        elif c.state == core.FAILED:
+            failed[c.digest] = c.message
+    return Local(installed, pulling, failed)
+
+
+def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: float,
+              pull_timeout: float = 600.0) -> Reporter:
+    """A reporter over the in-process agent core, talking to the API server of ``kubeconfig``
+    (the pod's service account when None). Raises ValueError/OSError on bad configuration."""
+    config = Config.from_kubeconfig(kubeconfig) if kubeconfig else Config.in_cluster()
+    options = agent.store.options
+    return Reporter(Client(config), node, agent.accelerators, lambda: local_view(agent),
+                    lambda image: agent.ensure_until_done(image, pull_timeout), resync=resync,
+                    inspect=lambda image: inspect(image, options))
