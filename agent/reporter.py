@@ -10,9 +10,9 @@ Inputs, all kept current without polling the API server:
   read from the agent core (local, cheap: :func:`local_view`) whenever :meth:`Reporter.poke` is
   called and every ``resync`` seconds.
 
-:func:`agent.nodestatus.node_statuses` turns them into the wanted status of each object; the reporter writes an
-object only when its wanted status differs from what it last wrote (one ``PUT .../status`` per
-change, plus a ``POST`` the first time an object is needed). Caches this node should hold are
+:func:`agent.nodestatus.node_statuses` turns them into the wanted status of each object; the
+reporter writes an object only when its wanted status differs from what it last wrote (one
+``PUT .../status`` per change, plus a ``POST`` the first time an object is needed). Caches this node should hold are
 pulled before any pod asks (:class:`~agent.prefetch.Prefetcher`).
 """
 

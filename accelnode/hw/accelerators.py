@@ -1,6 +1,6 @@
 """This node's accelerators, as cache images describe their targets (backend + arch).
 
-* TPUs come from the device plugin's discovery code (the generation is the arch: ``v5e``...).
+* TPUs come from the TPU discovery in :mod:`accelnode.hw.tpu` (the generation is the arch: ``v5e``...).
 * NVIDIA GPUs come from NVML when ``pynvml`` and the driver are present (arch ``sm_<major><minor>``).
 * Otherwise GPUs are recognised by their PCI ids in sysfs; the arch is known for the parts in
   :data:`PCI_ARCH` and left unknown (``None``) for others, which then match no image.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from accelnode.log import kv
 
-log = logging.getLogger("accelnode.agent")
+log = logging.getLogger("accelnode.hw")
 
 NVIDIA, AMD = 0x10DE, 0x1002
 BACKEND_BY_VENDOR = {NVIDIA: "cuda", AMD: "hip"}
