@@ -23,6 +23,7 @@ COMPONENTS = [
     "csi_driver.cli",
     "agent.cli",
     "agent.cache_cli",
+    "controller.cli",
 ]
 
 _TRUE = {"1", "true", "yes", "on"}

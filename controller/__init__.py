@@ -1,1 +1,1 @@
-"""Cluster controller (TPU node groups, cache objects, admission webhooks). Built in a later wave."""
+"""The cluster controller: leader election, the reconciler core, the admission server (docs/controller.md)."""

@@ -22,7 +22,7 @@ def run(*args, env=None):
 def test_help_lists_every_component_and_exit_codes():
     out = run("--help")
     assert out.returncode == 0
-    for name in ("device-plugin", "csi", "agent", "cache"):
+    for name in ("device-plugin", "csi", "agent", "cache", "controller"):
         assert f"    {name}" in out.stdout
     assert "exit codes:" in out.stdout and "ACCELNODE_" in out.stdout
 

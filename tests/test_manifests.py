@@ -31,7 +31,7 @@ def shipped_namespaces(kubectl, crds):
 
 def test_every_shipped_manifest_is_listed():
     names = {p.name for p in SHIPPED}
-    assert {"csi-driver.yaml", "device-plugin.yaml", "rbac-agent.yaml", "namespace.yaml",
+    assert {"csi-driver.yaml", "device-plugin.yaml", "rbac-agent.yaml", "rbac-controller.yaml", "namespace.yaml",
             "pod-inline-cache.yaml", "pod-claim-cache.yaml"} <= names
 
 

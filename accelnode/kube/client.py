@@ -8,7 +8,8 @@ models cost about 20 MB of memory on every node.
   or the pod's service account. https only, the server certificate always verified; inline
   secrets stay in memory (a client key is written to a private temporary file only for as long
   as ``ssl`` needs to load it) and out of ``repr``.
-* :class:`Client` - ``request()`` (JSON in and out), raising :class:`KubeError` (with the
+* :class:`Client` - ``request()`` (JSON in and out; ``timeout`` per call for callers with a
+  deadline, such as leader election), raising :class:`KubeError` (with the
   Status ``code``/``reason``/``message`` of the answer) or :class:`Unreachable`. A token file
   is re-read every minute and after a 401 (kubelet rotates projected tokens); tokens never
   appear in errors or logs.
@@ -135,9 +136,10 @@ def _ssl_context(config: Config) -> ssl.SSLContext:
 class Client:
     TOKEN_TTL = 60.0  # re-read a token file this often (kubelet rotates projected tokens)
 
-    def __init__(self, config: Config, *, timeout: float = 30.0):
+    def __init__(self, config: Config, *, timeout: float = 30.0, user_agent: str = "accelnode-agent"):
         self.config = config
         self.timeout = timeout
+        self.user_agent = user_agent
         self._http = urllib3.PoolManager(num_pools=2, maxsize=8, ssl_context=_ssl_context(config), retries=False)
         self._token: tuple[str, float] | None = None  # (token, monotonic time read)
 
@@ -150,7 +152,7 @@ class Client:
         return cached[0]
 
     def _headers(self, has_body: bool) -> dict:
-        h = {"Accept": "application/json", "User-Agent": "accelnode-agent"}
+        h = {"Accept": "application/json", "User-Agent": self.user_agent}
         if has_body:
             h["Content-Type"] = "application/json"
         token = self._bearer()
@@ -173,9 +175,12 @@ class Client:
             raise _status_error(resp.status, resp.read() if stream else resp.data)
         return resp
 
-    def request(self, method: str, path: str, *, query: dict | None = None, body=None) -> dict:
-        """One call with an optional JSON body; the answer's JSON."""
-        return json.loads(self._open(method, path, query, body, self.timeout, stream=False).data)
+    def request(self, method: str, path: str, *, query: dict | None = None, body=None,
+                timeout: float | None = None) -> dict:
+        """One call with an optional JSON body; the answer's JSON. ``timeout`` (seconds) bounds
+        this call instead of the client's default."""
+        return json.loads(self._open(method, path, query, body, self.timeout if timeout is None else timeout,
+                                     stream=False).data)
 
     def watch(self, path: str, query: dict, timeout_seconds: int, on_open=None):
         """Watch events (dicts) until the server ends the watch; ERROR events raise KubeError.

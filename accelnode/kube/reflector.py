@@ -3,6 +3,12 @@ from the list's resourceVersion with bookmarks; a dropped watch resumes from the
 resourceVersion seen; ``410 Gone`` re-lists; any other failure (a kind not served yet because
 its CRD is missing, an unreachable server, a watch that ends at once) retries with capped
 exponential backoff. It never raises out of :meth:`Reflector.run`.
+
+Two ways to hear of changes: ``on_change()`` (something changed; the agent re-reads its
+snapshots) and ``on_event(type, obj)`` (which object changed: ``ADDED``, ``MODIFIED`` or
+``DELETED`` with the object as stored; a controller turns it into a work-queue key). A re-list
+reports what differs from the copy it replaces, so an object deleted while the watch was down
+still arrives as ``DELETED``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ log = logging.getLogger("accelnode.kube")
 
 class Reflector:
     """A local copy of the objects at ``path`` (``query`` may hold field/label selectors),
-    kept current by watching; ``on_change()`` runs after every change.
+    kept current by watching; ``on_change()`` runs after every change and ``on_event(type,
+    obj)`` once per object that changed (both optional, both called on the reflector's thread).
 
     With ``name`` set, the reflector follows that one object: GET instead of list (for
     identities that may get and watch but not list), watch with ``metadata.name=<name>``.
@@ -31,14 +38,16 @@ class Reflector:
 
     MIN_WATCH = 5.0  # a watch that ends sooner without events counts as a failure (no hot loop)
 
-    def __init__(self, client: Client, path: str, *, on_change: Callable[[], None], query: dict | None = None,
+    def __init__(self, client: Client, path: str, *, on_change: Callable[[], None] | None = None,
+                 on_event: Callable[[str, dict], None] | None = None, query: dict | None = None,
                  name: str | None = None, keep: Callable[[dict], dict] = lambda o: o,
                  watch_seconds: int = 300, max_backoff: float = 30.0):
         self.client, self.path, self.name = client, path, name
         self.query = dict(query or {})
         if name:
             self.query["fieldSelector"] = f"metadata.name={name}"
-        self.on_change, self.keep = on_change, keep
+        self.on_change = on_change or (lambda: None)
+        self.on_event, self.keep = on_event, keep
         self.watch_seconds, self.max_backoff = watch_seconds, max_backoff
         self._items: dict[str, dict] = {}
         self._lock = threading.Lock()  # items are read by the reporter's thread
@@ -51,6 +60,11 @@ class Reflector:
     def snapshot(self) -> list[dict]:
         with self._lock:
             return list(self._items.values())
+
+    def get(self, namespace: str | None, name: str) -> dict | None:
+        """One stored object (``namespace`` None or empty for a cluster-scoped kind)."""
+        with self._lock:
+            return self._items.get(f"{namespace or ''}/{name}")
 
     def interrupt(self) -> None:
         """End the watch in flight (after setting :meth:`run`'s ``stop``, so it returns promptly)."""
@@ -100,10 +114,19 @@ class Reflector:
             items, rv = doc.get("items") or [], doc["metadata"]["resourceVersion"]
         fresh = {self._key(o): self.keep(o) for o in items}
         with self._lock:
-            self._items = fresh
+            old, self._items = self._items, fresh
         self.resource_version = rv
         self.relists += 1
         self.synced.set()
+        if self.on_event is not None:
+            for key, obj in fresh.items():
+                before = old.get(key)
+                if before is None:
+                    self.on_event("ADDED", obj)
+                elif _rv(before) != _rv(obj):
+                    self.on_event("MODIFIED", obj)
+            for key in old.keys() - fresh.keys():
+                self.on_event("DELETED", old[key])
         self.on_change()
 
     def _watch(self, stop: threading.Event) -> int:
@@ -127,18 +150,25 @@ class Reflector:
             obj = event.get("object") or {}
             rv = (obj.get("metadata") or {}).get("resourceVersion")
             kind = event.get("type")
+            kept = None
             with self._lock:
                 if kind in ("ADDED", "MODIFIED"):
-                    self._items[self._key(obj)] = self.keep(obj)
+                    kept = self._items[self._key(obj)] = self.keep(obj)
                 elif kind == "DELETED":
-                    self._items.pop(self._key(obj), None)
+                    kept = self._items.pop(self._key(obj), None) or self.keep(obj)
             if rv:
                 self.resource_version = rv
             if kind != "BOOKMARK":
+                if self.on_event is not None and kept is not None:
+                    self.on_event(kind, kept)
                 self.on_change()
             if stop.is_set():
                 break
         return n
+
+
+def _rv(obj: dict) -> str | None:
+    return (obj.get("metadata") or {}).get("resourceVersion")
 
 
 def _shutdown(resp) -> None:

@@ -1,0 +1,157 @@
+"""``accelnode controller``: the cluster controller (one Deployment; one replica leads).
+
+Every replica serves the admission webhooks (stateless: any replica may answer) and
+``/metrics`` ``/healthz`` ``/readyz``; only the replica holding the leader Lease runs the
+reconcilers. A leader that cannot renew its Lease within the renew deadline exits with status 1
+(its work stops at once; the Deployment restarts it as a standby). SIGTERM stops the
+reconcilers, releases the Lease so a standby takes over at once, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from accelnode import cli as acli
+from accelnode import exitcodes
+
+SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+DEFAULT_NAMESPACE = "accelnode-system"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("controller", help="run the cluster controller (leader election, reconcilers, admission "
+                                          "webhooks)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: the pod's "
+                                                        "service account)")
+    g = p.add_argument_group("leader election (a coordination.k8s.io/v1 Lease)")
+    g.add_argument("--namespace", metavar="NS",
+                   help="namespace of the Lease (default: the pod's namespace from its service account, else "
+                        f"{DEFAULT_NAMESPACE})")
+    g.add_argument("--lease-name", default="accelnode-controller", metavar="NAME",
+                   help="name of the Lease (default: %(default)s)")
+    g.add_argument("--identity", metavar="ID",
+                   help="this replica's holderIdentity (default: the host name and a random suffix)")
+    g.add_argument("--lease-duration", type=float, default=15.0, metavar="SECONDS",
+                   help="how long a standby waits, after it last saw the Lease change, before taking it over "
+                        "(default: %(default)s)")
+    g.add_argument("--renew-deadline", type=float, default=10.0, metavar="SECONDS",
+                   help="the leader exits (status 1) when it could not renew for this long; shorter than "
+                        "--lease-duration (default: %(default)s)")
+    g.add_argument("--retry-period", type=float, default=2.0, metavar="SECONDS",
+                   help="how often the leader renews and a standby tries to acquire (default: %(default)s)")
+    g = p.add_argument_group("reconcilers")
+    g.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="concurrent reconciles per reconciler (default: %(default)s)")
+    g.add_argument("--resync", type=float, default=300.0, metavar="SECONDS",
+                   help="reconcile every watched object again this often, events or not (default: %(default)s)")
+    g = p.add_argument_group("serving")
+    g.add_argument("--metrics-address", default="127.0.0.1:9813", metavar="HOST:PORT",
+                   help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
+    g.add_argument("--webhook-address", default="127.0.0.1:9443", metavar="HOST:PORT",
+                   help="where the admission webhooks listen (HTTPS); loopback by default, so a pod must set "
+                        "0.0.0.0:9443 (or its pod IP) for the API server to reach it (default: %(default)s)")
+    g.add_argument("--tls-cert-file", metavar="FILE",
+                   help="serving certificate of the webhooks (PEM, reloaded when it changes); without it and "
+                        "--tls-key-file no webhook is served")
+    g.add_argument("--tls-key-file", metavar="FILE", help="the serving certificate's private key (PEM)")
+    acli.add_common(p)
+    acli.apply_env(p)
+    p.set_defaults(func=run)
+
+
+def default_identity() -> str:
+    import secrets
+    import socket
+
+    return f"{socket.gethostname()}_{secrets.token_hex(4)}"
+
+
+def default_namespace() -> str:
+    try:
+        with open(SA_NAMESPACE_FILE) as f:
+            return f.read().strip() or DEFAULT_NAMESPACE
+    except OSError:
+        return DEFAULT_NAMESPACE
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+    import time
+
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from accelnode.httpserve import MetricsServer
+    from accelnode.kube.client import Client, Config
+    from accelnode.log import kv
+
+    from .admission import AdmissionServer
+    from .leader import LeaderElector, Timing
+    from .manager import RECONCILERS, Manager
+
+    log = logging.getLogger("accelnode.controller")
+    timing = Timing(args.lease_duration, args.renew_deadline, args.retry_period)
+    try:
+        timing.check()
+    except ValueError as e:
+        raise exitcodes.CLIError(str(e), exitcodes.USAGE) from None
+    if args.workers < 1 or args.resync <= 0:
+        raise exitcodes.CLIError("--workers must be at least 1 and --resync positive", exitcodes.USAGE)
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise exitcodes.CLIError("--tls-cert-file and --tls-key-file go together", exitcodes.USAGE)
+    namespace = args.namespace or default_namespace()
+    identity = args.identity or default_identity()
+    try:
+        config = Config.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Config.in_cluster()
+        client = Client(config, user_agent="accelnode-controller")
+    except (ValueError, OSError) as e:
+        raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
+
+    registry = CollectorRegistry()
+    manager = Manager(client, [factory(client) for factory in RECONCILERS], registry, workers=args.workers,
+                      resync=args.resync)
+    elector = LeaderElector(client, namespace, args.lease_name, identity, timing, on_started_leading=manager.start)
+    Gauge("accelnode_controller_leader", "1 while this replica holds the leader Lease",
+          registry=registry).set_function(lambda: 1 if elector.leading.is_set() else 0)
+    lease = f"{namespace}/{args.lease_name}"
+
+    def ready() -> tuple[bool, str]:
+        if elector.leading.is_set():
+            return True, ""
+        seen = elector.last_contact
+        if seen is not None and time.monotonic() - seen <= 2 * timing.lease_duration:
+            return True, ""  # a healthy standby: it can read the Lease and would take over
+        ago = "never" if seen is None else f"{time.monotonic() - seen:.0f}s ago"
+        return False, (f"standing by but cannot read Lease {lease} (last read {ago}): "
+                       f"{elector.last_error or 'no answer yet'}")
+
+    metrics = MetricsServer(args.metrics_address, registry, ready).start()
+    webhooks = None
+    if args.tls_cert_file:
+        try:
+            webhooks = AdmissionServer(args.webhook_address, args.tls_cert_file, args.tls_key_file, {}).start()
+        except BaseException:
+            metrics.stop()
+            raise
+    else:
+        log.info("no --tls-cert-file: admission webhooks are not served")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("controller starting", extra=kv(identity=identity, lease=lease, reconcilers=len(manager.controllers)))
+    try:
+        stopped_cleanly = elector.run(stop)
+    finally:
+        manager.stop(timeout=10.0 if stop.is_set() else 2.0)
+    if stopped_cleanly:
+        elector.release()
+    if webhooks is not None:
+        webhooks.stop()
+    metrics.stop()
+    if not stopped_cleanly:
+        raise exitcodes.CLIError(f"lost the leader Lease {lease}: could not renew within {timing.renew_deadline:g}s; "
+                                 "exiting so that no work is done without it", exitcodes.FAILURE)
+    log.info("controller stopped", extra=kv(identity=identity))
+    return exitcodes.OK

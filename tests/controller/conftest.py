@@ -1,0 +1,107 @@
+"""Controller test helpers: its RBAC applied, its Lease, real ``accelnode controller`` processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from accelnode.kube.client import Client, Config, KubeError
+from tests.conftest import accelnode_cmd
+from tests.csi.conftest import free_ports
+
+NAMESPACE = "accelnode-system"
+LEASE = "accelnode-controller"
+LEASE_PATH = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{LEASE}"
+
+
+@pytest.fixture(scope="session")
+def controller_rbac(kubectl):
+    out = kubectl("admin", "apply", "-f", "daemonsets/namespace.yaml", "-f", "daemonsets/rbac-controller.yaml")
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.fixture
+def admin(control_plane) -> Client:
+    return Client(Config.from_kubeconfig(control_plane.kubeconfig("admin")))
+
+
+@pytest.fixture
+def fresh_lease(controller_rbac, admin):
+    """No controller Lease at the start of the test (tests share the one name RBAC allows)."""
+    try:
+        admin.request("DELETE", LEASE_PATH)
+    except KubeError as e:
+        assert e.code == 404, e
+    return LEASE_PATH
+
+
+def lease_spec(admin: Client) -> dict:
+    try:
+        return admin.request("GET", LEASE_PATH).get("spec") or {}
+    except KubeError as e:
+        if e.code == 404:
+            return {}
+        raise
+
+
+class ControllerProc:
+    """One ``accelnode controller`` as a real process, as the controller identity."""
+
+    def __init__(self, control_plane, log_dir: Path, identity: str, *extra: str):
+        self.identity = identity
+        self.metrics_port = free_ports(1)[0]
+        self.argv = accelnode_cmd() + [
+            "controller", "--kubeconfig", str(control_plane.kubeconfig("controller")), "--identity", identity,
+            "--namespace", NAMESPACE, "--lease-name", LEASE, "--metrics-address", f"127.0.0.1:{self.metrics_port}",
+            "--log-format", "json", *extra]
+        self.log_path = log_dir / f"controller-{identity}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ControllerProc":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log)
+        return self
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.identity} did not exit in {timeout}s:\n{self.log()}") from None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def records(self) -> list[dict]:
+        out = []
+        for line in self.log().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+
+@pytest.fixture
+def controllers(control_plane, tmp_path):
+    started: list[ControllerProc] = []
+
+    def start(identity: str, *extra: str) -> ControllerProc:
+        c = ControllerProc(control_plane, tmp_path, identity, *extra).start()
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        c.stop()
