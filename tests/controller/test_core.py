@@ -185,6 +185,7 @@ def test_keys():
     assert object_key({"metadata": {"namespace": "ns", "name": "n"}}) == "ns/n"
     assert object_key({"metadata": {"name": "node-1"}}) == "node-1"
     assert split_key("ns/n") == ("ns", "n") and split_key("node-1") == (None, "node-1")
+    assert list(Watch("/api/v1/pods").keys({"metadata": {"namespace": "ns", "name": "p"}})) == ["ns/p"]
 
 
 def test_a_reconciler_needs_a_name():
