@@ -105,3 +105,13 @@ def validate_manifest(manifest: dict, image: str, limits: Limits) -> tuple[list[
         raise HostileContent(f"layers declare {declared} bytes, more than the {limits.max_tar_bytes} "
                              "the limits allow", image)
     return layers, config
+
+
+def resolve(image: str, options: RegistryOptions, limits: Limits | None = None) -> tuple[str, int | None]:
+    """(digest, size in bytes) of what ``image`` names now: the digest of its manifest or image
+    index (pinned or resolved from the tag), and the cache's uncompressed size as its config
+    labels declare it (the largest of an index's manifests; None when no manifest says)."""
+    info = inspect(image, options, limits)
+    digest = info["index"] or info["manifests"][0]["digest"]
+    sizes = [m["size_bytes"] for m in info["manifests"] if m["size_bytes"] is not None]
+    return digest, max(sizes) if sizes else None
