@@ -1,0 +1,206 @@
+"""The cache reconciler's pure parts (controller/cachestatus.py, controller/caches.Mentions):
+which pin a cache has without asking a registry, the annotations that mirror it, the sum of the
+agents' per-node entries and the condition that summarises it."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelnode.oci import errors
+from controller import cachestatus as cs
+from controller.caches import Mentions, keep_node
+from controller.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
+
+D1 = "sha256:" + "1" * 64
+D2 = "sha256:" + "2" * 64
+IMAGE = "quay.io/gkm/cache:v1"
+NOW, EARLIER = "2030-01-01T00:00:10Z", "2030-01-01T00:00:00Z"
+
+
+def cache(image=IMAGE, *, status=None, annotations=None, generation=1):
+    return {"metadata": {"name": "c", "namespace": "ns", "generation": generation,
+                         "annotations": dict(annotations or {})},
+            "spec": {"image": image}, "status": status or {}}
+
+
+def resolved_status(image, digest):
+    return {"resolvedDigest": digest,
+            "conditions": [{"type": "Resolved", "status": "True", "reason": "Resolved",
+                            "message": cs.pinned_message(image, digest), "lastTransitionTime": EARLIER}]}
+
+
+# -- the pin ----------------------------------------------------------------------------------
+
+
+def test_a_digest_in_the_image_is_the_pin():
+    assert cs.known_pin(cache(f"quay.io/gkm/cache:v1@{D1}")) == Pin(f"quay.io/gkm/cache:v1@{D1}", D1, None)
+    # its size comes from the annotation only when the annotation is about that digest
+    pinned = cache(f"quay.io/gkm/cache@{D1}", annotations={DIGEST_ANNOTATION: D1, SIZE_ANNOTATION: "42"})
+    assert cs.known_pin(pinned).size_bytes == 42
+    other = cache(f"quay.io/gkm/cache@{D1}", annotations={DIGEST_ANNOTATION: D2, SIZE_ANNOTATION: "42"})
+    assert cs.known_pin(other).size_bytes is None
+
+
+def test_the_recorded_pin_is_kept_while_the_image_is_the_same():
+    obj = cache(status=resolved_status(IMAGE, D1), annotations={DIGEST_ANNOTATION: D1, SIZE_ANNOTATION: "7"})
+    assert cs.known_pin(obj) == Pin(IMAGE, D1, 7)
+
+
+def test_a_changed_image_is_resolved_again():
+    assert cs.known_pin(cache("quay.io/gkm/cache:v2", status=resolved_status(IMAGE, D1))) is None
+    # a digest recorded without our condition (another writer) is not trusted either
+    assert cs.known_pin(cache(status={"resolvedDigest": D1})) is None
+
+
+def test_the_admission_annotation_pins_a_cache_without_status():
+    obj = cache(annotations={DIGEST_ANNOTATION: D2, SIZE_ANNOTATION: "100"})
+    assert cs.known_pin(obj) == Pin(IMAGE, D2, 100)
+    assert cs.known_pin(cache(annotations={DIGEST_ANNOTATION: "sha256:nothex"})) is None
+    assert cs.known_pin(cache()) is None
+
+
+def test_an_image_we_cannot_pull_is_an_invalid_reference():
+    with pytest.raises(errors.InvalidReference):
+        cs.known_pin(cache("no-registry-host"))
+
+
+@pytest.mark.parametrize("err, reason", [
+    (errors.ImageNotFound("x"), "ImageNotFound"),
+    (errors.RegistryUnavailable("x"), "RegistryUnavailable"),
+    (errors.IntegrityError("x"), "RegistryUnavailable"),
+    (errors.AuthError("x"), "AuthFailed"),
+    (errors.InvalidReference("x"), "InvalidImage"),
+    (errors.HostileContent("x"), "InvalidImage"),
+])
+def test_registry_errors_map_to_the_contracts_reasons(err, reason):
+    assert cs.failure(err) == reason
+
+
+def test_annotations_mirror_the_pin():
+    assert cs.wanted_annotations({"a": "b"}, Pin(IMAGE, D1, 5)) == {"a": "b", DIGEST_ANNOTATION: D1,
+                                                                    SIZE_ANNOTATION: "5"}
+    # no size known: kept beside its own digest, dropped when the digest moves
+    same = {DIGEST_ANNOTATION: D1, SIZE_ANNOTATION: "5"}
+    assert cs.wanted_annotations(same, Pin(IMAGE, D1, None)) == same
+    assert cs.wanted_annotations(same, Pin(IMAGE, D2, None)) == {DIGEST_ANNOTATION: D2}
+    assert cs.wanted_annotations({"a": "b", **same}, None) == {"a": "b"}
+
+
+# -- the agents' reports ----------------------------------------------------------------------
+
+
+def pods(*names):
+    return [{"podNamespace": "ns", "podName": n, "volumeId": f"v-{n}"} for n in names]
+
+
+REPORTS = {
+    "n1": {D1: {"state": "Running", "pods": pods("a", "b")}},
+    "n2": {D1: {"state": "Extracted"}},
+    "n3": {D1: {"state": "Running", "pods": pods("c")}, D2: {"state": "Outdated", "pods": pods("d", "d")}},
+    "n4": {D1: {"state": "Error", "message": "pull failed: 500"}},
+    "n5": {D1: {"state": "Downloading"}},
+    "n6": {D1: {"state": "Pending"}},
+    "n7": {},  # names the cache with nothing left: not a node of it
+}
+
+
+def test_counts_follow_the_agents_rules_per_cache():
+    agg = cs.aggregate(REPORTS)
+    assert agg.counts == {"nodeCnt": 6, "nodeInUseCnt": 2, "nodeNotInUseCnt": 1, "nodeErrorCnt": 1,
+                          "podRunningCnt": 3, "podOutdatedCnt": 1, "podDeletingCnt": 0}
+    assert (agg.held, agg.downloading, agg.pending) == (3, 1, 1)
+    assert agg.errors == [("n4", "pull failed: 500")]
+    assert cs.aggregate({}).counts == dict.fromkeys(cs.COUNTS, 0)
+
+
+def only(*nodes):
+    return cs.aggregate({n: REPORTS[n] for n in nodes})
+
+
+@pytest.mark.parametrize("nodes, reason", [
+    (("n1", "n2", "n3", "n4"), "Error"),
+    (("n1", "n3", "n5"), "Outdated"),
+    (("n1", "n2", "n5"), "Running"),
+    (("n2", "n5", "n6"), "Extracted"),
+    (("n5", "n6"), "Downloading"),
+    (("n6",), "Pending"),
+    ((), "Resolved"),
+])
+def test_the_summary_is_the_most_telling_state(nodes, reason):
+    assert cs.summary(Pin(IMAGE, D1, None), "", only(*nodes))[0] == reason
+
+
+def test_the_summary_message_says_how_many_nodes_hold_what():
+    reason, message = cs.summary(Pin(IMAGE, D1, None), "", cs.aggregate(REPORTS))
+    assert reason == "Error"
+    assert message == (f"3 of 6 nodes hold {D1}; 3 pods running; 1 downloading; 1 pending; "
+                       "1 pod still on an older digest; 1 node failed (n4: pull failed: 500)")
+    assert cs.summary(Pin(IMAGE, D1, None), "", only())[1] == f"pinned to {D1}; no node holds it yet"
+    assert cs.summary(None, "registry down", only("n1")) == ("Unresolved", "registry down")
+
+
+# -- the status written -----------------------------------------------------------------------
+
+
+def test_status_keeps_what_others_wrote_and_puts_the_summary_first():
+    verified = {"type": "Verified", "status": "True", "reason": "Signed", "message": "ok",
+                "lastTransitionTime": EARLIER}
+    obj = cache(status={"pvcStatus": {"ns": {"pvcName": "c"}}, "conditions": [verified]})
+    pin = Pin(IMAGE, D1, None)
+    st = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW)
+    assert st["resolvedDigest"] == D1
+    assert st["pvcStatus"] == {"ns": {"pvcName": "c"}}
+    assert [c["type"] for c in st["conditions"]] == ["Ready", "Resolved", "Verified"]
+    assert st["conditions"][0]["reason"] == "Running" and st["conditions"][0]["status"] == "True"
+    assert st["conditions"][1]["observedGeneration"] == 1
+    assert st["conditions"][2] == verified
+    assert st["lastUpdated"] == NOW
+
+    # the same world a moment later: exactly the same status (no write)
+    again = cs.cache_status({**obj, "status": st}, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"),
+                            "2030-01-01T00:05:00Z")
+    assert again == st
+
+
+def test_times_move_only_with_what_they_describe():
+    pin = Pin(IMAGE, D1, None)
+    st = cs.cache_status(cache(), pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n5"), EARLIER)
+    later = cs.cache_status({**cache(), "status": st}, pin, ("Resolved", cs.pinned_message(IMAGE, D1)),
+                            only("n5", "n2"), NOW)
+    assert later["lastUpdated"] == NOW
+    ready, resolved = later["conditions"][:2]
+    assert (ready["reason"], ready["lastTransitionTime"]) == ("Extracted", NOW)
+    assert resolved["lastTransitionTime"] == EARLIER
+
+
+def test_an_unresolved_cache_has_no_digest_and_says_why():
+    obj = cache(status=resolved_status("quay.io/gkm/cache:v0", D1))
+    st = cs.cache_status(obj, None, ("RegistryUnavailable", "quay.io: connection refused"), only(), NOW)
+    assert "resolvedDigest" not in st
+    ready, resolved = st["conditions"]
+    assert (ready["status"], ready["reason"], ready["message"]) == ("False", "Unresolved",
+                                                                    "quay.io: connection refused")
+    assert (resolved["status"], resolved["reason"]) == ("False", "RegistryUnavailable")
+
+
+# -- which node objects name which caches ------------------------------------------------------
+
+
+def test_mentions_report_old_and_new_names_and_index_the_reverse():
+    m = Mentions()
+    assert m.set("ns/n1", frozenset({"ns/a", "ns/b"})) == {"ns/a", "ns/b"}
+    assert m.set("ns/n2", frozenset({"ns/a"})) == {"ns/a"}
+    assert m.nodes_of("ns/a") == ["ns/n1", "ns/n2"]
+    assert m.set("ns/n1", frozenset({"ns/c"})) == {"ns/a", "ns/b", "ns/c"}  # b and a lost n1
+    assert (m.nodes_of("ns/a"), m.nodes_of("ns/b"), m.nodes_of("ns/c")) == (["ns/n2"], [], ["ns/n1"])
+    assert m.set("ns/n2", frozenset()) == {"ns/a"}  # deleted, or names nothing
+    assert m.nodes_of("ns/a") == []
+
+
+def test_node_objects_are_stored_trimmed():
+    obj = {"metadata": {"name": "n1", "namespace": "ns", "resourceVersion": "5", "uid": "u", "labels": {"x": "y"}},
+           "status": {"nodeName": "n1", "gpus": [{"gpuType": "tpu/v5e", "ids": [0]}], "counts": {},
+                      "caches": {"c": {D1: {"state": "Running", "pods": pods("a"), "volumeSize": 9,
+                                            "lastUpdated": NOW, "compatibleGPUs": [0]}}}}}
+    assert keep_node(obj) == {"metadata": {"name": "n1", "namespace": "ns", "resourceVersion": "5"},
+                              "status": {"caches": {"c": {D1: {"state": "Running", "pods": pods("a")}}}}}
