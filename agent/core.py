@@ -5,6 +5,14 @@ status reporter and prefetcher (:mod:`agent.reporter`, :mod:`agent.prefetch`) al
   background pull per reference digest (later callers join it) and waits at most
   ``wait_seconds`` for it, answering PULLING when the pull is still running. A failed pull is
   reported to everyone who waited on it; the next ``ensure`` starts a fresh one.
+* An ``anonymous`` ensure (an image a pod author named, not a cache object) pulls without any
+  registry credentials. Credentials must not reach it by sharing, so it is kept apart by digest
+  *and* anonymity: it never joins a credentialed pull (nor a credentialed caller an anonymous
+  one, whose failure would not be theirs), and content installed is handed to it only for a
+  digest whose manifest an anonymous request has been served (:attr:`Agent._public`, learned by
+  an anonymous pull; the store asks the repository the content was installed from, see
+  ``CacheStore.ensure``). A credentialed pull of the same digest may run beside it; the store's
+  digest lock installs it once.
 * References are the store's durable references, so they survive restarts of the agent and of
   the CSI driver. A volume id holds one digest at one target path; asking again with other
   values is ALREADY_EXISTS, and asking for an exclusive volume at a second target path is
@@ -17,6 +25,7 @@ and CSI vocabulary: ``INVALID_ARGUMENT``, ``NOT_FOUND``, ``ALREADY_EXISTS``,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -94,9 +103,10 @@ class CacheInfo:
 
 @dataclass
 class Pull:
-    """One background pull of one reference digest."""
+    """One background pull of one reference digest, with the node's credentials or without."""
 
     image: str
+    anonymous: bool = False
     started: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     answer: Answer | None = None  # set when done
@@ -115,12 +125,15 @@ class Metrics:
 class Agent:
     def __init__(self, store, accelerators: list[Accelerator], metrics: Metrics):
         self.store = store
+        # what an anonymous pull uses: the store's options without any credentials
+        self._anonymous_options = dataclasses.replace(store.options, config_file=None, anonymous=True)
         self.accelerators = accelerators
         self.metrics = metrics
         self._targets = [a.target() for a in accelerators if a.arch]
         self._lock = threading.Lock()
         self._ready: dict[str, Answer] = {}  # reference digest -> READY/INCOMPATIBLE answer
-        self._pulls: dict[str, Pull] = {}  # reference digest -> latest pull
+        self._pulls: dict[tuple[str, bool], Pull] = {}  # (reference digest, anonymous) -> latest pull
+        self._public: set[str] = set()  # reference digests an anonymous request was served
         # The store's durable references, mirrored: the agent is their only writer.
         self._refs: dict[str, dict] = store.references()
         metrics.references.set(len(self._refs))
@@ -130,18 +143,22 @@ class Agent:
 
     # -- ensure --------------------------------------------------------------------------
 
-    def ensure(self, image: str, wait_seconds: float) -> Answer:
+    def ensure(self, image: str, wait_seconds: float, *, anonymous: bool = False) -> Answer:
+        """Is ``image`` installed here and does it fit (READY / INCOMPATIBLE), or how is its pull
+        going? ``anonymous``: the image was named by a pod author; pull it without credentials."""
         if not image:
             raise Refused("INVALID_ARGUMENT", "image is required")
         if not DIGEST_PINNED.match(image):
             return self._answer(Answer(FAILED, failure=INVALID_REFERENCE,
                                        message=f"{image}: not a digest-pinned reference (…@sha256:<64 hex>)"))
         key = image.rsplit("@", 1)[1]
-        answer = self._ready.get(key)
-        if answer is None or (answer.path and not os.path.isdir(answer.path)):  # gone: removed by gc
-            answer = self._from_store(key)
+        answer = None
+        if not anonymous or key in self._public:
+            answer = self._ready.get(key)
+            if answer is None or (answer.path and not os.path.isdir(answer.path)):  # gone: removed by gc
+                answer = self._from_store(key)
         if answer is None:
-            pull = self._pull(key, image)
+            pull = self._pull(key, image, anonymous)
             if pull.done.wait(max(0.0, wait_seconds)):
                 answer = pull.answer
             else:
@@ -168,20 +185,24 @@ class Agent:
                           message=f"{inst.image}: {mismatch}")
         return Answer(READY, digest=inst.digest, path=str(inst.path), size_bytes=inst.size_bytes)
 
-    def _pull(self, key: str, image: str) -> Pull:
+    def _pull(self, key: str, image: str, anonymous: bool) -> Pull:
         with self._lock:
-            pull = self._pulls.get(key)
+            pull = self._pulls.get((key, anonymous))
             if pull is None or pull.done.is_set():
-                pull = self._pulls[key] = Pull(image)
+                pull = self._pulls[(key, anonymous)] = Pull(image, anonymous)
                 threading.Thread(target=self._run_pull, args=(key, pull), name=f"pull-{key[7:19]}",
                                  daemon=True).start()
                 self.on_change()
             return pull
 
     def _run_pull(self, key: str, pull: Pull) -> None:
-        log.info("pull started", extra=kv(image=pull.image))
+        log.info("pull started", extra=kv(image=pull.image, anonymous=pull.anonymous))
         try:
-            inst = self.store.ensure(pull.image, accelerators=self._targets or None)
+            if pull.anonymous:
+                inst = self.store.ensure(pull.image, accelerators=self._targets or None,
+                                         options=self._anonymous_options)
+            else:
+                inst = self.store.ensure(pull.image, accelerators=self._targets or None)
         except errors.NoMatchingManifest as e:
             answer = Answer(INCOMPATIBLE, digest=key, message=str(e), expected="a platform the image index lists",
                             found=fit.describe_node(self.accelerators))
@@ -190,11 +211,13 @@ class Agent:
         else:
             answer = self._judge(inst)
             self._ready[key] = answer
+            if pull.anonymous:
+                self._public.add(key)
         result = answer.state.lower()
         self.metrics.pulls.labels(result).inc()
         self.metrics.pull_seconds.observe(time.monotonic() - pull.started)
         log.log(logging.INFO if answer.state == READY else logging.WARNING, "pull finished",
-                extra=kv(image=pull.image, result=result, message=answer.message,
+                extra=kv(image=pull.image, anonymous=pull.anonymous, result=result, message=answer.message,
                          seconds=round(time.monotonic() - pull.started, 3)))
         pull.answer = answer
         pull.done.set()
@@ -266,7 +289,7 @@ class Agent:
         # wins) rather than vanishing from this answer
         with self._lock:
             held = list(self._refs.values())
-            pulls = [(key, pull, pull.done.is_set()) for key, pull in self._pulls.items()]
+            pulls = [(key, pull, pull.done.is_set()) for (key, _), pull in self._pulls.items()]
         refs: dict[str, list] = {}
         for meta in held:
             refs.setdefault(meta.get("digest"), []).append(meta)

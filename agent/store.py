@@ -36,7 +36,7 @@ from pathlib import Path
 from accelnode.log import kv
 
 from accelnode.oci import cacheformat as fmt
-from accelnode.oci.errors import HostileContent, ImageNotFound, NoMatchingManifest
+from accelnode.oci.errors import AuthError, HostileContent, ImageNotFound, NoMatchingManifest
 from accelnode.oci.limits import Limits
 from accelnode.oci.manifest import check_index, get_manifest, read_config
 from accelnode.oci.reference import DIGEST, Reference, check_digest
@@ -99,32 +99,56 @@ class CacheStore:
 
     # -- pulling -------------------------------------------------------------------------------
 
-    def ensure(self, image: str, *, accelerators: list[dict] | None = None, progress=None) -> Installed:
-        """Pull, verify and install ``image`` unless its manifest digest is installed already."""
+    def ensure(self, image: str, *, accelerators: list[dict] | None = None, progress=None,
+               options: RegistryOptions | None = None) -> Installed:
+        """Pull, verify and install ``image`` unless its manifest digest is installed already.
+
+        ``options`` replaces the store's registry options for this pull (an anonymous pull of an
+        image a pod named). Content already installed is then handed out only if the repository
+        it was installed from serves its manifest with those options (:meth:`_granted`), so a
+        pull without credentials never gets what credentials fetched."""
         ref = Reference.parse(image)
+        own = options is not None
         if ref.digest:
             found = self._installed_offline(ref.digest, image, accelerators)
             if found is not None:
-                return found
-        reg = Registry(ref.host, self.options, Deadline(self.options.timeout))
+                return self._granted(found, ref, options, asked=False) if own else found
+        options = options or self.options
+        reg = Registry(ref.host, options, Deadline(options.timeout))
         body, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits)
         if media_type in INDEX_TYPES:
             self._save_index(digest, body)
             desc = self._choose(manifest, image, accelerators)
             found = self._use(desc["digest"])
             if found is not None:
-                return found
+                return self._granted(found, ref, options, asked=True) if own else found
             _, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits, desc["digest"])
         if media_type not in MANIFEST_TYPES:
             raise HostileContent(f"unsupported manifest media type {media_type!r}", image)
         found = self._use(digest)
-        if found is not None:
+        if found is None:
+            with self._digest_lock(digest, image, reg.deadline):
+                found = self._use(digest)  # another thread or process may have installed it meanwhile
+                if found is None:
+                    return self._install(reg, ref, image, digest, manifest, progress)
+        return self._granted(found, ref, options, asked=True) if own else found
+
+    def _granted(self, found: Installed, ref: Reference, options: RegistryOptions, *, asked: bool) -> Installed:
+        """``found`` for a pull with options of its own, once the repository it was installed from
+        has served the manifest with them. ``asked``: ``ref``'s repository already has; it is not
+        enough when that is another one, since anyone may put a copy of a private manifest (not
+        of its blobs) in a registry of theirs and name it."""
+        origin = Reference.parse(found.image)
+        if asked and (origin.host, origin.repository) == (ref.host, ref.repository):
             return found
-        with self._digest_lock(digest, image, reg.deadline):
-            found = self._use(digest)
-            if found is not None:  # another thread or process installed it while we waited
-                return found
-            return self._install(reg, ref, image, digest, manifest, progress)
+        reg = Registry(origin.host, options, Deadline(options.timeout))
+        try:
+            get_manifest(reg, Reference(origin.host, origin.repository, digest=ref.digest or found.digest),
+                         found.image, self.limits)
+        except (AuthError, ImageNotFound):  # neither names the other repository to this caller
+            raise AuthError("installed on this node from a repository that does not serve it to this pull "
+                            f"({'anonymous' if options.anonymous else 'other credentials'})", str(ref)) from None
+        return found
 
     def _installed_offline(self, digest: str, image: str, accelerators) -> Installed | None:
         found = self._use(digest)

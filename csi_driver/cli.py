@@ -1,7 +1,9 @@
 """``accelnode csi``: the CSI node plugin ``csi.gkm.io`` (Identity + Node on a unix socket).
 
 It registers itself with kubelet through the plugin-registration socket and asks the node agent
-(``accelnode agent``) for caches; it never writes the cache store itself.
+(``accelnode agent``) for caches; it never writes the cache store itself. A volume names its
+cache (csi.gkm.io/GKMCache, csi.gkm.io/namespace); the driver looks the cache object up through
+the API server (--kubeconfig, or the pod's service account) and mounts the image its status pins.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import argparse
 
 from accelnode import cli as acli
 from accelnode import exitcodes
+
+from . import resolve
 
 DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
 # How often the registration socket is checked: kubelet's plugin watcher only sees sockets being
@@ -53,6 +57,14 @@ def register(sub) -> None:
                         "call's deadline less a second (default: %(default)s)")
     p.add_argument("--metrics-address", default="127.0.0.1:9810", metavar="HOST:PORT",
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
+    p.add_argument("--kubeconfig", metavar="FILE",
+                   help="kubeconfig for the API server, where caches are looked up by name (default: the pod's "
+                        "service account when running in a pod)")
+    p.add_argument(resolve.TRUST_FLAG, action="store_true",
+                   help="accept the volume attribute csi.gkm.io/image, for clusters without the controller. This "
+                        "trusts pod authors: whoever writes a pod may mount any image they name (pulled without "
+                        "the node's registry credentials) under any cache name. Without an API server it is the "
+                        "only way to name an image")
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
@@ -68,6 +80,25 @@ def socket_from_endpoint(endpoint: str) -> str:
     return path
 
 
+def api_config(args: argparse.Namespace):
+    """The API server to look caches up in: --kubeconfig, else the pod's service account when its
+    token is mounted, else None (allowed only with --trust-pod-image-attribute)."""
+    from accelnode.kube.client import SA_DIR, Config
+
+    try:
+        if args.kubeconfig:
+            return Config.from_kubeconfig(args.kubeconfig)
+        if (SA_DIR / "token").is_file():
+            return Config.in_cluster()
+    except (ValueError, OSError) as e:
+        raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
+    if not args.trust_pod_image_attribute:
+        raise exitcodes.CLIError(f"no API server to look caches up in: give --kubeconfig or run in a pod with a "
+                                 f"service account token ({SA_DIR / 'token'}); {resolve.TRUST_FLAG} runs without "
+                                 "one, trusting pod authors", exitcodes.PREREQUISITE)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
     import signal
@@ -80,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.httpserve import MetricsServer
     from accelnode.log import kv
 
-    from . import identity, node, registration, resolve
+    from accelnode.kube.client import Client
+
+    from . import cacheview, identity, node, registration
     from .api import csi_grpc, reg_grpc
     from .metrics import Metrics
 
@@ -89,7 +122,14 @@ def run(args: argparse.Namespace) -> int:
     reg_dir = Path(args.plugins_registry) if args.plugins_registry else None
     if reg_dir is not None and not reg_dir.is_dir():
         raise exitcodes.CLIError(f"plugin registration directory {reg_dir} does not exist", exitcodes.PREREQUISITE)
+    config = api_config(args)
+    try:
+        view = cacheview.CacheView(Client(config, user_agent="accelnode-csi")) if config is not None else None
+    except (ValueError, OSError) as e:  # unreadable certificates or keys (ssl.SSLError is an OSError)
+        raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
     Path(sock).parent.mkdir(parents=True, exist_ok=True)
+    resolver = resolve.VolumeResolver(resolve.ApiResolver(view) if view is not None else None,
+                                      trust_image_attribute=args.trust_pod_image_attribute)
 
     metrics = Metrics(CollectorRegistry())
     channel = grpcutil.unix_channel(args.agent_socket, options=[
@@ -100,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         (identity.IdentityServer(agent.stub, args.agent_socket), csi_grpc.IdentityServicer,
          csi_grpc.add_IdentityServicer_to_server),
         (identity.ControllerCapabilities(), csi_grpc.ControllerServicer, csi_grpc.add_ControllerServicer_to_server),
-        (node.NodeServer(args.node_id, agent, resolve.AttributeResolver(), pull_wait=args.pull_wait),
+        (node.NodeServer(args.node_id, agent, resolver, pull_wait=args.pull_wait),
          csi_grpc.NodeServicer, csi_grpc.add_NodeServicer_to_server),
     ]
     for servicer, base, _ in servicers:
@@ -108,13 +148,21 @@ def run(args: argparse.Namespace) -> int:
     registered = threading.Event()
 
     def ready() -> tuple[bool, str]:
+        if view is not None:
+            ok, why = view.ready()
+            if not ok:
+                return False, why
         if reg_dir is not None and not registered.is_set():
             return False, "not registered with kubelet"
         return True, ""
 
+    if view is not None:
+        view.start()
     http = MetricsServer(args.metrics_address, metrics.registry, ready).start()
     server = grpcutil.serve_unix(sock, lambda s: [add(svc, s) for svc, _, add in servicers], max_workers=16)
-    log.info("CSI driver serving", extra=kv(endpoint=sock, node_id=args.node_id, agent=args.agent_socket))
+    log.info("CSI driver serving", extra=kv(endpoint=sock, node_id=args.node_id, agent=args.agent_socket,
+                                            api_server=config.server if config else None,
+                                            trust_pod_image_attribute=args.trust_pod_image_attribute))
 
     def on_status(ok: bool) -> None:
         metrics.registered.set(1 if ok else 0)
@@ -156,5 +204,7 @@ def run(args: argparse.Namespace) -> int:
         reg_server.stop(grace=1).wait()
         grpcutil.remove_stale_socket(registration.socket_path(reg_dir))  # kubelet deregisters us
     server.stop(grace=5).wait()
+    if view is not None:
+        view.stop()
     http.stop()
     return exitcodes.OK

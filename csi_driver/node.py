@@ -136,12 +136,14 @@ class NodeServer(csi_grpc.NodeServicer):
                                               target=target, pod=f"{pod.namespace}/{pod.name}"))
         return csi.NodePublishVolumeResponse()
 
-    def _ensure(self, context, cache, image: str):
+    def _ensure(self, context, cache, pinned: resolve.Image):
         wait = self.pull_wait
         remaining = context.time_remaining()
         if remaining is not None:  # leave a second of the caller's deadline for the mount
             wait = max(0.0, min(wait, remaining - 1.0))
-        answer = self.agent.call(context, "EnsureCache", agent.EnsureCacheRequest(image=image, wait_seconds=wait),
+        image = pinned.reference
+        answer = self.agent.call(context, "EnsureCache",
+                                 agent.EnsureCacheRequest(image=image, wait_seconds=wait, anonymous=pinned.anonymous),
                                  timeout=wait + 10.0)
         if answer.state == Ensure.READY:
             return answer

@@ -4,10 +4,16 @@ A volume (inline ``csi:`` volume or a PV made by the controller) carries the sam
 
 * ``csi.gkm.io/GKMCache`` — the cache's name (required);
 * ``csi.gkm.io/namespace`` — its namespace; absent for a ``ClusterGKMCache``;
-* ``csi.gkm.io/image`` — the digest-pinned image, used when no API server is configured.
+* ``csi.gkm.io/image`` — an image the pod's author names. Refused unless the driver runs with
+  ``--trust-pod-image-attribute`` (clusters without the controller), and even then pulled
+  without the node's registry credentials: whoever writes a pod may name any image.
 
-Looking the cache object up through the API server is a :class:`Resolver` of its own (it will
-also enforce ``workloadNamespaces`` of cluster caches); the driver only depends on the protocol.
+:class:`ApiResolver` looks the cache object up in a watch-backed local view of the API
+(:mod:`csi_driver.cacheview`) and takes the image and the namespace from that object alone; it
+enforces a ClusterGKMCache's ``workloadNamespaces``, waits for the controller's pin
+(``status.resolvedDigest``) and refuses a cache whose signature check failed.
+:class:`VolumeResolver` picks between it and the attribute for each volume. The driver only
+depends on the :class:`Resolver` protocol.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Protocol
+
+from accelnode.oci.errors import InvalidReference
+from accelnode.oci.reference import Reference
 
 CACHE_KEY = "csi.gkm.io/GKMCache"
 NAMESPACE_KEY = "csi.gkm.io/namespace"
@@ -24,6 +33,7 @@ POD_NAME = "csi.storage.k8s.io/pod.name"
 POD_UID = "csi.storage.k8s.io/pod.uid"
 
 DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+TRUST_FLAG = "--trust-pod-image-attribute"
 
 
 class ResolveError(Exception):
@@ -50,15 +60,35 @@ class Pod:
     uid: str
 
 
+@dataclass(frozen=True)
+class Image:
+    """What holds a volume's cache: a digest-pinned reference, and whether the agent must pull it
+    without the node's registry credentials (an image a pod's author named)."""
+
+    reference: str
+    anonymous: bool = False
+
+
 class Resolver(Protocol):
-    def image(self, cache: CacheRef, pod: Pod, volume_context: dict[str, str]) -> str:
-        """The digest-pinned image of ``cache`` for ``pod``, or raise :class:`ResolveError`."""
+    def image(self, cache: CacheRef, pod: Pod, volume_context: dict[str, str]) -> Image:
+        """The image of ``cache`` for ``pod``, or raise :class:`ResolveError`."""
+
+
+class CacheView(Protocol):
+    """The cache objects as the API server has them (:class:`csi_driver.cacheview.CacheView`)."""
+
+    def synced(self, cache: CacheRef) -> bool:
+        """Whether the objects of ``cache``'s kind have been listed at least once."""
+
+    def get(self, cache: CacheRef) -> dict | None:
+        """The (trimmed) object ``cache`` names, None when there is none."""
 
 
 class AttributeResolver:
-    """No API server: the volume's ``csi.gkm.io/image`` attribute is the image."""
+    """The volume's ``csi.gkm.io/image`` attribute is the image; its author is the pod's, so it is
+    pulled anonymously."""
 
-    def image(self, cache: CacheRef, pod: Pod, volume_context: dict[str, str]) -> str:
+    def image(self, cache: CacheRef, pod: Pod, volume_context: dict[str, str]) -> Image:
         image = volume_context.get(IMAGE_KEY, "")
         if not image:
             raise ResolveError("NOT_FOUND", f"{cache}: volume attribute {IMAGE_KEY} is not set and no API "
@@ -66,7 +96,51 @@ class AttributeResolver:
         if not DIGEST_PINNED.match(image):
             raise ResolveError("INVALID_ARGUMENT", f"{cache}: {IMAGE_KEY}={image!r} is not digest-pinned "
                                                    "(expected REGISTRY/REPO@sha256:<64 hex>)")
-        return image
+        return Image(image, anonymous=True)
+
+
+class ApiResolver:
+    """The cache object, from the local view of the API server: never a request per publish."""
+
+    def __init__(self, view: CacheView):
+        self.view = view
+
+    def image(self, cache: CacheRef, pod: Pod, volume_context: dict[str, str]) -> Image:
+        if not self.view.synced(cache):
+            kind = "GKMCaches" if cache.namespace else "ClusterGKMCaches"
+            raise ResolveError("UNAVAILABLE", f"{cache}: the driver has not read the {kind} from the API server "
+                                              "yet; retry")
+        obj = self.view.get(cache)
+        if obj is None:
+            raise ResolveError("NOT_FOUND", f"{cache} does not exist")
+        spec, status = obj.get("spec") or {}, obj.get("status") or {}
+        if cache.namespace is None:
+            check_workload_namespaces(cache, pod, spec.get("workloadNamespaces") or [])
+        check_verified(cache, status.get("conditions") or [])
+        return Image(pinned(cache, spec.get("image", ""), status))
+
+
+class VolumeResolver:
+    """Where each volume's image comes from. A volume with ``csi.gkm.io/image`` is refused unless
+    ``trust_image_attribute`` (then :class:`AttributeResolver`); every other volume is looked up
+    by ``api`` (None: no API server, the attribute is the only source)."""
+
+    def __init__(self, api: Resolver | None, *, trust_image_attribute: bool = False):
+        self.api = api
+        self.trust_image_attribute = trust_image_attribute
+        self.attribute = AttributeResolver()
+
+    def image(self, cache: CacheRef, pod: Pod, volume_context: dict[str, str]) -> Image:
+        if IMAGE_KEY in volume_context:
+            if not self.trust_image_attribute:
+                raise ResolveError("INVALID_ARGUMENT", f"{cache}: volume attribute {IMAGE_KEY} is refused: it lets "
+                                                       "a pod's author choose the image, so the driver takes the "
+                                                       "image from the cache object only (remove the attribute; "
+                                                       f"drivers started with {TRUST_FLAG} accept it)")
+            return self.attribute.image(cache, pod, volume_context)
+        if self.api is None:
+            return self.attribute.image(cache, pod, volume_context)
+        return self.api.image(cache, pod, volume_context)
 
 
 def cache_ref(volume_context: dict[str, str]) -> CacheRef:
@@ -91,3 +165,46 @@ def check_namespace(cache: CacheRef, pod: Pod) -> None:
     if pod.namespace != cache.namespace:
         raise ResolveError("PERMISSION_DENIED", f"{cache} may only be mounted by pods in namespace "
                                                 f"{cache.namespace}; pod {pod.namespace}/{pod.name} is not")
+
+
+def check_workload_namespaces(cache: CacheRef, pod: Pod, namespaces: list[str]) -> None:
+    """A ClusterGKMCache that lists ``workloadNamespaces`` is for pods of those namespaces only."""
+    if not namespaces:
+        return
+    if not pod.namespace:
+        raise ResolveError("INVALID_ARGUMENT", f"{cache} lists workloadNamespaces but volume_context has no "
+                                               f"{POD_NAMESPACE} (set podInfoOnMount: true on the CSIDriver "
+                                               "csi.gkm.io)")
+    if pod.namespace not in namespaces:
+        raise ResolveError("PERMISSION_DENIED", f"{cache} may only be mounted by pods in namespaces "
+                                                f"{', '.join(sorted(namespaces))} (spec.workloadNamespaces); pod "
+                                                f"{pod.namespace}/{pod.name} is not")
+
+
+def check_verified(cache: CacheRef, conditions: list[dict]) -> None:
+    """A cache whose signature check failed (condition ``Verified`` False) is not mounted."""
+    failed = next((c for c in conditions if c.get("type") == "Verified" and c.get("status") == "False"), None)
+    if failed is not None:
+        raise ResolveError("FAILED_PRECONDITION", f"{cache} failed verification: {failed.get('reason')}: "
+                                                  f"{failed.get('message', '')}")
+
+
+def pinned(cache: CacheRef, image: str, status: dict) -> str:
+    """``<registry>/<repo>@<digest>`` of a cache object: the controller's pin
+    (``status.resolvedDigest``), or the digest ``spec.image`` carries while there is none. An
+    unresolved cache, or a pin that no longer matches a digest-pinned ``spec.image`` (the status
+    lags the spec), is UNAVAILABLE: kubelet retries until the controller has pinned it."""
+    try:
+        ref = Reference.parse(image)
+    except InvalidReference as e:
+        raise ResolveError("FAILED_PRECONDITION", f"{cache}: spec.image cannot be pulled: {e}") from None
+    digest = status.get("resolvedDigest")
+    if not digest and not ref.digest:
+        resolved = next((c for c in status.get("conditions") or [] if c.get("type") == "Resolved"), None)
+        why = f" ({resolved.get('reason')}: {resolved.get('message', '')})" if resolved else ""
+        raise ResolveError("UNAVAILABLE", f"{cache}: {image} is not pinned yet: no status.resolvedDigest{why}; "
+                                          "retry once the controller has resolved it")
+    if digest and ref.digest and digest != ref.digest:
+        raise ResolveError("UNAVAILABLE", f"{cache}: status.resolvedDigest {digest} is not the digest of spec.image "
+                                          f"{image}; retry once the controller has pinned it again")
+    return ref.pinned(digest or ref.digest)

@@ -63,6 +63,7 @@ _NET_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
 class RegistryOptions:
     plain_http: bool = False  # talk HTTP instead of HTTPS (only when asked for)
     config_file: str | None = None  # Docker config JSON with credentials
+    anonymous: bool = False  # send no credentials at all: neither config_file nor ~/.docker/config.json
     timeout: float = 1800.0  # total deadline of one pull or push, seconds
 
 
@@ -148,9 +149,12 @@ class Registry:
         session.deadline = self.deadline
         session.cookies.set_policy(client.session.cookies.get_policy())
         client.session = client.auth.session = session
-        creds = docker_credentials(self.host, self.options.config_file, image)
+        creds = None if self.options.anonymous else docker_credentials(self.host, self.options.config_file, image)
         if creds is not None:
             client.auth.set_basic_auth(*creds)
+        elif backend == "basic" and self.options.anonymous:
+            raise AuthError(f"registry {self.host} requires credentials and this pull is anonymous (sends none)",
+                            image)
         elif backend == "basic":
             raise AuthError(f"registry {self.host} requires credentials and none were found"
                             + (f" in {self.options.config_file}" if self.options.config_file

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EnsureCacheRequest(_message.Message):
-    __slots__ = ("image", "wait_seconds")
+    __slots__ = ("image", "wait_seconds", "anonymous")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ANONYMOUS_FIELD_NUMBER: _ClassVar[int]
     image: str
     wait_seconds: float
-    def __init__(self, image: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    anonymous: bool
+    def __init__(self, image: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., anonymous: _Optional[bool] = ...) -> None: ...
 
 class EnsureCacheResponse(_message.Message):
     __slots__ = ("state", "digest", "path", "message", "failure", "expected", "found", "size_bytes")

@@ -107,10 +107,12 @@ class Volume:
         return self.kubelet_dir / "pods" / self.pod_uid / "volumes" / "kubernetes.io~csi" / self.name / "mount"
 
     def context(self) -> dict[str, str]:
-        ctx = {"csi.gkm.io/GKMCache": self.cache, "csi.gkm.io/image": self.image,
+        ctx = {"csi.gkm.io/GKMCache": self.cache,
                "csi.storage.k8s.io/pod.name": self.pod_name, "csi.storage.k8s.io/pod.namespace": self.pod_namespace,
                "csi.storage.k8s.io/pod.uid": self.pod_uid, "csi.storage.k8s.io/serviceAccount.name": "default",
                "csi.storage.k8s.io/ephemeral": "true"}
+        if self.image:  # "": the volume names the cache only (the driver looks it up)
+            ctx["csi.gkm.io/image"] = self.image
         if self.cache_namespace:
             ctx["csi.gkm.io/namespace"] = self.cache_namespace
         return ctx
@@ -156,6 +158,9 @@ class Node:
             "--metrics-address", f"127.0.0.1:{self.agent_metrics_port}", "--log-format", "text"],
             self.agent_socket, root)
         self.pull_wait = 20.0
+        # No API server by default: volumes name their image (csi.gkm.io/image), which the driver
+        # accepts only when told to trust pod authors. use_api() looks caches up instead.
+        self.csi_flags = ["--trust-pod-image-attribute"]
         self.csi = Daemon("csi", self.csi_argv(), self.csi_socket, root)
         self._channels: list[grpc.Channel] = []
 
@@ -163,11 +168,19 @@ class Node:
         return ["csi", "--endpoint", f"unix://{self.csi_socket}", "--node-id", "node-a",
                 "--agent-socket", str(self.agent_socket), "--plugins-registry", str(self.registry_dir),
                 "--pull-wait", str(self.pull_wait), "--metrics-address", f"127.0.0.1:{self.csi_metrics_port}",
-                "--log-format", "text"]
+                "--log-format", "text", *self.csi_flags]
 
     def set_pull_wait(self, seconds: float) -> None:
         self.pull_wait = seconds
         self.csi.argv = self.csi_argv()
+
+    def set_csi_flags(self, *flags: str) -> None:
+        """The driver's flags beyond the fixed ones (before it starts)."""
+        self.csi_flags = list(flags)
+        self.csi.argv = self.csi_argv()
+
+    def set_agent_flags(self, *flags: str) -> None:
+        self.agent.argv = self.agent.argv + list(flags)
 
     def channel(self, path: Path) -> grpc.Channel:
         ch = grpcutil.unix_channel(path, options=[("grpc.max_reconnect_backoff_ms", 500)])

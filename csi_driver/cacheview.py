@@ -1,0 +1,69 @@
+"""The driver's local copy of the cache objects (GKMCache in every namespace, ClusterGKMCache),
+kept current by two watches, so that a publish never waits on the API server.
+
+Objects are trimmed to what a publish reads: name, namespace, ``spec.image``,
+``spec.workloadNamespaces``, ``status.resolvedDigest`` and the conditions. A kind is usable once
+its first list has arrived (:meth:`CacheView.synced`); until then a publish that needs it is
+answered UNAVAILABLE and ``/readyz`` says which kind is missing. A missing CRD, an unreachable
+server or a refused watch are retried by the reflectors with backoff.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from accelnode.kube.client import Client, custom_path
+from accelnode.kube.reflector import Reflector
+
+from .resolve import CacheRef
+
+GROUP, VERSION = "gkm.io", "v1alpha1"
+
+
+def trim(obj: dict) -> dict:
+    """What the driver keeps of a cache object."""
+    md, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    return {"metadata": {k: md[k] for k in ("name", "namespace") if k in md},
+            "spec": {k: spec[k] for k in ("image", "workloadNamespaces") if k in spec},
+            "status": {"resolvedDigest": status.get("resolvedDigest"),
+                       "conditions": [{k: c.get(k) for k in ("type", "status", "reason", "message")}
+                                      for c in status.get("conditions") or [] if isinstance(c, dict)]}}
+
+
+class CacheView:
+    def __init__(self, client: Client):
+        self.namespaced = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), keep=trim)
+        self.cluster = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"), keep=trim)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def _of(self, cache: CacheRef) -> Reflector:
+        return self.namespaced if cache.namespace else self.cluster
+
+    def synced(self, cache: CacheRef) -> bool:
+        return self._of(cache).synced.is_set()
+
+    def get(self, cache: CacheRef) -> dict | None:
+        return self._of(cache).get(cache.namespace, cache.name)
+
+    def ready(self) -> tuple[bool, str]:
+        """(both kinds listed, which are not yet): the driver's readiness."""
+        missing = [kind for kind, r in (("GKMCaches", self.namespaced), ("ClusterGKMCaches", self.cluster))
+                   if not r.synced.is_set()]
+        if missing:
+            return False, f"{' and '.join(missing)} not read from the API server yet"
+        return True, ""
+
+    def start(self) -> "CacheView":
+        for name, r in (("gkmcaches", self.namespaced), ("clustergkmcaches", self.cluster)):
+            t = threading.Thread(target=r.run, args=(self._stop,), name=f"watch-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for r in (self.namespaced, self.cluster):
+            r.interrupt()
+        for t in self._threads:
+            t.join(5)
