@@ -1,7 +1,8 @@
-"""A real, throwaway Kubernetes control plane on loopback: etcd + kube-apiserver.
+"""A real, throwaway Kubernetes control plane on loopback: etcd, kube-apiserver and
+kube-controller-manager.
 
 Used by the pytest fixture (``tests/fixtures/cluster.py``) and by ``make cluster``
-(``python -m accelnode.testing.devcluster``). Both binaries are the real ones, built from their Go
+(``python -m accelnode.testing.devcluster``). The binaries are the real ones, built from their Go
 modules into ``.tools/bin`` by ``make tools`` (``tools/mk/k8s.mk``).
 
 What one :class:`ControlPlane` sets up in its work directory:
@@ -12,7 +13,12 @@ What one :class:`ControlPlane` sets up in its work directory:
 - kube-apiserver on a free loopback port with client-certificate authentication, RBAC
   authorization, service-account token issuing and an audit log of every write
   (``audit.log``);
-- one client certificate and kubeconfig per identity in :data:`IDENTITIES`.
+- kube-controller-manager on a free loopback port as ``system:kube-controller-manager``, each
+  controller with its own ServiceAccount credentials: garbage collection, namespace deletion,
+  PV/PVC binding, Deployments, StatefulSets, Jobs, CSR signing with the CA, bootstrap tokens;
+  nothing that needs a kubelet or acts on Nodes (see :data:`CONTROLLERS`);
+- one client certificate and kubeconfig per identity in :data:`IDENTITIES` (and one for the
+  controller-manager, :data:`CONTROLLER_MANAGER`).
 
 The component identities carry the user name and groups a pod running as the component's
 ServiceAccount gets, so the ClusterRoleBindings in ``daemonsets/`` apply to them unchanged.
@@ -72,6 +78,17 @@ IDENTITIES = (
     Identity("admin", "accelnode-admin", ("system:masters",)),
     *(_service_account(c) for c in ("device-plugin", "csi", "agent", "controller")),
 )
+
+# The user the apiserver's bootstrap RBAC policy grants the controller-manager's rights to.
+CONTROLLER_MANAGER = Identity("kube-controller-manager", "system:kube-controller-manager", ())
+
+# Every default controller, the two token controllers that are off by default (so bootstrap
+# tokens work), and none of those that act on Nodes as if kubelets ran them: our Nodes are bare
+# records with no kubelet posting status, so the node lifecycle controller would mark them
+# NotReady and taint them unreachable, the taint-eviction controller would then delete their
+# pods, and the TTL controller would annotate every Node (each a watch event for the agents).
+CONTROLLERS = ("*", "bootstrap-signer-controller", "token-cleaner-controller",
+               "-node-lifecycle-controller", "-taint-eviction-controller", "-ttl-controller")
 
 
 class ControlPlaneError(RuntimeError):
@@ -135,6 +152,8 @@ class _PKI:
         ca = _cert(self._ca_name, self._ca_key, self._ca_name, self._ca_key, ca=True)
         self.ca = root / "ca.crt"
         self.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+        self.ca_key = root / "ca.key"  # the controller-manager signs approved CSRs with it
+        _write_key(self.ca_key, self._ca_key)
 
         self.sa_key = root / "sa.key"
         self.sa_pub = root / "sa.pub"
@@ -152,6 +171,11 @@ class _PKI:
         )
         self.serving = self._pair("apiserver", x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]),
                                   ExtendedKeyUsageOID.SERVER_AUTH, san)
+        loopback = x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+        self.controller_manager_serving = self._pair(
+            "controller-manager", x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-controller-manager")]),
+            ExtendedKeyUsageOID.SERVER_AUTH, loopback)
 
     def client(self, ident: Identity) -> tuple[Path, Path]:
         attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, g) for g in ident.groups]
@@ -185,7 +209,7 @@ _AUDIT_POLICY = {
 def _die_with_parent() -> None:
     """Child side of Popen: be killed if the launching process dies without cleaning up.
 
-    SIGKILL, not SIGTERM: both servers would get it at once, and a terminating kube-apiserver
+    SIGKILL, not SIGTERM: every server would get it at once, and a terminating kube-apiserver
     whose etcd is already gone lingers for half a minute. The data is throwaway anyway.
     """
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -207,7 +231,7 @@ class _Proc:
 
     def start(self) -> None:
         # Own session: a terminal's Ctrl-C reaches only our process, which stops the servers in
-        # order (kube-apiserver before etcd).
+        # order (kube-controller-manager, kube-apiserver, etcd).
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True, preexec_fn=_die_with_parent)
@@ -233,10 +257,11 @@ class _Proc:
 
 
 class ControlPlane:
-    """etcd + kube-apiserver on loopback, owned by this object.
+    """etcd + kube-apiserver + kube-controller-manager on loopback, owned by this object.
 
-    ``start()`` returns once ``/readyz`` answers 200 and the ``default`` namespace exists, or
-    raises :class:`ControlPlaneError` with the failing server's log tail. ``stop()`` ends both
+    ``start()`` returns once the apiserver's ``/readyz`` answers 200, the ``default`` namespace
+    exists and the controller-manager's ``/healthz`` answers 200, or raises
+    :class:`ControlPlaneError` with the failing server's log tail. ``stop()`` ends all three
     (SIGTERM, then SIGKILL), waits for them and removes the etcd data. Safe to call twice.
     """
 
@@ -247,8 +272,10 @@ class ControlPlane:
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         self.audit_log = self.workdir / "audit.log"
+        self.controller_manager_port = free_port()
         self._etcd: _Proc | None = None
         self._apiserver: _Proc | None = None
+        self._controller_manager: _Proc | None = None
         self._kubeconfigs: dict[str, Path] = {}
         self._clients: dict[str, tuple[Path, Path]] = {}
         self._pki: _PKI | None = None
@@ -269,9 +296,10 @@ class ControlPlane:
 
     def start(self) -> None:
         etcd, apiserver = self._binary("etcd"), self._binary("kube-apiserver")
+        controller_manager = self._binary("kube-controller-manager")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._pki = _PKI(self.workdir / "pki")
-        for ident in IDENTITIES:
+        for ident in (*IDENTITIES, CONTROLLER_MANAGER):
             self._clients[ident.name] = self._pki.client(ident)
             self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
         policy = self.workdir / "audit-policy.yaml"
@@ -294,12 +322,31 @@ class ControlPlane:
             f"--service-account-issuer={ISSUER}", f"--service-account-key-file={self._pki.sa_pub}",
             f"--service-account-signing-key-file={self._pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # No controller-manager runs, so nothing creates the `default` ServiceAccount that
-            # this admission plugin would insist on for every pod.
+            # The controller-manager creates each namespace's `default` ServiceAccount, which
+            # this admission plugin insists on for every pod, but only a moment after the
+            # namespace: tests create pods right after their namespace.
             "--disable-admission-plugins=ServiceAccount",
             "--allow-privileged=true", "--profiling=false",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
         ], self.workdir / "kube-apiserver.log")
+        kubeconfig = self.kubeconfig(CONTROLLER_MANAGER.name)
+        self._controller_manager = _Proc("kube-controller-manager", [
+            controller_manager, "--bind-address=127.0.0.1", f"--secure-port={self.controller_manager_port}",
+            f"--tls-cert-file={self._pki.controller_manager_serving[0]}",
+            f"--tls-private-key-file={self._pki.controller_manager_serving[1]}",
+            f"--kubeconfig={kubeconfig}",
+            # who may read its /metrics: asked of the apiserver (/healthz is open to all); there
+            # is no front proxy, so no request-header CA to look up in kube-system
+            f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
+            f"--client-ca-file={self._pki.ca}", "--authentication-skip-lookup=true",
+            f"--controllers={','.join(CONTROLLERS)}",
+            # each controller acts as its own ServiceAccount in kube-system, with the rights the
+            # bootstrap policy gives it, as in a real cluster
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={self._pki.sa_key}", f"--root-ca-file={self._pki.ca}",
+            f"--cluster-signing-cert-file={self._pki.ca}", f"--cluster-signing-key-file={self._pki.ca_key}",
+            "--leader-elect=false", "--profiling=false",
+        ], self.workdir / "kube-controller-manager.log")
         try:
             self._etcd.start()
             self._wait(self._etcd, f"http://127.0.0.1:{client}/readyz", None)
@@ -309,28 +356,38 @@ class ControlPlane:
             raise
 
     def start_apiserver(self) -> None:
-        """(Re)start kube-apiserver on the same port and wait until it is ready."""
-        assert self._apiserver is not None, "start() first"
+        """(Re)start kube-apiserver on the same port and wait until it is ready, then the
+        controller-manager."""
+        assert self._apiserver is not None and self._controller_manager is not None, "start() first"
         self._apiserver.start()
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         ctx.load_cert_chain(*self._clients["admin"])
         self._wait(self._apiserver, f"{self.url}/readyz", ctx)
         self._wait(self._apiserver, f"{self.url}/api/v1/namespaces/default", ctx)
+        self._controller_manager.start()
+        self._wait(self._controller_manager, f"https://127.0.0.1:{self.controller_manager_port}/healthz",
+                   ssl.create_default_context(cafile=str(self.ca_file)))
 
     def stop_apiserver(self) -> None:
-        """Stop kube-apiserver only (etcd keeps the data): clients see the API go away."""
-        if self._apiserver is not None:
-            self._apiserver.stop()
+        """Stop kube-apiserver (etcd keeps the data): clients see the API go away.
+
+        The controller-manager stops first and comes back with the API in ``start_apiserver()``:
+        it exits when it loses the API while it is still starting its controllers, and its
+        requests in flight can hold the apiserver's shutdown up until the kill.
+        """
+        for proc in (self._controller_manager, self._apiserver):
+            if proc is not None:
+                proc.stop()
 
     def stop(self) -> None:
-        for proc in (self._apiserver, self._etcd):
+        for proc in (self._controller_manager, self._apiserver, self._etcd):
             if proc is not None:
                 proc.stop()
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
 
     def check_running(self) -> None:
-        """Raise :class:`ControlPlaneError` if etcd or kube-apiserver has exited."""
-        for proc in (self._etcd, self._apiserver):
+        """Raise :class:`ControlPlaneError` if one of the servers has exited."""
+        for proc in (self._etcd, self._apiserver, self._controller_manager):
             if proc is not None and proc.exited():
                 raise proc.failure("exited")
 
@@ -388,12 +445,12 @@ class ControlPlane:
 
 
 def main(argv: list[str] | None = None) -> int:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     p = argparse.ArgumentParser(
         prog="python -m accelnode.testing.devcluster",
-        description="Run a local etcd + kube-apiserver in the foreground until Ctrl-C.")
+        description="Run a local etcd + kube-apiserver + kube-controller-manager in the foreground until Ctrl-C.")
     p.add_argument("--tools-bin", type=Path, default=Path(os.environ.get("ACCELNODE_TOOLS_BIN", root / ".tools/bin")),
-                   help="where etcd and kube-apiserver are (default: .tools/bin)")
+                   help="where etcd, kube-apiserver and kube-controller-manager are (default: .tools/bin)")
     p.add_argument("--dir", type=Path, help="work directory (default: a new temporary directory, removed at exit)")
     args = p.parse_args(argv)
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="accelnode-cluster-"))
@@ -421,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
 Kubeconfigs for the component identities (RBAC applies to them):""")
         for ident in IDENTITIES[1:]:
             print(f"  {ident.name:14} {cp.kubeconfig(ident.name)}  ({ident.user})")
-        print(f"Logs: {workdir}/kube-apiserver.log, {workdir}/etcd.log, audit {cp.audit_log}\nCtrl-C stops it.",
-              flush=True)
+        print(f"Logs: {workdir}/kube-apiserver.log, {workdir}/kube-controller-manager.log, {workdir}/etcd.log, "
+              f"audit {cp.audit_log}\nCtrl-C stops it.", flush=True)
         while stop["signal"] is None:
             cp.check_running()
             time.sleep(0.5)

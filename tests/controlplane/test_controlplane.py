@@ -1,4 +1,5 @@
-"""The test control plane itself: a real etcd + kube-apiserver that kubectl and the Python
+"""The test control plane itself: a real etcd + kube-apiserver (and kube-controller-manager:
+test_controllers.py) that kubectl and the Python
 client can use, with the identities, token signing and audit log other tests rely on."""
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def test_apiserver_restart_keeps_data(control_plane, kube_api, kube_namespace):
     finally:
         control_plane.start_apiserver()
     assert core.read_namespaced_config_map("survivor", kube_namespace).metadata.name == "survivor"
+    control_plane.check_running()  # the controller-manager rode out the outage
 
 
 def test_startup_failure_reports_the_log_tail(control_plane, tmp_path):
@@ -108,6 +110,20 @@ def test_startup_failure_reports_the_log_tail(control_plane, tmp_path):
             cp.start()
     assert "kube-apiserver exited during startup" in str(err.value)
     assert "address already in use" in str(err.value)
+    assert not (tmp_path / "etcd").exists(), "etcd data must be removed after a failed start"
+
+
+def test_controller_manager_startup_failure_reports_its_log_tail(control_plane, tmp_path):
+    cp = ControlPlane(tmp_path, TOOLS_BIN, start_timeout=60)
+    with socket.socket() as squatter:  # its port is taken: it must fail, say why, and stop the rest
+        squatter.bind(("127.0.0.1", cp.controller_manager_port))
+        squatter.listen()
+        with pytest.raises(ControlPlaneError) as err:
+            cp.start()
+    assert "kube-controller-manager exited during startup" in str(err.value)
+    assert "address already in use" in str(err.value)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", cp.port)) != 0, "kube-apiserver still listening"
     assert not (tmp_path / "etcd").exists(), "etcd data must be removed after a failed start"
 
 

@@ -1,5 +1,5 @@
 """`make cluster` (python -m accelnode.testing.devcluster): starts in the foreground, prints how to use
-it, and Ctrl-C stops both servers and removes its temporary directory."""
+it, and Ctrl-C stops the servers and removes its temporary directory."""
 
 from __future__ import annotations
 
