@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
@@ -50,6 +50,7 @@ VALIDATE_CLUSTERGKMCACHE = "/validate-gkm-io-v1alpha1-clustergkmcache"
 
 SSR_PATH = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
 RESOLVE_BUDGET = 10.0  # seconds one admission waits for the registry (the webhooks' timeoutSeconds is 15)
+MAX_LOOKUPS = 16  # distinct images being resolved at once; beyond, an admission does not wait
 
 Resolve = Callable[[str], Pin]
 
@@ -205,7 +206,7 @@ def check_pin(obj, old, resolve: Resolve) -> str | None:
 # -- the controller's identity ---------------------------------------------------------------------
 
 
-def whoami(client, timeout: float = 10.0) -> str:
+def whoami(client, timeout: float = 5.0) -> str:
     """The username the API server knows ``client`` by (a SelfSubjectReview, which every
     authenticated user may create)."""
     out = client.request("POST", SSR_PATH, timeout=timeout,
@@ -219,7 +220,7 @@ def whoami(client, timeout: float = 10.0) -> str:
 class ControllerIdentity:
     """The controller's username, looked up once (``lookup()``, a SelfSubjectReview); while it
     is unknown (the API server did not answer), a request is treated as anyone's and the lookup
-    is tried again, at most every ``retry`` seconds."""
+    is tried again, at most every ``retry`` seconds and by one request at a time."""
 
     def __init__(self, lookup: Callable[[], str], *, retry: float = 5.0):
         self._lookup, self.retry = lookup, retry
@@ -240,7 +241,9 @@ class ControllerIdentity:
     def username(self) -> str | None:
         if self._name is not None:
             return self._name
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return None  # another request is asking right now: never queue admissions behind it
+        try:
             now = time.monotonic()
             if self._name is None and (self._tried is None or now - self._tried >= self.retry):
                 self._tried = now
@@ -252,6 +255,8 @@ class ControllerIdentity:
                 else:
                     log.info("controller identity", extra=kv(username=self._name))
             return self._name
+        finally:
+            self._lock.release()
 
 
 def request_user(request: dict) -> str | None:
@@ -264,14 +269,17 @@ def request_user(request: dict) -> str | None:
 
 
 class CacheHooks:
-    """The four webhooks over one Resolver and one identity. Registry calls are bounded by
-    ``budget`` seconds per admission (a resolution still running afterwards completes in the
-    background and lands in the Resolver's cache, for the reconciler or the next admission)."""
+    """The four webhooks over one Resolver and one identity. An admission waits for the registry
+    at most ``budget`` seconds; the lookup runs in a daemon thread of its own (one per image,
+    shared by concurrent admissions of that image, at most ``max_lookups`` at once) and, if it
+    finishes later, its answer lands in the Resolver's cache for the reconciler or the next
+    admission. A stuck registry never holds the process at exit."""
 
     def __init__(self, resolver: Resolver, identity: ControllerIdentity, *, budget: float = RESOLVE_BUDGET,
-                 workers: int = 4):
-        self.resolver, self.identity, self.budget = resolver, identity, budget
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-pin")
+                 max_lookups: int = MAX_LOOKUPS):
+        self.resolver, self.identity, self.budget, self.max_lookups = resolver, identity, budget, max_lookups
+        self._lock = threading.Lock()
+        self._lookups: dict[str, Future] = {}
 
     def routes(self) -> dict[str, Handler]:
         return {MUTATE_GKMCACHE: self.mutate, MUTATE_CLUSTERGKMCACHE: self.mutate,
@@ -279,7 +287,13 @@ class CacheHooks:
 
     def resolve(self, image: str) -> Pin:
         """The Resolver's pin for ``image`` within the budget, else :class:`Unpinned`."""
-        future = self._pool.submit(self.resolver.pin, image)
+        with self._lock:
+            future = self._lookups.get(image)
+            if future is None:
+                if len(self._lookups) >= self.max_lookups:
+                    raise Unpinned(f"{len(self._lookups)} registry lookups are already under way")
+                future = self._lookups[image] = Future()
+                threading.Thread(target=self._lookup, args=(image, future), name="cache-pin", daemon=True).start()
         try:
             return future.result(timeout=self.budget)
         except FutureTimeout:
@@ -294,6 +308,15 @@ class CacheHooks:
             raise  # image_of() checked the reference first: this is a bug, not the registry
         except ImageError as e:
             raise Unpinned(f"the registry's answer was refused ({type(e).__name__})", str(e)) from None
+
+    def _lookup(self, image: str, future: Future) -> None:
+        try:
+            future.set_result(self.resolver.pin(image))
+        except BaseException as e:  # handed to every waiting admission
+            future.set_exception(e)
+        finally:
+            with self._lock:
+                self._lookups.pop(image, None)
 
     def _is_controller(self, request: dict) -> bool:
         user = request_user(request)
@@ -344,7 +367,7 @@ class CacheHooks:
             raise
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: lookups still running are daemon threads that end on their own."""
 
 
 def routes(resolver: Resolver, identity: ControllerIdentity, *, budget: float = RESOLVE_BUDGET) -> dict[str, Handler]:

@@ -285,19 +285,24 @@ def test_other_operations_and_odd_user_info_are_handled(hooks):
 
 def test_the_registry_budget_bounds_an_admission():
     release = threading.Event()
+    calls = []
 
     class Stuck:
         def pin(self, image):
+            calls.append(image)
             release.wait(30)
             raise RegistryUnavailable("late", image)
 
-    h = CacheHooks(Stuck(), ControllerIdentity.fixed(CONTROLLER), budget=0.2)
+    h = CacheHooks(Stuck(), ControllerIdentity.fixed(CONTROLLER), budget=0.2, max_lookups=1)
     try:
         with pytest.raises(Unpinned, match="did not answer within 0.2s"):
             h.resolve(IMAGE)
-        resp = h.mutate(review(cache(annotations={D: B})))
+        resp = h.mutate(review(cache(annotations={D: B})))  # waits on the same lookup
         assert resp.allowed and resp.warnings and resp.patch == [
             {"op": "remove", "path": "/metadata/annotations/gkm.io~1resolvedDigest"}]
+        with pytest.raises(Unpinned, match="already under way"):  # over max_lookups: no wait at all
+            h.resolve(IMAGE.replace(":v1", ":v2"))
+        assert calls == [IMAGE]  # one registry lookup however many admissions wait for it
     finally:
         release.set()
         h.close()
