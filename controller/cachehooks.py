@@ -311,12 +311,15 @@ class CacheHooks:
 
     def _lookup(self, image: str, future: Future) -> None:
         try:
-            future.set_result(self.resolver.pin(image))
+            pin, error = self.resolver.pin(image), None
         except BaseException as e:  # handed to every waiting admission
-            future.set_exception(e)
-        finally:
-            with self._lock:
-                self._lookups.pop(image, None)
+            pin, error = None, e
+        with self._lock:  # done before answering: an admission after this one asks the Resolver afresh
+            self._lookups.pop(image, None)
+        if error is None:
+            future.set_result(pin)
+        else:
+            future.set_exception(error)
 
     def _is_controller(self, request: dict) -> bool:
         user = request_user(request)
