@@ -13,6 +13,7 @@ import argparse
 
 from accelnode import cli as acli
 from accelnode import exitcodes
+from accelnode.oci.flags import add_registry_flags
 
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 DEFAULT_NAMESPACE = "accelnode-system"
@@ -55,6 +56,8 @@ def register(sub) -> None:
                    help="serving certificate of the webhooks (PEM, reloaded when it changes); without it and "
                         "--tls-key-file no webhook is served")
     g.add_argument("--tls-key-file", metavar="FILE", help="the serving certificate's private key (PEM)")
+    add_registry_flags(p.add_argument_group("registry (resolving kernel-cache images to digests)"),
+                       timeout_flag="--registry-timeout")
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
@@ -86,10 +89,14 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.httpserve import MetricsServer
     from accelnode.kube.client import Client, Config
     from accelnode.log import kv
+    from accelnode.oci.flags import registry_options
 
     from .admission import AdmissionServer
+    from .cachehooks import ControllerIdentity
+    from .cachehooks import routes as cache_routes
     from .leader import LeaderElector, Timing
     from .manager import RECONCILERS, Manager
+    from .pinning import Resolver
 
     log = logging.getLogger("accelnode.controller")
     timing = Timing(args.lease_duration, args.renew_deadline, args.retry_period)
@@ -109,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
 
+    resolver = Resolver(registry_options(args))  # one per process: webhooks and reconcilers share its answers
     registry = CollectorRegistry()
     manager = Manager(client, [factory(client) for factory in RECONCILERS], registry, workers=args.workers,
                       resync=args.resync)
@@ -130,8 +138,11 @@ def run(args: argparse.Namespace) -> int:
     metrics = MetricsServer(args.metrics_address, registry, ready).start()
     webhooks = None
     if args.tls_cert_file:
+        ident = ControllerIdentity.of(client)
+        ident.username()  # learn it now (logged); retried on the first requests if the API server is not up yet
         try:
-            webhooks = AdmissionServer(args.webhook_address, args.tls_cert_file, args.tls_key_file, {}).start()
+            webhooks = AdmissionServer(args.webhook_address, args.tls_cert_file, args.tls_key_file,
+                                       cache_routes(resolver, ident)).start()
         except BaseException:
             metrics.stop()
             raise
