@@ -57,7 +57,8 @@ def register(sub) -> None:
                         "--tls-key-file no webhook is served")
     g.add_argument("--tls-key-file", metavar="FILE", help="the serving certificate's private key (PEM)")
     add_registry_flags(p.add_argument_group("registry (resolving kernel-cache images to digests)"),
-                       timeout_flag="--registry-timeout")
+                       timeout_flag="--registry-timeout", timeout=30.0,
+                       timeout_help="deadline of resolving one image to its digest (manifests and configs, no layers)")
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
     resolver = Resolver(registry_options(args))  # one per process: webhooks and reconcilers share its answers
     registry = CollectorRegistry()
-    manager = Manager(client, [factory(client) for factory in RECONCILERS], registry, workers=args.workers,
+    manager = Manager(client, [factory(client, resolver) for factory in RECONCILERS], registry, workers=args.workers,
                       resync=args.resync)
     elector = LeaderElector(client, namespace, args.lease_name, identity, timing, on_started_leading=manager.start)
     Gauge("accelnode_controller_leader", "1 while this replica holds the leader Lease",

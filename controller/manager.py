@@ -1,7 +1,8 @@
 """The reconcilers this process runs, and running them only while it leads.
 
-:data:`RECONCILERS` lists a factory per reconciler (``factory(client) -> Reconciler``); none is
-registered yet (the GKMCache, TPU node group and env-injection work builds on this core).
+:data:`RECONCILERS` lists a factory per reconciler (``factory(client, resolver) -> Reconciler``;
+``resolver`` is the process's :class:`controller.pinning.Resolver`, shared with the admission
+webhooks so an image resolved at admission is not asked of the registry again).
 :class:`Manager` starts one :class:`~controller.core.Controller` per reconciler when this
 process becomes leader and stops them all on shutdown; a process that loses leadership exits
 instead (``accelnode controller``), so nothing here ever restarts a controller.
@@ -18,12 +19,14 @@ from prometheus_client import CollectorRegistry
 from accelnode.kube.client import Client
 from accelnode.log import kv
 
+from .caches import clustergkmcache_reconciler, gkmcache_reconciler
 from .core import Controller, Metrics
+from .pinning import Resolver
 from .reconciler import Reconciler
 
 log = logging.getLogger("accelnode.controller")
 
-RECONCILERS: list[Callable[[Client], Reconciler]] = []
+RECONCILERS: list[Callable[[Client, Resolver], Reconciler]] = [gkmcache_reconciler, clustergkmcache_reconciler]
 
 
 class Manager:
