@@ -17,6 +17,8 @@ from tests.agent.conftest import eventually
 
 COUNT = "test.accelnode.io/configmaps"
 
+OURS = "accelnode-test=counted"
+
 
 class ConfigMapCounter(Reconciler):
     """Counts the ConfigMaps of one namespace into an annotation of its ``summary`` ConfigMap,
@@ -27,7 +29,8 @@ class ConfigMapCounter(Reconciler):
     def __init__(self, client: Client, namespace: str):
         self.client = client
         self.path = f"/api/v1/namespaces/{namespace}/configmaps"
-        self.watches = [Watch(self.path, keys=lambda obj: [f"{namespace}/summary"])]
+        # only the test's own ConfigMaps: kube-controller-manager adds kube-root-ca.crt to every namespace
+        self.watches = [Watch(self.path, query={"labelSelector": OURS}, keys=lambda obj: [f"{namespace}/summary"])]
         self.writes = 0
         self.calls = 0
 
@@ -51,7 +54,8 @@ def sample(registry, name, **labels) -> float:
 
 
 def make_cm(admin, ns, name):
-    admin.request("POST", f"/api/v1/namespaces/{ns}/configmaps", body={"metadata": {"name": name}, "data": {}})
+    admin.request("POST", f"/api/v1/namespaces/{ns}/configmaps",
+                  body={"metadata": {"name": name, "labels": {"accelnode-test": "counted"}}, "data": {}})
 
 
 def test_watch_driven_reconcile_writes_only_when_something_changed(admin, kube_namespace):
