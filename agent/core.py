@@ -281,6 +281,20 @@ class Agent:
             self.on_change()
         return held
 
+    def collect(self, digests: set[str]) -> list[str]:
+        """Remove these installed digests from the store unless a volume holds one (checked by the
+        store under its lock, and under ours so no reference is taken meanwhile) or a pull of it
+        runs. Returns the digests removed."""
+        if not digests:
+            return []
+        with self._lock:
+            removed = self.store.gc(only=set(digests))
+            for d in removed:
+                self._ready.pop(d, None)
+        if removed:
+            self.on_change()
+        return removed
+
     # -- listing -------------------------------------------------------------------------
 
     def caches(self) -> list[CacheInfo]:

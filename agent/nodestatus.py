@@ -203,3 +203,13 @@ def _counts(caches: dict, deleting_pods: set) -> dict:
     return {"nodeCnt": 1, "nodeInUseCnt": int(in_use),
             "nodeNotInUseCnt": int(not in_use and "Extracted" in states), "nodeErrorCnt": int("Error" in states),
             "podRunningCnt": pods("Running"), "podOutdatedCnt": pods("Outdated"), "podDeletingCnt": len(deleting)}
+
+
+def rolled_off(local: Local, caches: list[Cache], seen: set[str]) -> set[str]:
+    """Installed digests a cache used to name and none names now, that no volume holds and no
+    pull is refreshing: what a roll (or a deleted cache) leaves behind once its last pod is gone.
+    ``seen`` holds every installed digest some cache has named (a digest that only a pod's own
+    image attribute or the operator's ``accelnode cache pull`` brought is never collected here)."""
+    current = {m for c in caches if c.digest for m in (local.manifest_of(c.digest),) if m is not None}
+    return {d for d, info in local.installed.items()
+            if d in seen and d not in current and not info["refs"] and d not in local.pulling}

@@ -30,7 +30,7 @@ from accelnode.log import kv
 from accelnode.oci.manifest import inspect
 
 from . import core
-from .nodestatus import CLUSTER, GROUP, HOSTNAME_LABEL, VERSION, Cache, Local, node_statuses, wanted
+from .nodestatus import CLUSTER, GROUP, HOSTNAME_LABEL, VERSION, Cache, Local, node_statuses, rolled_off, wanted
 from .prefetch import Prefetcher
 
 log = logging.getLogger("accelnode.agent.status")
@@ -63,7 +63,7 @@ class Reporter:
     CONFLICT_ATTEMPTS = 3
 
     def __init__(self, client: Client, node: str, accelerators, view, prefetch, *, resync: float = 2.0,
-                 inspect=None):
+                 inspect=None, collect=None):
         self.client, self.node, self.accelerators = client, node, list(accelerators)
         self.view, self.resync = view, resync
         self.writes = Writes()
@@ -81,6 +81,8 @@ class Reporter:
         # touched by the reconcile thread only
         self._written: dict[str, _Written] | None = None  # None until read back from the API
         self._history: dict = {}
+        self._seen: set[str] = set()  # installed digests some cache has named (candidates after a roll)
+        self._collect = collect  # collect(digests) removes rolled-off digests from the store; None: never
         self.prefetcher = Prefetcher(prefetch, self.accelerators, inspect, on_done=poke)
         self._threads: list[threading.Thread] = []
 
@@ -158,6 +160,7 @@ class Reporter:
         now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         desired = node_statuses(self.node, self.accelerators, caches, local, wanted_keys, self._history, deleting,
                                 {ns: w.status for ns, w in self._written.items()}, now)
+        self._collect_rolled_off(caches, local)
         for ns, status in sorted(desired.items()):
             w = self._written.get(ns)
             if w is not None and w.status == status:
@@ -166,6 +169,16 @@ class Reporter:
                 continue  # no object for a namespace with nothing to report
             self._write(ns, status, node.get("uid"))
         self.writes.passes += 1
+
+    def _collect_rolled_off(self, caches: list[Cache], local: Local) -> None:
+        """A roll's old digest goes from the node once no pod holds it (docs/agent-status.md)."""
+        self._seen.update(m for c in caches if c.digest for m in (local.manifest_of(c.digest),) if m is not None)
+        self._seen.intersection_update(local.installed)
+        garbage = rolled_off(local, caches, self._seen)
+        if garbage and self._collect is not None:
+            for d in self._collect(garbage):
+                log.info("rolled-off cache removed", extra=kv(node=self.node, digest=d))
+                self._seen.discard(d)
 
     # -- API -----------------------------------------------------------------------------------
 
@@ -187,6 +200,7 @@ class Reporter:
             found[ns] = _Written(status, md["resourceVersion"])
             for name, by_digest in (status.get("caches") or {}).items():
                 self._history.setdefault((ns, name), set()).update(by_digest)
+                self._seen.update(by_digest)  # what this node reported before a restart
         return found
 
     def _get(self, ns: str) -> dict | None:
@@ -305,4 +319,4 @@ def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: f
     options = agent.store.options
     return Reporter(Client(config), node, agent.accelerators, lambda: local_view(agent),
                     lambda image: agent.ensure_until_done(image, pull_timeout), resync=resync,
-                    inspect=lambda image: inspect(image, options))
+                    inspect=lambda image: inspect(image, options), collect=agent.collect)

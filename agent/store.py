@@ -314,13 +314,14 @@ class CacheStore:
                     problems.append(f"{d}: {path}: {what} changed")
         return problems
 
-    def gc(self, max_bytes: int | None = None) -> list[str]:
+    def gc(self, max_bytes: int | None = None, *, only: set[str] | None = None) -> list[str]:
         """Remove unreferenced caches, least recently used first, until at most ``max_bytes``
-        remain (all unreferenced ones when ``max_bytes`` is None). Returns digests removed."""
+        remain (all unreferenced ones when ``max_bytes`` is None); with ``only``, none but those
+        digests. A cache being pulled is skipped. Returns digests removed."""
         removed, trash = [], []
         with self._store_lock():
             referenced = {r["digest"] for r in self.references().values()}
-            caches = self.list()
+            caches = [i for i in self.list() if only is None or i.digest in only]
             total = sum(i.size_bytes for i in caches)
             for inst in sorted(caches, key=lambda i: self._dir(i.digest).stat().st_mtime):
                 if max_bytes is not None and total <= max_bytes:

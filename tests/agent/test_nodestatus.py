@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from accelnode.hw.accelerators import Accelerator
-from agent.nodestatus import CLUSTER, Cache, Local, gpus, node_statuses, uses, wanted
+from agent.nodestatus import CLUSTER, Cache, Local, gpus, node_statuses, rolled_off, uses, wanted
 
 REPO = "registry.example.com/caches/jax"
 NODE = "node-1"
@@ -411,3 +411,39 @@ def test_namespace_with_nothing_left_stays_listed_empty():
     out = statuses([], previous=first)
     assert out["team-a"] == {"nodeName": NODE, "gpus": [{"gpuType": "tpu/v5e", "ids": [0, 1, 2, 3]}],
                              "counts": NO_COUNTS, "caches": {}}
+
+
+# ---------------------------------------------------------------------------------------------
+# rolled_off: what a roll leaves behind
+
+
+def test_rolled_off_is_an_unheld_digest_no_cache_names_any_more():
+    view = local({**inst(digest=D1), **inst(digest=D2)})
+    assert rolled_off(view, [cache(digest=D2)], seen={D1, D2}) == {D1}
+
+
+def test_rolled_off_keeps_a_digest_a_pod_still_holds():
+    view = local({**inst(ref("p0"), digest=D1), **inst(digest=D2)})
+    assert rolled_off(view, [cache(digest=D2)], seen={D1, D2}) == set()
+
+
+def test_rolled_off_keeps_what_no_cache_ever_named():
+    """Pulled for a pod's own image attribute or by the operator: not the roll's to remove."""
+    view = local({**inst(digest=D1), **inst(digest=D2)})
+    assert rolled_off(view, [cache(digest=D2)], seen={D2}) == set()
+
+
+def test_rolled_off_keeps_a_digest_another_cache_still_names():
+    view = local({**inst(digest=D1), **inst(digest=D2)})
+    caches = [cache("c1", digest=D2), cache("c2", namespace="other", digest=D1)]
+    assert rolled_off(view, caches, seen={D1, D2}) == set()
+
+
+def test_rolled_off_keeps_the_manifest_a_current_index_resolved_to():
+    view = local(inst(image=f"{REPO}@{INDEX}", digest=D1))
+    assert rolled_off(view, [cache(digest=INDEX)], seen={D1}) == set()
+
+
+def test_rolled_off_of_a_deleted_cache_and_never_while_pulling():
+    view = local({**inst(digest=D1), **inst(digest=D3)}, pulling={D3})
+    assert rolled_off(view, [], seen={D1, D3}) == {D1}

@@ -152,3 +152,50 @@ def test_a_reference_without_a_cache_falls_back_to_the_namespace(cluster, node_f
     node.acquire("vol-old", d, ns, "old-driver-pod")
     assert entry_in("Running", cluster, node.name, None, shared, d)
     assert entry_in("Running", cluster, node.name, ns, "local", d)
+
+
+def test_a_roll_removes_the_old_digest_from_the_node_once_its_last_pod_is_gone(cluster, node_factory, registry,
+                                                                                 tmp_path, kube_namespace):
+    """Rolled caches do not pile up on nodes: the old digest stays while a pod runs on it
+    (Outdated), and goes from the store when that pod is gone; the new one stays."""
+    from tests.agent.conftest import make_cache
+
+    ns = kube_namespace
+    v5e = [{"backend": "tpu", "arch": "v5e"}]
+    old, new = (registry.push(make_cache(tmp_path / v, {"xla/m.bin": v.encode() * 3000}), f"roll/{ns}", tag=v,
+                              kind="jax", targets=v5e) for v in ("v1", "v2"))
+    node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
+    cluster.cache("rolling", old, namespace=ns)
+    d1, d2 = digest_of(old), digest_of(new)
+    node.ensure(old)
+    node.acquire("vol-r", d1, ns, "runner-0")
+    assert entry_in("Running", cluster, node.name, ns, "rolling", d1)
+
+    cluster.set_image(ns, "rolling", new)
+    assert entry_in("Outdated", cluster, node.name, ns, "rolling", d1)
+    node.ensure(new)
+    assert entry_in("Extracted", cluster, node.name, ns, "rolling", d2)
+    assert node.store.installed(d1) is not None, "a pod still runs on the old digest"
+
+    node.release("vol-r")
+    assert eventually(lambda: node.store.installed(d1) is None)
+    assert node.store.installed(d2) is not None
+    assert eventually(lambda: list(cluster.node_status(node.name, ns)["caches"]["rolling"]) == [d2])
+
+
+def test_a_digest_no_cache_named_is_never_collected(cluster, node_factory, registry, tmp_path, kube_namespace):
+    """What a pod's own image attribute or the operator brought is not a roll's leftover."""
+    from tests.agent.conftest import make_cache
+
+    ns = kube_namespace
+    v5e = [{"backend": "tpu", "arch": "v5e"}]
+    named, stray = (registry.push(make_cache(tmp_path / v, {"xla/m.bin": v.encode() * 3000}), f"stray/{ns}",
+                                  tag=v, kind="jax", targets=v5e) for v in ("named", "stray"))
+    node = node_factory(labels={}).start()
+    cluster.cache("named", named, namespace=ns)
+    node.ensure(stray)
+    node.ensure(named)
+    assert entry_in("Extracted", cluster, node.name, ns, "named", digest_of(named))
+    cluster.objs.delete_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", "named")
+    assert eventually(lambda: node.store.installed(digest_of(named)) is None)  # a deleted cache's digest goes
+    assert node.store.installed(digest_of(stray)) is not None
