@@ -54,14 +54,16 @@ def run(args: argparse.Namespace) -> int:
     sock = Path(args.socket)
     if not sock.parent.is_dir():
         raise exitcodes.CLIError(f"socket directory {sock.parent} does not exist", exitcodes.PREREQUISITE)
-    store = CacheStore(args.store, registry=registry_options(args))
+    options = registry_options(args)
+    store = CacheStore(args.store, registry=options)
     registry = CollectorRegistry()
     agent = core.Agent(store, accelerators.detect(args.sysfs_root, args.dev_root), core.Metrics(registry))
     metrics = MetricsServer(args.metrics_address, registry, lambda: (True, "")).start()
     server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(service.AgentService(agent), s),
                                  max_workers=32)
     log.info("agent serving", extra=kv(socket=str(sock), store=args.store,
-                                       accelerators=[str(a) for a in agent.accelerators]))
+                                       accelerators=[str(a) for a in agent.accelerators],
+                                       **({"mirrors": dict(options.mirrors)} if options.mirrors else {})))
     reporter = None
     if args.node_name:
         try:

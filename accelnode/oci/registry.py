@@ -12,7 +12,10 @@ Blobs are streamed through :class:`BlobStream`, which verifies size and digest w
 flow and resumes a cut connection with an HTTP range request. Every read returns what one
 ``recv`` brought, so a server that drips bytes cannot hold a pull past its deadline. Redirects
 (blob storage on another host) are followed by requests, which drops our Authorization header
-whenever the host, port or scheme changes.
+whenever the host, port or scheme changes. A registry host with a mirror
+(:attr:`RegistryOptions.mirrors`) is talked to only at its mirror's endpoint, under the image's
+own name: the same repository paths and digest checks, credentials for the mirror first and then
+for the original host, and no fallback to the original host (docs/registries.md).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import hashlib
 import logging
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import oras.auth
 import oras.auth.utils
@@ -33,6 +38,7 @@ from accelnode.log import kv
 
 from .credentials import docker_credentials
 from .errors import AuthError, ImageNotFound, IntegrityError, RegistryUnavailable
+from .mirrors import check_mirrors, registry_host
 from .reference import Reference, check_digest
 
 log = logging.getLogger("accelnode.oci.registry")
@@ -65,6 +71,16 @@ class RegistryOptions:
     config_file: str | None = None  # Docker config JSON with credentials
     anonymous: bool = False  # send no credentials at all: neither config_file nor ~/.docker/config.json
     timeout: float = 1800.0  # total deadline of one pull or push, seconds
+    # registry host as images name it (quay.io, registry.example.com:5000) -> mirror HOST[:PORT]
+    # that every request for its images goes to; checked and normalised on creation (ValueError)
+    mirrors: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "mirrors", MappingProxyType(check_mirrors(self.mirrors)))
+
+    def endpoint(self, host: str) -> str:
+        """Where requests for images on registry ``host`` go: its mirror, else ``host`` itself."""
+        return self.mirrors.get(registry_host(host), host)
 
 
 class Deadline:
@@ -125,14 +141,27 @@ class _Backoff:
 
 
 class Registry:
-    """Requests against one registry host with a deadline, auth and retries."""
+    """Requests for the images of one registry host with a deadline, auth and retries. They go
+    to ``endpoint``: the host's mirror when the options give one, else the host itself."""
 
     def __init__(self, host: str, options: RegistryOptions, deadline: Deadline | None = None):
-        self.host = host
+        self.host = host  # as the image names it
+        self.endpoint = options.endpoint(host)  # what is contacted
+        self.mirrored = self.endpoint != host
         self.options = options
         self.deadline = deadline or Deadline(options.timeout)
         self.scheme = "http" if options.plain_http else "https"
         self._oras: oras.provider.Registry | None = None
+
+    @property
+    def server(self) -> str:
+        """The server contacted, as messages name it."""
+        return f"mirror {self.endpoint} of {self.host}" if self.mirrored else f"registry {self.host}"
+
+    @property
+    def through(self) -> str:
+        """What an error message about a request adds: the mirror it went to, if any."""
+        return f" (through mirror {self.endpoint})" if self.mirrored else ""
 
     # -- connection and auth -------------------------------------------------------------
 
@@ -140,27 +169,38 @@ class Registry:
         """Ping /v2/ once and pick the oras-py auth backend the registry's challenge asks for."""
         if self._oras is not None:
             return self._oras
-        url = f"{self.scheme}://{self.host}/v2/"
+        url = f"{self.scheme}://{self.endpoint}/v2/"
         resp = self._send(requests.Session(), "GET", url, image, "contacting the registry", {})
         challenge = resp.headers.get("Www-Authenticate", "")
         backend = "basic" if resp.status_code == 401 and challenge.lower().startswith("basic") else "token"
-        client = oras.provider.Registry(hostname=self.host, insecure=self.options.plain_http, auth_backend=backend)
+        client = oras.provider.Registry(hostname=self.endpoint, insecure=self.options.plain_http,
+                                        auth_backend=backend)
         session = _Session()
         session.deadline = self.deadline
         session.cookies.set_policy(client.session.cookies.get_policy())
         client.session = client.auth.session = session
-        creds = None if self.options.anonymous else docker_credentials(self.host, self.options.config_file, image)
+        creds = None if self.options.anonymous else self._credentials(image)
         if creds is not None:
             client.auth.set_basic_auth(*creds)
         elif backend == "basic" and self.options.anonymous:
-            raise AuthError(f"registry {self.host} requires credentials and this pull is anonymous (sends none)",
+            raise AuthError(f"{self.server} requires credentials and this pull is anonymous (sends none)",
                             image)
         elif backend == "basic":
-            raise AuthError(f"registry {self.host} requires credentials and none were found"
+            raise AuthError(f"{self.server} requires credentials and none were found"
+                            + (f" under {self.endpoint} or {self.host}" if self.mirrored else "")
                             + (f" in {self.options.config_file}" if self.options.config_file
                                else " (use --registry-config)"), image)
         self._oras = client
         return client
+
+    def _credentials(self, image: str) -> tuple[str, str] | None:
+        """Credentials for the endpoint; through a mirror, those kept under the mirror's own
+        name first (they are for the server that checks them), then the original host's (a pull
+        secret written for the images' registry keeps working with a mirror that accepts it)."""
+        creds = docker_credentials(self.endpoint, self.options.config_file, image)
+        if creds is None and self.mirrored:
+            creds = docker_credentials(self.host, self.options.config_file, image)
+        return creds
 
     def _send(self, session, method, url, image, doing, headers, **kw) -> requests.Response:
         """One request with retries on connection errors and retryable statuses, within the deadline."""
@@ -176,15 +216,16 @@ class Registry:
             except requests.RequestException as e:
                 problem = _describe(e)
             if (why := backoff.give_up()) is not None:
-                raise RegistryUnavailable(f"{doing}: {problem} ({why})", image)
+                raise RegistryUnavailable(f"{doing}: {problem} ({why}){self.through}", image)
             log.info("registry request failed, retrying", extra=kv(image=image, doing=doing, problem=problem,
-                                                                  retry_in=round(backoff.delay, 2)))
+                                                                  retry_in=round(backoff.delay, 2),
+                                                                  **self._mirror_kv()))
             backoff.pause()
 
     def request(self, method: str, path: str, image: str, doing: str, *, headers=None, ok=(200,), **kw):
         """An authenticated request to ``/v2/<path>``; maps 401/403/404 to our errors."""
         client = self._client(image)
-        url = f"{self.scheme}://{self.host}/v2/{path}"
+        url = f"{self.scheme}://{self.endpoint}/v2/{path}"
         headers = dict(headers or {})
         for attempt in range(2):
             headers.update(client.auth.get_auth_header() if _has_creds(client.auth) else {})
@@ -202,11 +243,16 @@ class Registry:
             return resp
         body = resp.text[:300] if not kw.get("stream") else ""
         resp.close()
+        where = self.through
         if resp.status_code in (401, 403):
-            raise AuthError(f"{doing}: registry refused our credentials (HTTP {resp.status_code})", image)
+            raise AuthError(f"{doing}: registry refused our credentials (HTTP {resp.status_code}){where}", image)
         if resp.status_code == 404:
-            raise ImageNotFound(f"{doing}: not found in the registry (HTTP 404)", image)
-        raise RegistryUnavailable(f"{doing}: unexpected HTTP {resp.status_code}: {body.strip()}", image)
+            raise ImageNotFound(f"{doing}: not found in the registry (HTTP 404){where}", image)
+        raise RegistryUnavailable(f"{doing}: unexpected HTTP {resp.status_code}{where}: {body.strip()}", image)
+
+    def _mirror_kv(self) -> dict:
+        """The ``mirror=`` a log line about this registry adds when it goes through a mirror."""
+        return {"mirror": self.endpoint} if self.mirrored else {}
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -229,7 +275,7 @@ class Registry:
                     if len(body) > limit:
                         raise IntegrityError(f"manifest is over the {limit}-byte limit", image)
             except _NET_ERRORS as e:
-                raise RegistryUnavailable(f"{doing}: {_describe(e)}", image) from None
+                raise RegistryUnavailable(f"{doing}: {_describe(e)}{self.through}", image) from None
         body = bytes(body)
         actual = "sha256:" + hashlib.sha256(body).hexdigest()
         if want and actual != want:
@@ -358,9 +404,11 @@ class BlobStream:
                 problem = _describe(e)
             self.close()
             if (why := backoff.give_up()) is not None:
-                raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} ({why})", self.image)
+                raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} ({why})"
+                                          f"{self.registry.through}", self.image)
             log.info("blob download interrupted, resuming", extra=kv(image=self.image, digest=self.digest,
-                                                                     offset=self.offset, problem=problem))
+                                                                     offset=self.offset, problem=problem,
+                                                                     **self.registry._mirror_kv()))
             backoff.pause()
         if not data:
             self._finish()
