@@ -60,7 +60,10 @@ def apply_env(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             val = low in _TRUE
             action.default = val if isinstance(action, argparse._StoreTrueAction) else not val
         elif isinstance(action, argparse._AppendAction):
-            action.default = [action.type(v) if action.type else v for v in raw.split(",") if v]
+            try:
+                action.default = [action.type(v) if action.type else v for v in raw.split(",") if v]
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                errors.append(f"{name}={raw!r}: {e}")
         else:
             try:
                 val = action.type(raw) if action.type else raw

@@ -104,3 +104,11 @@ def test_refuses_to_replace_a_non_socket_file(tmp_path):
     with pytest.raises(FileExistsError):
         grpcutil.serve_unix(f, lambda s: None)
     assert f.read_text() == "keep me"
+
+
+def test_a_bad_value_of_a_repeatable_flag_variable_is_a_usage_error_of_its_command_only(tmp_path):
+    bad = run("cache", "build", str(tmp_path), "127.0.0.1:1/x:y", env={"ACCELNODE_TARGET": "bad"})
+    assert bad.returncode == exitcodes.USAGE
+    assert "ACCELNODE_TARGET='bad'" in bad.stderr and "Traceback" not in bad.stderr
+    other = run("cache", "inspect", "not-a-reference", env={"ACCELNODE_TARGET": "bad"})
+    assert "ACCELNODE_TARGET" not in other.stderr

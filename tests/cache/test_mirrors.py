@@ -2,8 +2,8 @@
 
 The images keep their names (``quay.io/gkm/cache-examples:...``, as examples/gkm/ writes them);
 ``--registry-mirror quay.io=127.0.0.1:PORT`` sends their requests to the local registry. Nothing
-here talks to anything but 127.0.0.1: without a mirror, quay.io does not resolve in the test
-environment and the client fails with RegistryUnavailable after its few quick attempts.
+here talks to anything but 127.0.0.1, and no test makes quay.io's name be looked up: an
+unreachable origin is a closed loopback port.
 """
 
 from __future__ import annotations
@@ -80,14 +80,16 @@ def test_store_and_resolve_in_process_keep_the_quay_name(registry, pushed, tmp_p
     assert store.verify() == [] and CacheStore(tmp_path / "store").installed(pushed).image == inst.image
 
 
-def test_without_the_mirror_quay_is_unreachable(pushed, tmp_path):
-    with pytest.raises(RegistryUnavailable, match=r"^quay\.io/gkm/cache-examples:.*contacting the registry"):
-        resolve(QUAY, RegistryOptions(plain_http=True, timeout=30))
-    proc = cache("inspect", QUAY, "--plain-http", "--timeout", "30", rc=exitcodes.UNAVAILABLE)
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"accelnode cache: {QUAY}: contacting the registry")
-    # a mirror for another host changes nothing for quay.io
-    cache("pull", QUAY, "--store", str(tmp_path / "store"), "--plain-http", "--timeout", "30",
-          "--registry-mirror", "registry.example.com:5000=127.0.0.1:1", rc=exitcodes.UNAVAILABLE)
+def test_without_a_mirror_an_unreachable_origin_fails(pushed, tmp_path):
+    """The origin stands on a closed loopback port (no name lookup, nothing leaves the machine):
+    without a mirror for it the image is unreachable, and a mirror for another host changes nothing."""
+    origin = f"127.0.0.1:{closed_port()}/gkm/cache-examples:vector-add-cache-rocm-v2"
+    with pytest.raises(RegistryUnavailable, match=r"contacting the registry"):
+        resolve(origin, RegistryOptions(plain_http=True, timeout=30))
+    proc = cache("inspect", origin, "--plain-http", "--timeout", "30", rc=exitcodes.UNAVAILABLE)
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"accelnode cache: {origin}: contacting the registry")
+    cache("pull", origin, "--store", str(tmp_path / "store"), "--plain-http", "--timeout", "30",
+          "--registry-mirror", "quay.io=127.0.0.1:1", rc=exitcodes.UNAVAILABLE)
     assert not (tmp_path / "store").exists() or CacheStore(tmp_path / "store").list() == []
 
 
