@@ -139,6 +139,10 @@ class CacheReconciler(Reconciler):
                 self._last_write.pop(key, None)
                 self._written.pop(key, None)
             return None
+        with self._lock:
+            wait = self._last_write.get(key, float("-inf")) + self.min_write_interval - time.monotonic()
+        if wait > 0:  # coalesce: one write carries what changed meanwhile; no recount of every
+            return Result(requeue_after=wait)  # node per event until then (O(nodes), not O(nodes x events))
         pin, resolved = self._pin(key, obj)
         agg = cs.aggregate(self._reports(key))
         status = cs.cache_status(obj, pin, resolved, agg, now_rfc3339())
@@ -146,10 +150,6 @@ class CacheReconciler(Reconciler):
         retry = Result(requeue=True) if resolved[0] in cs.RETRYABLE else None
         if obj.get("status") == status and ((obj.get("metadata") or {}).get("annotations") or {}) == annotations:
             return retry
-        with self._lock:
-            wait = self._last_write.get(key, float("-inf")) + self.min_write_interval - time.monotonic()
-        if wait > 0:
-            return Result(requeue_after=wait)  # coalesce: one write carries what changed meanwhile
         self._write(key, obj, status, annotations, pin)
         return retry
 
