@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     identity = args.identity or default_identity()
     try:
         config = Config.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Config.in_cluster()
-        client = Client(config, user_agent="accelnode-controller")
+        client = Client(config, user_agent="accelnode-controller", max_connections=32)  # a watch per reconciler kind
     except (ValueError, OSError) as e:
         raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
 

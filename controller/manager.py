@@ -20,13 +20,17 @@ from accelnode.kube.client import Client
 from accelnode.log import kv
 
 from .caches import clustergkmcache_reconciler, gkmcache_reconciler
+from .claims import clustergkmcache_claims_reconciler, gkmcache_claims_reconciler
 from .core import Controller, Metrics
 from .pinning import Resolver
 from .reconciler import Reconciler
 
 log = logging.getLogger("accelnode.controller")
 
-RECONCILERS: list[Callable[[Client, Resolver], Reconciler]] = [gkmcache_reconciler, clustergkmcache_reconciler]
+RECONCILERS: list[Callable[[Client, Resolver], Reconciler]] = [
+    gkmcache_reconciler, clustergkmcache_reconciler,  # pin, cluster status (docs/cache-controller.md)
+    gkmcache_claims_reconciler, clustergkmcache_claims_reconciler,  # PV/PVC per workload namespace (docs/cache-claims.md)
+]
 
 
 class Manager:

@@ -136,11 +136,14 @@ def _ssl_context(config: Config) -> ssl.SSLContext:
 class Client:
     TOKEN_TTL = 60.0  # re-read a token file this often (kubelet rotates projected tokens)
 
-    def __init__(self, config: Config, *, timeout: float = 30.0, user_agent: str = "accelnode-agent"):
+    def __init__(self, config: Config, *, timeout: float = 30.0, user_agent: str = "accelnode-agent",
+                 max_connections: int = 8):
+        """``max_connections``: kept open at once; each long-lived watch holds one."""
         self.config = config
         self.timeout = timeout
         self.user_agent = user_agent
-        self._http = urllib3.PoolManager(num_pools=2, maxsize=8, ssl_context=_ssl_context(config), retries=False)
+        self._http = urllib3.PoolManager(num_pools=2, maxsize=max_connections, ssl_context=_ssl_context(config),
+                                         retries=False)
         self._token: tuple[str, float] | None = None  # (token, monotonic time read)
 
     def _bearer(self) -> str | None:
