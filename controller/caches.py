@@ -26,7 +26,7 @@ from accelnode.oci.errors import ImageError
 from . import cachestatus as cs
 from .pinning import GROUP, VERSION, Pin, Resolver
 from .reconciler import Reconciler, Result, Watch, object_key, split_key
-from .status import update_if_changed, update_status
+from .status import ReadYourWrites, update_if_changed, update_status
 
 log = logging.getLogger("accelnode.controller")
 
@@ -108,7 +108,7 @@ class CacheReconciler(Reconciler):
         self._mentions_lock = threading.Lock()  # a reflector event and a resync may map at once
         self._lock = threading.Lock()
         self._last_write: dict[str, float] = {}  # key -> monotonic time of its last write
-        self._written: dict[str, tuple[str, dict]] = {}  # key -> (rv we wrote over, object we wrote)
+        self._written = ReadYourWrites()
 
     # -- node objects -> cache keys --------------------------------------------------------------
 
@@ -137,7 +137,7 @@ class CacheReconciler(Reconciler):
         if obj is None:  # deleted: nothing to undo
             with self._lock:
                 self._last_write.pop(key, None)
-                self._written.pop(key, None)
+            self._written.forget(key)
             return None
         with self._lock:
             wait = self._last_write.get(key, float("-inf")) + self.min_write_interval - time.monotonic()
@@ -154,17 +154,7 @@ class CacheReconciler(Reconciler):
         return retry
 
     def _current(self, key: str) -> dict | None:
-        """The cache object as stored, or the one this reconciler last wrote while the watch
-        has not delivered it yet (read-your-writes: no 409 on the next change)."""
-        stored = self.cache.get(self.caches_path, key)
-        with self._lock:
-            memo = self._written.get(key)
-            if memo is None or stored is None:
-                return stored
-            if (stored.get("metadata") or {}).get("resourceVersion") == memo[0]:
-                return memo[1]
-            del self._written[key]
-            return stored
+        return self._written.current(key, self.cache.get(self.caches_path, key))
 
     def _pin(self, key: str, obj: dict) -> tuple[Pin | None, tuple[str, str]]:
         """(the pin or None, (Resolved reason, message))."""
@@ -198,7 +188,6 @@ class CacheReconciler(Reconciler):
         annotations first when the pin goes (a leftover annotation must never outlive it)."""
         ns, name = split_key(key)
         path = custom_path(GROUP, VERSION, self.plural, ns, name)
-        rv = obj["metadata"].get("resourceVersion")
 
         def set_annotations(o: dict) -> None:
             if (o["metadata"].get("annotations") or {}) != annotations:
@@ -217,8 +206,8 @@ class CacheReconciler(Reconciler):
         finally:
             with self._lock:
                 self._last_write[key] = time.monotonic()
-                if current is not obj:
-                    self._written[key] = (rv, current)
+            if current is not obj:
+                self._written.remember(key, obj, current)
         log.info("cache status written", extra=kv(reconciler=self.name, key=key,
                                                   reason=status["conditions"][0]["reason"],
                                                   digest=status.get("resolvedDigest")))

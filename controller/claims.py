@@ -41,7 +41,7 @@ from . import claimobjects as co
 from .caches import Mentions, keep_cache, now_rfc3339
 from .pinning import GROUP, VERSION
 from .reconciler import Reconciler, Result, Watch, object_key, split_key
-from .status import update_if_changed, update_status
+from .status import ReadYourWrites, update_if_changed, update_status
 
 log = logging.getLogger("accelnode.controller")
 
@@ -91,7 +91,7 @@ class ClaimsReconciler(Reconciler):
             self.watches.append(Watch(NAMESPACES, keys=self._namespace_changed, keep=keep_namespace))
         self._index_lock = threading.Lock()  # a reflector event and a resync may map at once
         self._lock = threading.Lock()
-        self._written: dict[str, tuple[str, dict]] = {}  # key -> (rv we wrote over, object we wrote)
+        self._written = ReadYourWrites()
         self._conflicts: set[tuple[str, str]] = set()  # (cache key, workload namespace)
 
     # -- watched objects -> cache keys -----------------------------------------------------------
@@ -134,8 +134,8 @@ class ClaimsReconciler(Reconciler):
             cache = co.CacheId(self.cluster, ns, name)
             for wns in sorted(self._known_namespaces(key)):
                 self._retire(cache, wns)
+            self._written.forget(key)
             with self._lock:
-                self._written.pop(key, None)
                 self._conflicts = {c for c in self._conflicts if c[0] != key}
             return None
 
@@ -326,24 +326,13 @@ class ClaimsReconciler(Reconciler):
         return custom_path(GROUP, VERSION, self.plural, ns, name)
 
     def _current(self, key: str) -> dict | None:
-        """The cache as stored, or as this reconciler last wrote it while the watch has not
-        delivered that yet (read-your-writes: no 409 on the next step)."""
-        stored = self.cache.get(self.caches_path, key)
-        with self._lock:
-            memo = self._written.get(key)
-            if memo is None or stored is None:
-                return stored
-            if (stored.get("metadata") or {}).get("resourceVersion") == memo[0]:
-                return memo[1]
-            del self._written[key]
-            return stored
+        return self._written.current(key, self.cache.get(self.caches_path, key))
 
     def _remember(self, key: str, before: dict, written: dict | None) -> dict:
         if written is None:
             return before
         written = keep_cache(written)
-        with self._lock:
-            self._written[key] = (before["metadata"].get("resourceVersion"), written)
+        self._written.remember(key, before, written)
         return written
 
     def _set_finalizer(self, key: str, obj: dict, present: bool) -> dict:

@@ -11,6 +11,7 @@ fresh read.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Callable
 
 from accelnode.kube.client import Client
@@ -33,3 +34,33 @@ def update_if_changed(client: Client, path: str, obj: dict, mutate: Callable[[di
     if wanted == obj:
         return None
     return client.request("PUT", path, body=wanted)
+
+
+class ReadYourWrites:
+    """What a reconciler last wrote per key, until its watch delivers that write: read through
+    :meth:`current`, the next reconcile of the key starts from our own write instead of the
+    older stored copy (no ``409`` on the next step)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._written: dict[str, tuple[str | None, dict]] = {}  # key -> (rv we wrote over, what we wrote)
+
+    def remember(self, key: str, over: dict, written: dict) -> None:
+        """``written`` replaced ``over`` (the object as read before the write)."""
+        with self._lock:
+            self._written[key] = ((over.get("metadata") or {}).get("resourceVersion"), written)
+
+    def current(self, key: str, stored: dict | None) -> dict | None:
+        """``stored`` (the watch's copy), or our write while ``stored`` is still what it replaced."""
+        with self._lock:
+            memo = self._written.get(key)
+            if memo is None or stored is None:
+                return stored
+            if (stored.get("metadata") or {}).get("resourceVersion") == memo[0]:
+                return memo[1]
+            del self._written[key]
+            return stored
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._written.pop(key, None)
