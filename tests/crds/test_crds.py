@@ -71,7 +71,14 @@ def applied(crds, kubectl):
     out = kubectl("admin", "apply", "--validate=strict", *args)
     assert out.returncode == 0, out.stderr
     assert out.stderr == "", out.stderr  # not even a warning
-    return load_manifests(*EXAMPLES)
+    objs = load_manifests(*EXAMPLES)
+    yield objs
+    # tests leave the shared control plane as they found it (the namespaces stay: other tests
+    # name them, and a Terminating namespace refuses new objects for a while)
+    rest = [o for o in objs if o["kind"] != "Namespace"]
+    out = kubectl("admin", "delete", "--ignore-not-found", "--wait=true", "--timeout=45s", "-f", "-",
+                  stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": rest}))
+    assert out.returncode == 0, out.stderr
 
 
 @pytest.fixture(scope="module")

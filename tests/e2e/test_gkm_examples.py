@@ -31,6 +31,7 @@ needed to exercise the journey.
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from tests.controller.test_caches import GKM, cond, status
 from tests.controller.test_claims import Cluster, pv_name, reason_in
 from tests.csi.conftest import Node, Volume, free_ports
 from tests.csi.test_by_name import publish_until, readyz
+from tests.fixtures.cluster import load_manifests
 
 Code = grpc.StatusCode
 EXAMPLES = ROOT / "examples" / "gkm"
@@ -247,6 +249,12 @@ def world(control_plane, kube_api, kubectl, crds, registry, tmp_path_factory):
         w.register_webhooks()
         assert eventually(w.webhooks_called, timeout=WAIT), w.controllers[-1].log()
         w.core.create_node(body={"metadata": {"name": NODE}})  # the agent's objects get it as owner
+        # example objects another test left behind would make the apply below an update, not
+        # the create whose admission pins the digest
+        leftovers = [o for o in load_manifests(*sorted(EXAMPLES.glob("*.yaml"))) if o["kind"] != "Namespace"]
+        out = kubectl("admin", "delete", "--ignore-not-found", "--wait=true", "--timeout=45s", "-f", "-",
+                      stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": leftovers}))
+        assert out.returncode == 0, out.stderr
         # the manifests as users have them: the repository's files, not copies
         assert not subprocess.run(["git", "status", "--porcelain", "--", str(EXAMPLES)], cwd=ROOT,
                                   capture_output=True, text=True, check=True).stdout, "examples/gkm/ is modified"
