@@ -148,13 +148,16 @@ class Cluster:
                      "volumes": [{"name": "k", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}]}})
         return pod
 
-    def writes(self, *names: str) -> int:
-        """Successful writes by the controller identity to objects of these names (audit log)."""
+    def writes(self, *objects: tuple[str | None, str]) -> int:
+        """Successful writes by the controller identity to these objects, (namespace or None,
+        name) each (audit log). Objects of the same name in other namespaces, which the
+        cluster-wide reconcilers may write meanwhile (other tests' leftovers), do not count."""
         n = 0
         for line in self.cp.audit_log.read_text().splitlines():
             ev = json.loads(line)
+            ref = ev.get("objectRef") or {}
             if (ev.get("stage") == "ResponseComplete" and ev["user"]["username"] == CONTROLLER_USER
-                    and (ev.get("objectRef") or {}).get("name") in names
+                    and (ref.get("namespace"), ref.get("name")) in objects
                     and (ev.get("responseStatus") or {}).get("code", 0) < 400):
                 n += 1
         return n
@@ -401,7 +404,8 @@ def test_steady_state_makes_no_writes(cluster, kube_namespace):
     assert eventually(lambda: reason_in(cluster.get(name), ns) == "Bound"
                       and reason_in(cluster.get("kernels", ns), ns) == "Bound", timeout=WAIT)
     pvs = (pv_name(None, name, ns), pv_name(ns, "kernels", ns))
-    names = (name, "kernels", *pvs)
+    # the ClusterGKMCache, the GKMCache, the two PVCs named after them, the two PVs
+    objects = ((None, name), (ns, "kernels"), (ns, name), *((None, p) for p in pvs))
 
     def versions():
         return (cluster.get(name)["metadata"]["resourceVersion"], cluster.get("kernels", ns)["metadata"]["resourceVersion"],
@@ -410,12 +414,12 @@ def test_steady_state_makes_no_writes(cluster, kube_namespace):
 
     # let the cache reconciler's own writes (pin, annotations) and the binder's finish first
     time.sleep(1.5)
-    before, writes = versions(), cluster.writes(*names)
+    before, writes = versions(), cluster.writes(*objects)
     for rec in ("gkmcache-claims", "clustergkmcache-claims"):
         cluster.settle(rec)
     time.sleep(1.0)
     assert versions() == before
-    assert cluster.writes(*names) == writes
+    assert cluster.writes(*objects) == writes
 
 
 def test_the_claims_identity_may_do_nothing_more(control_plane, claims_rbac, kube_namespace):
