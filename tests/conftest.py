@@ -12,6 +12,8 @@ import os
 import shutil
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,15 @@ def tool(name: str) -> str:
 def accelnode_cmd() -> list[str]:
     """argv prefix that runs the real `accelnode` CLI of this checkout."""
     return [sys.executable, "-m", "accelnode"]
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of a plain GET to a daemon's loopback endpoint (/healthz, /readyz,
+    /metrics); status 0 and the error when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return 0, str(e)

@@ -5,26 +5,15 @@ measurements."""
 from __future__ import annotations
 
 import signal
-import urllib.error
-import urllib.request
 
 from accelnode.kube.client import Client
 from controller.leader import micro_time
 from tests.agent.conftest import eventually
+from tests.conftest import http_get
 from tests.controller.conftest import LEASE_PATH, lease_spec
 
 FAST = ("--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1")
 SLOW_LEASE = ("--lease-duration", "60", "--renew-deadline", "10", "--retry-period", "1")
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError as e:
-        return 0, str(e)
 
 
 def holder(admin: Client) -> str | None:
@@ -32,7 +21,7 @@ def holder(admin: Client) -> str | None:
 
 
 def leader_gauge(proc) -> str:
-    _, text = get(proc.metrics_port, "/metrics")
+    _, text = http_get(proc.metrics_port, "/metrics")
     return next((line.split()[-1] for line in text.splitlines() if line.startswith("accelnode_controller_leader ")),
                 "")
 
@@ -42,7 +31,7 @@ def test_a_standby_takes_over_when_the_leader_is_killed(fresh_lease, admin, cont
     assert eventually(lambda: holder(admin) == "a", 60), a.log()
     b = controllers("b", *FAST)
     # b is a healthy standby: ready, not leading, and the Lease stays a's
-    assert eventually(lambda: get(b.metrics_port, "/readyz")[0] == 200, 60), b.log()
+    assert eventually(lambda: http_get(b.metrics_port, "/readyz")[0] == 200, 60), b.log()
     assert leader_gauge(b) == "0.0" and leader_gauge(a) == "1.0"
     assert holder(admin) == "a"
     a.signal(signal.SIGKILL)
@@ -68,7 +57,7 @@ def test_on_sigterm_a_standby_takes_over_before_the_lease_would_expire(fresh_lea
     a = controllers("a", *SLOW_LEASE)
     assert eventually(lambda: holder(admin) == "a", 60), a.log()
     b = controllers("b", *SLOW_LEASE)
-    assert eventually(lambda: get(b.metrics_port, "/readyz")[0] == 200, 60), b.log()
+    assert eventually(lambda: http_get(b.metrics_port, "/readyz")[0] == 200, 60), b.log()
     a.signal(signal.SIGTERM)
     assert a.wait() == 0, a.log()
     # a's lease was 60 s long: b holding it well within that is the release at work
@@ -90,7 +79,7 @@ def test_a_leader_that_cannot_renew_stops_and_exits_non_zero(fresh_lease, admin,
 def test_a_standby_that_cannot_read_the_lease_is_not_ready(controller_rbac, controllers):
     # the controller identity may read only the Lease named accelnode-controller
     c = controllers("c", "--lease-name", "someone-elses", *FAST)
-    assert eventually(lambda: get(c.metrics_port, "/readyz")[0] == 503, 60), c.log()
-    status, text = get(c.metrics_port, "/readyz")
+    assert eventually(lambda: http_get(c.metrics_port, "/readyz")[0] == 503, 60), c.log()
+    status, text = http_get(c.metrics_port, "/readyz")
     assert "cannot read Lease accelnode-system/someone-elses" in text and "403" in text, text
-    assert get(c.metrics_port, "/healthz")[0] == 200
+    assert http_get(c.metrics_port, "/healthz")[0] == 200

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import datetime as dt
 import subprocess
-import urllib.error
-import urllib.request
 import uuid
 
 import grpc
 import pytest
 
-from tests.conftest import accelnode_cmd
+from tests.conftest import accelnode_cmd, http_get
 
 from .conftest import code_of, error_of, eventually
 
@@ -47,13 +45,7 @@ def namespaces(kube_api):
 
 
 def readyz(node) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.csi_metrics_port}/readyz", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError as e:
-        return 0, str(e)
+    return http_get(node.csi_metrics_port, "/readyz")
 
 
 def start_by_name(node, control_plane, identity: str = "csi", *flags: str):
