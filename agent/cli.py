@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from accelnode import cli as acli
 from accelnode import exitcodes
@@ -20,6 +21,24 @@ def register(sub) -> None:
     p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
     p.add_argument("--metrics-address", default="127.0.0.1:9811", metavar="HOST:PORT",
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
+    b = p.add_argument_group("bounded work: pulls, image limits and disk (docs/agent-store.md)")
+    b.add_argument("--max-pulls", type=_at_least_one, default=3, metavar="N",
+                   help="pulls running at once; more wait in a FIFO queue, answered PULLING (default: %(default)s)")
+    b.add_argument("--max-image-size", type=size, default="16Gi", metavar="SIZE",
+                   help="file bytes one image may unpack to, all layers together; bytes or with a Ki/Mi/Gi/Ti "
+                        "suffix (default: %(default)s)")
+    b.add_argument("--max-image-files", type=_at_least_one, default=1_000_000, metavar="N",
+                   help="entries (files, directories, links) one image may hold (default: %(default)s)")
+    b.add_argument("--pull-headroom", type=size, default="256Mi", metavar="SIZE",
+                   help="free space to keep beyond an image's declared size: a pull that would eat into it is "
+                        "refused before it starts (default: %(default)s)")
+    b.add_argument("--gc-high-percent", type=_percent, default=85.0, metavar="PCT",
+                   help="when the store's file system is fuller than this (or a pull would make it so), remove "
+                        "unreferenced caches, least recently used first; 0 turns this off (default: %(default)s)")
+    b.add_argument("--gc-low-percent", type=_percent, default=70.0, metavar="PCT",
+                   help="... until it is at most this full (default: %(default)s)")
+    b.add_argument("--gc-interval", type=float, default=60.0, metavar="SECONDS",
+                   help="how often the high watermark is checked besides before each pull (default: %(default)s)")
     g = p.add_argument_group("cache status in the Kubernetes API (docs/agent-status.md)")
     g.add_argument("--node-name", metavar="NAME",
                    help="this node's name (downward API spec.nodeName); when set, the agent writes the node's "
@@ -31,6 +50,33 @@ def register(sub) -> None:
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
+
+
+_UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def size(text: str) -> int:
+    """Bytes from ``N`` or ``N<Ki|Mi|Gi|Ti>`` (binary units, as Kubernetes quantities)."""
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or a number with Ki, Mi, Gi or Ti)")
+    return int(m[1]) * _UNITS[m[2] or ""]
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage from 0 to 100")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,17 +93,28 @@ def run(args: argparse.Namespace) -> int:
 
     from accelnode.hw import accelerators
 
+    from accelnode.oci.limits import Limits
+
     from . import core, reporter as status_reporter, service
-    from .store import CacheStore
+    from .store import CacheStore, Capacity
 
     log = logging.getLogger("accelnode.agent")
     sock = Path(args.socket)
     if not sock.parent.is_dir():
         raise exitcodes.CLIError(f"socket directory {sock.parent} does not exist", exitcodes.PREREQUISITE)
     options = registry_options(args)
-    store = CacheStore(args.store, registry=options)
+    high = args.gc_high_percent or None
+    if high is not None and args.gc_low_percent >= high:
+        raise exitcodes.CLIError(f"--gc-low-percent ({args.gc_low_percent:g}) must be below --gc-high-percent "
+                                 f"({high:g})", exitcodes.USAGE)
+    if args.gc_interval <= 0:
+        raise exitcodes.CLIError("--gc-interval must be positive", exitcodes.USAGE)
+    store = CacheStore(args.store, registry=options,
+                       limits=Limits(max_bytes=args.max_image_size, max_files=args.max_image_files),
+                       capacity=Capacity(args.pull_headroom, high, args.gc_low_percent))
     registry = CollectorRegistry()
-    agent = core.Agent(store, accelerators.detect(args.sysfs_root, args.dev_root), core.Metrics(registry))
+    agent = core.Agent(store, accelerators.detect(args.sysfs_root, args.dev_root), core.Metrics(registry),
+                       max_pulls=args.max_pulls)
     metrics = MetricsServer(args.metrics_address, registry, lambda: (True, "")).start()
     server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(service.AgentService(agent), s),
                                  max_workers=32)
@@ -77,7 +134,11 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(args.gc_interval):
+        try:
+            agent.collect_to_watermark()
+        except Exception:  # a store problem is logged; serving goes on, the next check tries again
+            log.exception("watermark collection failed")
     log.info("agent stopping")
     if reporter is not None:
         reporter.stop()

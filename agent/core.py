@@ -5,6 +5,13 @@ status reporter and prefetcher (:mod:`agent.reporter`, :mod:`agent.prefetch`) al
   background pull per reference digest (later callers join it) and waits at most
   ``wait_seconds`` for it, answering PULLING when the pull is still running. A failed pull is
   reported to everyone who waited on it; the next ``ensure`` starts a fresh one.
+* At most ``max_pulls`` pulls run at once; the others wait in a FIFO queue and are answered
+  PULLING too (message ``queued (N ahead)``), so callers retry them as they retry a pull in
+  progress. :meth:`Agent.caches` lists a queued pull as PULLING with that message.
+* Disk: the store checks free space before each pull and collects unreferenced caches by
+  watermarks (:class:`agent.store.Capacity`); :meth:`Agent.collect_to_watermark` is the
+  periodic check. A full disk fails the pull (failure INTERNAL, message "no space left on
+  device ...") and the next ensure tries again.
 * An ``anonymous`` ensure (an image a pod author named, not a cache object) pulls without any
   registry credentials. Credentials must not reach it by sharing, so it is kept apart by digest
   *and* anonymity: it never joins a credentialed pull (nor a credentialed caller an anonymous
@@ -25,9 +32,9 @@ and CSI vocabulary: ``INVALID_ARGUMENT``, ``NOT_FOUND``, ``ALREADY_EXISTS``,
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-import os
 import re
 import threading
 import time
@@ -99,6 +106,7 @@ class CacheInfo:
     message: str = ""
     compatible: bool = False
     targets: tuple = ()  # INSTALLED: the image's targets
+    queued: bool = False  # PULLING: waiting for a free pull slot
 
 
 @dataclass
@@ -107,7 +115,8 @@ class Pull:
 
     image: str
     anonymous: bool = False
-    started: float = field(default_factory=time.monotonic)
+    asked: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when it left the queue and began
     done: threading.Event = field(default_factory=threading.Event)
     answer: Answer | None = None  # set when done
 
@@ -120,11 +129,23 @@ class Metrics:
         self.ensure = Counter("accelnode_agent_ensure", "EnsureCache answers, by state", ["state"],
                               registry=registry)
         self.references = Gauge("accelnode_agent_references", "Volumes holding a cache", registry=registry)
+        self.pulls_in_flight = Gauge("accelnode_agent_pulls_in_flight", "Pulls running now", registry=registry)
+        self.pulls_queued = Gauge("accelnode_agent_pulls_queued", "Pulls waiting for a free pull slot",
+                                  registry=registry)
+        self.gc_runs = Counter("accelnode_agent_gc_runs", "Watermark collections (usage passed the high watermark)",
+                               registry=registry)
+        self.gc_removed = Counter("accelnode_agent_gc_removed", "Caches removed by watermark collections",
+                                  registry=registry)
+        self.gc_bytes = Counter("accelnode_agent_gc_freed_bytes", "Cache bytes removed by watermark collections",
+                                registry=registry)
 
 
 class Agent:
-    def __init__(self, store, accelerators: list[Accelerator], metrics: Metrics):
+    def __init__(self, store, accelerators: list[Accelerator], metrics: Metrics, *, max_pulls: int = 3):
+        if max_pulls < 1:
+            raise ValueError("max_pulls must be at least 1")
         self.store = store
+        self.max_pulls = max_pulls
         # what an anonymous pull uses: the store's options without any credentials
         self._anonymous_options = dataclasses.replace(store.options, config_file=None, anonymous=True)
         self.accelerators = accelerators
@@ -133,6 +154,8 @@ class Agent:
         self._lock = threading.Lock()
         self._ready: dict[str, Answer] = {}  # reference digest -> READY/INCOMPATIBLE answer
         self._pulls: dict[tuple[str, bool], Pull] = {}  # (reference digest, anonymous) -> latest pull
+        self._queue: collections.deque[tuple[str, Pull]] = collections.deque()  # waiting for a slot, FIFO
+        self._running = 0  # pull threads (each runs queued pulls until the queue is empty)
         self._public: set[str] = set()  # reference digests an anonymous request was served
         # The store's durable references, mirrored: the agent is their only writer.
         self._refs: dict[str, dict] = store.references()
@@ -140,6 +163,7 @@ class Agent:
         # Called after a pull starts or ends and after a reference is taken or dropped: the
         # status reporter's cue to look again (agent/reporter.py).
         self.on_change: Callable[[], None] = lambda: None
+        store.on_collect = self._collected
 
     # -- ensure --------------------------------------------------------------------------
 
@@ -155,16 +179,24 @@ class Agent:
         answer = None
         if not anonymous or key in self._public:
             answer = self._ready.get(key)
-            if answer is None or (answer.path and not os.path.isdir(answer.path)):  # gone: removed by gc
+            # a hand-out is a use (LRU collection); gone (collected) means asking the store again
+            if answer is None or (answer.path and not self.store.mark_used(answer.digest)):
                 answer = self._from_store(key)
         if answer is None:
             pull = self._pull(key, image, anonymous)
             if pull.done.wait(max(0.0, wait_seconds)):
                 answer = pull.answer
             else:
-                answer = Answer(PULLING, digest=key,
-                                message=f"{image}: pull in progress for {time.monotonic() - pull.started:.1f}s")
+                answer = Answer(PULLING, digest=key, message=f"{image}: {self._progress(pull)}")
         return self._answer(answer)
+
+    def _progress(self, pull: Pull) -> str:
+        """How a pull not done is going: running for how long, or its place in the queue."""
+        with self._lock:
+            ahead = next((i for i, (_, p) in enumerate(self._queue) if p is pull), None)
+        if ahead is not None:
+            return f"queued ({ahead} ahead; at most {self.max_pulls} pulls at once)"
+        return f"pull in progress for {time.monotonic() - (pull.started or pull.asked):.1f}s"
 
     def _answer(self, answer: Answer) -> Answer:
         self.metrics.ensure.labels(answer.state).inc()
@@ -190,13 +222,37 @@ class Agent:
             pull = self._pulls.get((key, anonymous))
             if pull is None or pull.done.is_set():
                 pull = self._pulls[(key, anonymous)] = Pull(image, anonymous)
-                threading.Thread(target=self._run_pull, args=(key, pull), name=f"pull-{key[7:19]}",
-                                 daemon=True).start()
+                if self._running < self.max_pulls:
+                    self._running += 1
+                    threading.Thread(target=self._pull_worker, args=(key, pull), name=f"pull-{self._running}",
+                                     daemon=True).start()
+                else:
+                    self._queue.append((key, pull))
+                    log.info("pull queued", extra=kv(image=image, ahead=len(self._queue) - 1))
+                self._count()
                 self.on_change()
             return pull
 
+    def _pull_worker(self, key: str, pull: Pull) -> None:
+        """Run ``pull``, then the queue's oldest until the queue is empty."""
+        while True:
+            self._run_pull(key, pull)
+            with self._lock:
+                if not self._queue:
+                    self._running -= 1
+                    self._count()
+                    return
+                key, pull = self._queue.popleft()
+                self._count()
+
+    def _count(self) -> None:
+        self.metrics.pulls_in_flight.set(self._running)
+        self.metrics.pulls_queued.set(len(self._queue))
+
     def _run_pull(self, key: str, pull: Pull) -> None:
-        log.info("pull started", extra=kv(image=pull.image, anonymous=pull.anonymous))
+        pull.started = time.monotonic()
+        log.info("pull started", extra=kv(image=pull.image, anonymous=pull.anonymous,
+                                          queued_s=round(pull.started - pull.asked, 3)))
         try:
             if pull.anonymous:
                 inst = self.store.ensure(pull.image, accelerators=self._targets or None,
@@ -222,6 +278,24 @@ class Agent:
         pull.answer = answer
         pull.done.set()
         self.on_change()
+
+    # -- disk ----------------------------------------------------------------------------
+
+    def collect_to_watermark(self) -> list[str]:
+        """The periodic check: collect unreferenced caches if usage passed the high watermark
+        (under our lock, so no reference is taken meanwhile). The digests removed."""
+        with self._lock:
+            return [i.digest for i in self.store.collect_to_watermark()]
+
+    def _collected(self, removed: list) -> None:
+        """A watermark collection ran (periodic or before a pull): count it, forget what went."""
+        self.metrics.gc_runs.inc()
+        self.metrics.gc_removed.inc(len(removed))
+        self.metrics.gc_bytes.inc(sum(i.size_bytes for i in removed))
+        for inst in removed:
+            self._ready.pop(inst.digest, None)
+        if removed:
+            self.on_change()
 
     def ensure_until_done(self, image: str, timeout: float) -> tuple[bool, str]:
         """Ensure ``image`` and wait for its pull to end (at most ``timeout`` seconds): (installed
@@ -313,7 +387,9 @@ class Agent:
                for inst in self.store.list()]
         for key, pull, done in pulls:
             if not done:
-                out.append(CacheInfo(pull.image, key, PULLING))
+                queued = pull.started is None
+                out.append(CacheInfo(pull.image, key, PULLING, queued=queued,
+                                     message=self._progress(pull) if queued else ""))
             elif pull.answer.state == FAILED:
                 out.append(CacheInfo(pull.image, key, FAILED, message=pull.answer.message))
         return out

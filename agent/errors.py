@@ -12,3 +12,7 @@ class StoreCorrupt(ImageError):
 
 class Busy(ImageError):
     """Another operation holds what this one needs (e.g. a pull of this digest is in progress)."""
+
+
+class NoSpace(ImageError):
+    """The store's file system cannot hold an image (checked before a pull, or hit while unpacking)."""

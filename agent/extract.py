@@ -66,9 +66,10 @@ class Budget:
             self.files += 1
             self.bytes += nbytes
             if self.files > self.limits.max_files:
-                raise Refused(f"more than {self.limits.max_files} entries")
+                raise Refused(f"more than {self.limits.max_files} entries (the per-image limit, --max-image-files)")
             if self.bytes > self.limits.max_bytes:
-                raise Refused(f"more than {self.limits.max_bytes} bytes of file content")
+                raise Refused(f"more than {self.limits.max_bytes} bytes of file content (the per-image limit, "
+                              "--max-image-size)")
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class _Metered:
         if self.out > _RATIO_FLOOR and self.out > ratio * max(self._raw.offset, 1):
             raise Refused(f"compression ratio over {ratio}:1 (decompression bomb)")
         if self.out > self._cap:
-            raise Refused(f"layer expands past {self._cap} bytes")
+            raise Refused(f"layer expands past {self._cap} bytes (what --max-image-size and --max-image-files allow)")
         return data
 
 

@@ -8,7 +8,7 @@ the inputs and writes what changed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from accelnode.oci.reference import Reference
 
@@ -19,6 +19,7 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 PREFETCH_ANNOTATION = "accelnode.io/prefetch"  # "true": pull on every node the cache fits
 IN_USE = ("Running", "Outdated", "Deleting")
 CLUSTER = ""  # the namespace key of the ClusterGKMCacheNode
+QUEUED = "queued: waiting for a free pull slot on this node"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,8 +77,9 @@ class Local:
     # where a ref's "cache" is the (namespace, name) key of the cache its volume names, or None
     # for references taken before the CSI driver said so
     installed: dict
-    pulling: set  # reference digests being pulled
+    pulling: set  # reference digests being pulled (or waiting for a pull slot)
     failed: dict  # reference digest -> message of the last failed pull or prefetch
+    queued: set = field(default_factory=set)  # those of ``pulling`` waiting for a pull slot
 
     def manifest_of(self, digest: str) -> str | None:
         """The installed manifest digest for a cache digest (itself, or the manifest an index
@@ -153,6 +155,8 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
             if pods:
                 entry["pods"] = pods
             put(cache.key, manifest, entry)
+        elif d in local.queued:  # a stable message: the queue position would cost a write per move
+            put(cache.key, d, {"state": "Downloading", "message": QUEUED})
         elif d in local.pulling:
             put(cache.key, d, {"state": "Downloading"})
         elif d in local.failed:

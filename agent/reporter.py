@@ -296,7 +296,7 @@ def _trim_pod(obj: dict) -> dict:
 
 def local_view(agent: core.Agent) -> Local:
     """The reporter's input from the in-process agent core."""
-    installed, pulling, failed = {}, set(), {}
+    installed, pulling, failed, queued = {}, set(), {}, set()
     for c in agent.caches():
         if c.state == core.INSTALLED:
             installed[c.digest] = {"image": c.image, "size": c.size_bytes, "targets": list(c.targets),
@@ -306,9 +306,11 @@ def local_view(agent: core.Agent) -> Local:
                                              else None} for m in c.references]}
         elif c.state == core.PULLING:
             pulling.add(c.digest)
+            if c.queued:
+                queued.add(c.digest)
         elif c.state == core.FAILED:
             failed[c.digest] = c.message
-    return Local(installed, pulling, failed)
+    return Local(installed, pulling, failed, queued)
 
 
 def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: float,

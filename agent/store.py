@@ -12,12 +12,23 @@ Layout under ``root``::
 
 A pull stages everything in ``tmp/<hex>.<random>/`` while holding the digest's lock, flushes
 it to disk and renames it into ``caches/`` - so a cache directory either exists complete and
-verified, or not at all. The directory's mtime is its last use (for LRU garbage collection).
+verified, or not at all; a failed pull (a full disk included) removes its staging directory.
+The directory's mtime is its last use, set by the store itself on every hand-out, reference
+taken and reference dropped (for LRU garbage collection; mount options do not matter).
+
+Capacity (:class:`Capacity`): before a pull unpacks anything, the image's declared size (its
+``cache-size-bytes`` label, at least the sum of its layer sizes) plus a headroom must fit in
+the file system's free space, after a watermark collection when that is on; else
+:class:`~agent.errors.NoSpace`. With watermarks set, :meth:`CacheStore.collect_to_watermark`
+removes unreferenced caches, least recently used first, once the file system's usage (plus a
+pull about to start) passes the high watermark, until it is back under the low one. Neither
+kind of collection removes a referenced cache or one whose pull holds its digest lock.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import json
@@ -32,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from accelnode.log import kv
 
@@ -42,7 +54,7 @@ from accelnode.oci.manifest import check_index, get_manifest, read_config
 from accelnode.oci.reference import DIGEST, Reference, check_digest
 from accelnode.oci.registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Registry, RegistryOptions
 
-from .errors import Busy, StoreCorrupt
+from .errors import Busy, NoSpace, StoreCorrupt
 from .extract import Budget, Entry, Layer, Refused, check_symlinks, extract_layer, merge, mkdir
 
 log = logging.getLogger("accelnode.agent.store")
@@ -60,11 +72,24 @@ class Installed:
     labels: dict
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """How the store keeps its file system from filling up (the agent's flags name each field)."""
+
+    headroom_bytes: int = 0  # kept free beyond a pull's declared size (--pull-headroom)
+    high_percent: float | None = None  # collect once usage passes this (--gc-high-percent); None: never
+    low_percent: float = 0.0  # ... down to this (--gc-low-percent)
+
+
 class CacheStore:
-    def __init__(self, root, *, registry: RegistryOptions | None = None, limits: Limits | None = None):
+    def __init__(self, root, *, registry: RegistryOptions | None = None, limits: Limits | None = None,
+                 capacity: Capacity | None = None):
         self.root = Path(root)
         self.options = registry or RegistryOptions()
         self.limits = limits or Limits()
+        self.capacity = capacity or Capacity()
+        # called with the caches a watermark collection removed, after each one that ran
+        self.on_collect: Callable[[list[Installed]], None] = lambda removed: None
         for sub in ("caches", "indexes", "refs", "locks", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._clean_tmp()
@@ -175,8 +200,13 @@ class CacheStore:
 
     def _install(self, reg: Registry, ref: Reference, image: str, digest: str, manifest: dict, progress) -> Installed:
         layers, kind, targets, labels = read_config(reg, ref, manifest, image, self.limits)
-        stage = Path(tempfile.mkdtemp(prefix=digest.split(":")[1] + ".", dir=self.root / "tmp"))
+        need = declared_size(layers, kind, labels)
+        self.make_room(need, image)
         started = time.monotonic()
+        try:
+            stage = Path(tempfile.mkdtemp(prefix=digest.split(":")[1] + ".", dir=self.root / "tmp"))
+        except OSError as e:
+            raise self._full(e, need, image) from None
         try:
             (stage / "layers").mkdir()
             base = self._extract_all(reg, ref.repository, image, layers, stage / "layers", progress)
@@ -195,8 +225,10 @@ class CacheStore:
             _sync_tree(stage)
             os.rename(stage, self._dir(digest))
             _fsync_dir(self.root / "caches")
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(stage, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise self._full(e, need, image) from None
             raise
         log.info("cache installed", extra=kv(image=image, digest=digest, kind=kind, bytes=size,
                                              layers=len(layers), seconds=round(time.monotonic() - started, 3)))
@@ -251,6 +283,50 @@ class CacheStore:
             raise HostileContent(str(e), image) from None
         return base
 
+    # -- space -------------------------------------------------------------------------------
+
+    def usage(self) -> tuple[int, int, int]:
+        """(used, total, available) bytes of the store's file system, as ``df`` counts them."""
+        st = os.statvfs(self.root)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+    def make_room(self, need: int, image: str) -> None:
+        """Before a pull of ``need`` bytes: collect down to the low watermark if the pull would
+        pass the high one, then refuse with :class:`NoSpace` unless it fits with the headroom."""
+        self.collect_to_watermark(need)
+        headroom = self.capacity.headroom_bytes
+        _, _, free = self.usage()
+        if need + headroom > free:
+            collected = ("unreferenced caches were collected first" if self.capacity.high_percent is not None
+                         else "watermark collection is off")
+            raise NoSpace(f"no space left on device for this image: it declares {_mib(need)} and the store's file "
+                          f"system ({self.root}) has {_mib(free)} free, keeping {_mib(headroom)} spare "
+                          f"(--pull-headroom); {collected}", image)
+
+    def collect_to_watermark(self, need: int = 0) -> list[Installed]:
+        """When usage plus ``need`` bytes passes the high watermark, remove unreferenced caches,
+        least recently used first, until it is under the low watermark (or nothing removable is
+        left). The caches removed; :attr:`on_collect` hears of every run."""
+        cap = self.capacity
+        used, total, _ = self.usage()
+        if cap.high_percent is None or not total or (used + need) * 100 <= cap.high_percent * total:
+            return []
+        excess = used + need - cap.low_percent * total / 100
+        cached = sum(i.size_bytes for i in self.list())
+        removed = self._collect(max(0, int(cached - excess)), None)
+        log.info("watermark collection", extra=kv(used=used, total=total, need=need, removed=len(removed),
+                                                  bytes=sum(i.size_bytes for i in removed)))
+        self.on_collect(removed)
+        return removed
+
+    def _full(self, e: OSError, need: int, image: str) -> Exception:
+        """A failed install's OSError, in plain words when the disk filled up."""
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        return NoSpace(f"no space left on device in the store's file system ({self.root}) while unpacking "
+                       f"(the image declares {_mib(need)}, which under-states it or others wrote meanwhile); "
+                       "nothing of it was kept", image)
+
     # -- references ----------------------------------------------------------------------------
 
     def _ref_path(self, holder: str) -> Path:
@@ -268,11 +344,14 @@ class CacheStore:
 
     def release(self, holder: str) -> None:
         with self._store_lock():
+            path = self._ref_path(holder)
             try:
-                self._ref_path(holder).unlink()
+                digest = json.loads(path.read_bytes())["digest"]
+                path.unlink()
             except FileNotFoundError:
                 return
             _fsync_dir(self.root / "refs")
+            self._use(digest)  # used until now: the last to go among the unreferenced
 
     def references(self) -> dict[str, dict]:
         out = {}
@@ -318,6 +397,9 @@ class CacheStore:
         """Remove unreferenced caches, least recently used first, until at most ``max_bytes``
         remain (all unreferenced ones when ``max_bytes`` is None); with ``only``, none but those
         digests. A cache being pulled is skipped. Returns digests removed."""
+        return [i.digest for i in self._collect(max_bytes, only)]
+
+    def _collect(self, max_bytes: int | None, only: set[str] | None) -> list[Installed]:
         removed, trash = [], []
         with self._store_lock():
             referenced = {r["digest"] for r in self.references().values()}
@@ -336,7 +418,7 @@ class CacheStore:
                 except Busy:
                     continue
                 total -= inst.size_bytes
-                removed.append(inst.digest)
+                removed.append(inst)
                 log.info("cache removed", extra=kv(digest=inst.digest, bytes=inst.size_bytes))
         for t in trash:  # the slow part, outside the store lock (leftovers go at the next start)
             shutil.rmtree(t, ignore_errors=True)
@@ -388,15 +470,33 @@ class CacheStore:
         if not path.exists():
             _write(path, body)
 
+    def mark_used(self, digest: str) -> bool:
+        """Record a use of an installed cache now (its last use, for LRU); False if it is gone."""
+        try:
+            os.utime(self._dir(digest))
+            return True
+        except FileNotFoundError:
+            return False
+
     def _use(self, digest: str) -> Installed | None:
         """The installed cache, its last use (directory mtime, for LRU) set to now; None if absent."""
         inst = self.installed(digest)
-        if inst is not None:
-            try:
-                os.utime(self._dir(digest))
-            except FileNotFoundError:  # removed by gc just now
-                return None
+        if inst is not None and not self.mark_used(digest):  # removed by gc just now
+            return None
         return inst
+
+
+def declared_size(layers: list[dict], kind: str | None, labels: dict) -> int:
+    """What a pull will need on disk, as the image says: its ``cache-size-bytes`` label, and at
+    least the sum of its layer sizes (an image may under-state it: unpacking then stops cleanly
+    at a full disk)."""
+    label = labels.get(fmt.label(kind, "cache-size-bytes"), "") if kind else ""
+    compressed = sum(d["size"] for d in layers)
+    return max(compressed, int(label)) if isinstance(label, str) and label.isdigit() else compressed
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _scan(root: Path) -> dict[str, Entry]:

@@ -6,15 +6,23 @@ Metrics:
 * ``writes_per_change``: API writes per cache state change, over 20 changes (a pod taking or
   dropping a cache, seen as Extracted <-> Running);
 * ``idle_writes``: API writes during an idle window (``BENCH_AGENT_IDLE_S``, default 300 s);
-* ``rss_mb``: the agent's RSS with 100 caches known and reported (and ``pss_mb``).
+* ``rss_mb``: the agent's RSS with 100 caches known and reported (and ``pss_mb``);
+* ``present_install_ms``: median EnsureCache of an installed cache over the agent's unix
+  socket, as the CSI driver asks before every publish;
+* memory under pulls: RSS after one pull of ``BIG_MIB`` MiB (``rss_after_1_pull_mb``), after
+  ``BIG_PULLS`` more asked at once (queued behind ``--max-pulls``; ``rss_after_n_pulls_mb``),
+  the growth between them (``rss_growth_mb``, target: flat) and the peak sampled meanwhile
+  (``pull_peak_rss_mb``, what the manifest's memory limit must cover).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,7 +44,8 @@ G = "agent"
 CACHES = 100
 CHANGES = 20
 IDLE_S = float(os.environ.get("BENCH_AGENT_IDLE_S", "300"))
-TARGETS = {"writes_per_change": 1, "idle_writes": 0, "rss_mb": 50}
+BIG_PULLS, BIG_MIB = 6, 32
+TARGETS = {"writes_per_change": 1, "idle_writes": 0, "rss_mb": 50, "present_install_ms": 20, "rss_growth_mb": 10}
 GKM = ("gkm.io", "v1alpha1")
 
 
@@ -133,6 +142,12 @@ def run(tmp: Path) -> None:
         time.sleep(2)
         emit("writes_per_change", (agent_writes(cp) - before) / CHANGES)
 
+        present_install(stub, images[0])
+        big = [reg.push(make_cache(tmp / "big" / str(i), {f"xla/m{j}.bin": os.urandom(BIG_MIB << 18) for j in range(4)}),
+                        f"bench/big{i}", kind="jax", targets=[{"backend": "tpu", "arch": "v5e"}], layers=4)
+               for i in range(BIG_PULLS + 1)]
+        memory_under_pulls(stub, p, big)
+
         before = agent_writes(cp)
         time.sleep(IDLE_S)
         emit("idle_writes", agent_writes(cp) - before, "d")
@@ -144,6 +159,51 @@ def run(tmp: Path) -> None:
             proc.wait(30)
         reg.stop()
         cp.stop()
+
+
+def present_install(stub, image: str, n: int = 200) -> None:
+    """EnsureCache of an installed image over the unix socket, as the CSI driver asks it."""
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        answer = stub.EnsureCache(agent_api.EnsureCacheRequest(image=image, wait_seconds=10), timeout=30)
+        samples.append(time.perf_counter() - start)
+        assert answer.state == agent_api.EnsureCacheResponse.READY, answer
+    emit("present_install_ms", statistics.median(samples) * 1000)
+
+
+def memory_under_pulls(stub, p: psutil.Process, images: list[str]) -> None:
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], p.memory_info().rss)
+
+    def pull(image: str) -> None:
+        answer = stub.EnsureCache(agent_api.EnsureCacheRequest(image=image, wait_seconds=600), timeout=660)
+        assert answer.state == agent_api.EnsureCacheResponse.READY, answer
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        pull(images[0])
+        time.sleep(1)
+        one = p.memory_info().rss
+        threads = [threading.Thread(target=pull, args=(image,)) for image in images[1:]]  # all at once: queued
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(1)
+        after = p.memory_info().rss
+    finally:
+        stop.set()
+        sampler.join()
+    emit("rss_after_1_pull_mb", one / 2**20, ".1f")
+    emit(f"rss_after_{len(images)}_pulls_mb", after / 2**20, ".1f")
+    emit("rss_growth_mb", (after - one) / 2**20, ".1f")
+    emit("pull_peak_rss_mb", max(peak[0], after) / 2**20, ".1f")
+    emit("pull_mib_each", BIG_MIB, "d")
 
 
 def _established(api) -> bool:

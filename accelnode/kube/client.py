@@ -5,9 +5,10 @@ with urllib3 (already loaded for registries) instead of the official client, who
 models cost about 20 MB of memory on every node.
 
 * :class:`Config` - where the API server is and the credentials: a kubeconfig's current context
-  or the pod's service account. https only, the server certificate always verified; inline
-  secrets stay in memory (a client key is written to a private temporary file only for as long
-  as ``ssl`` needs to load it) and out of ``repr``.
+  or the pod's service account. https only, the server certificate always verified; a token,
+  token file or client certificate only (a user with ``exec``, ``auth-provider`` or basic auth
+  is refused, not sent out anonymous); inline secrets stay in memory (a client key is written
+  to a private temporary file only for as long as ``ssl`` needs to load it) and out of ``repr``.
 * :class:`Client` - ``request()`` (JSON in and out; ``timeout`` per call for callers with a
   deadline, such as leader election), raising :class:`KubeError` (with the
   Status ``code``/``reason``/``message`` of the answer) or :class:`Unreachable`. A token file
@@ -93,6 +94,15 @@ class Config:
         if cluster.get("insecure-skip-tls-verify"):
             raise ValueError(f"{path}: cluster {ctx.get('cluster')!r} sets insecure-skip-tls-verify; the agent always "
                              "verifies the API server (give certificate-authority)")
+
+        plugin = next((k for k in ("exec", "auth-provider") if user.get(k)), None)
+        if plugin:
+            raise ValueError(f"{path}: user {ctx.get('user')!r} authenticates with {plugin!r}, which this client does "
+                             "not run (requests would go out anonymous); give a token, tokenFile or client "
+                             "certificate instead")
+        if user.get("username") or user.get("password"):
+            raise ValueError(f"{path}: user {ctx.get('user')!r} uses basic auth (username/password), which this "
+                             "client does not support; give a token, tokenFile or client certificate instead")
 
         def file(section: dict, key: str) -> str | None:
             return str(base / section[key]) if section.get(key) else None

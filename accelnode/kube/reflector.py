@@ -4,6 +4,12 @@ resourceVersion seen; ``410 Gone`` re-lists; any other failure (a kind not serve
 its CRD is missing, an unreachable server, a watch that ends at once) retries with capped
 exponential backoff. It never raises out of :meth:`Reflector.run`.
 
+Malformed answers are failures like the others, never a dead thread: a list without
+``metadata.resourceVersion`` is retried with backoff, and a watch event whose object lacks
+``metadata.name`` or ``metadata.resourceVersion`` is logged, not applied, and ends the watch
+with a re-list (after backoff), so the copy is rebuilt from a whole answer instead of drifting
+(a ``BOOKMARK`` without one is ignored: it carries nothing else).
+
 Two ways to hear of changes: ``on_change()`` (something changed; the agent re-reads its
 snapshots) and ``on_event(type, obj)`` (which object changed: ``ADDED``, ``MODIFIED`` or
 ``DELETED`` with the object as stored; a controller turns it into a work-queue key). A re-list
@@ -24,6 +30,10 @@ from accelnode.log import kv
 from .client import Client, KubeError, Unreachable
 
 log = logging.getLogger("accelnode.kube")
+
+
+class Malformed(ValueError):
+    """An answer of the API server the reflector cannot use (retried like an unreachable one)."""
 
 
 class Reflector:
@@ -108,10 +118,12 @@ class Reflector:
     def _list(self) -> None:
         if self.name:  # a missing object is an error like any other: retried with backoff
             obj = self.client.request("GET", f"{self.path}/{quote(self.name, safe='')}")
-            items, rv = [obj], obj["metadata"]["resourceVersion"]
+            items, rv = [obj], _rv(obj)
         else:
             doc = self.client.request("GET", self.path, query=self.query)
-            items, rv = doc.get("items") or [], doc["metadata"]["resourceVersion"]
+            items, rv = doc.get("items") or [], _rv(doc)
+        if not rv:
+            raise Malformed(f"the answer to GET {self.path} has no metadata.resourceVersion to watch from")
         fresh = {self._key(o): self.keep(o) for o in items}
         with self._lock:
             old, self._items = self._items, fresh
@@ -148,16 +160,22 @@ class Reflector:
         for event in events:
             n += 1
             obj = event.get("object") or {}
-            rv = (obj.get("metadata") or {}).get("resourceVersion")
+            rv = _rv(obj)
             kind = event.get("type")
+            if kind == "BOOKMARK" and not rv:
+                continue
+            if not rv or not (obj.get("metadata") or {}).get("name"):
+                log.warning("malformed watch event, re-listing", extra=kv(
+                    path=self.path, type=kind, name=(obj.get("metadata") or {}).get("name", "")))
+                self.resource_version = None
+                raise Malformed(f"a {kind} event of {self.path} has no metadata.name or metadata.resourceVersion")
             kept = None
             with self._lock:
                 if kind in ("ADDED", "MODIFIED"):
                     kept = self._items[self._key(obj)] = self.keep(obj)
                 elif kind == "DELETED":
                     kept = self._items.pop(self._key(obj), None) or self.keep(obj)
-            if rv:
-                self.resource_version = rv
+            self.resource_version = rv
             if kind != "BOOKMARK":
                 if self.on_event is not None and kept is not None:
                     self.on_event(kind, kept)

@@ -103,7 +103,7 @@ def validate_manifest(manifest: dict, image: str, limits: Limits) -> tuple[list[
     declared = sum(d["size"] for d in layers)
     if declared > limits.max_tar_bytes:  # even uncompressed, that much tar cannot fit in the limits
         raise HostileContent(f"layers declare {declared} bytes, more than the {limits.max_tar_bytes} "
-                             "the limits allow", image)
+                             "the limits allow (per image: --max-image-size, --max-image-files)", image)
     return layers, config
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+import yaml
 
 from accelnode.kube.client import Client, Config, KubeError, custom_path
 from tests.agent.conftest import eventually
+from tests.agent.test_kube import EXEC_USER
 from tests.agent.test_status import digest_of, entry_in
 from tests.conftest import accelnode_cmd
 
@@ -62,13 +64,21 @@ def test_agent_process_reports_status(tmp_path, control_plane, cluster, images, 
         assert daemon.stop() == 0, daemon.log()
 
 
-def test_agent_refuses_a_bad_kubeconfig(tmp_path):
+@pytest.mark.parametrize("doc, why", [
+    ("apiVersion: v1\nkind: Config\n", "no current-context"),
+    (yaml.safe_dump({"current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                     "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:6443"}}],
+                     "users": [{"name": "u", "user": EXEC_USER}]}),
+     "authenticates with 'exec', which this client does not run"),
+])
+def test_agent_refuses_a_bad_kubeconfig(tmp_path, doc, why):
+    """At start, with exit code 3 (prerequisite) and the reason: never a daemon that retries anonymously."""
     bad = tmp_path / "kubeconfig"
-    bad.write_text("apiVersion: v1\nkind: Config\n")
+    bad.write_text(doc)
     (tmp_path / "run").mkdir()
     out = subprocess.run(accelnode_cmd() + [
         "agent", "--store", str(tmp_path / "store"), "--socket", str(tmp_path / "run" / "a.sock"),
         "--metrics-address", "127.0.0.1:0", "--node-name", "n1", "--kubeconfig", str(bad)],
         capture_output=True, text=True, timeout=60)
     assert out.returncode == 3, out.stderr
-    assert "no current-context" in out.stderr, out.stderr
+    assert why in out.stderr, out.stderr
