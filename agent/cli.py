@@ -37,6 +37,9 @@ def register(sub) -> None:
                         "unreferenced caches, least recently used first; 0 turns this off (default: %(default)s)")
     b.add_argument("--gc-low-percent", type=_percent, default=70.0, metavar="PCT",
                    help="... until it is at most this full (default: %(default)s)")
+    b.add_argument("--gc-min-idle", type=float, default=120.0, metavar="SECONDS",
+                   help="never remove a cache used (handed out, referenced or released) less than this long ago: "
+                        "a volume that was just told a cache is ready takes its reference next (default: %(default)s)")
     b.add_argument("--gc-interval", type=float, default=60.0, metavar="SECONDS",
                    help="how often the high watermark is checked besides before each pull (default: %(default)s)")
     g = p.add_argument_group("cache status in the Kubernetes API (docs/agent-status.md)")
@@ -111,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         raise exitcodes.CLIError("--gc-interval must be positive", exitcodes.USAGE)
     store = CacheStore(args.store, registry=options,
                        limits=Limits(max_bytes=args.max_image_size, max_files=args.max_image_files),
-                       capacity=Capacity(args.pull_headroom, high, args.gc_low_percent))
+                       capacity=Capacity(args.pull_headroom, high, args.gc_low_percent,
+                                         args.gc_min_idle))
     registry = CollectorRegistry()
     agent = core.Agent(store, accelerators.detect(args.sysfs_root, args.dev_root), core.Metrics(registry),
                        max_pulls=args.max_pulls)

@@ -79,6 +79,7 @@ class Capacity:
     headroom_bytes: int = 0  # kept free beyond a pull's declared size (--pull-headroom)
     high_percent: float | None = None  # collect once usage passes this (--gc-high-percent); None: never
     low_percent: float = 0.0  # ... down to this (--gc-low-percent)
+    min_idle_seconds: float = 0.0  # a cache used more recently than this is never collected (--gc-min-idle)
 
 
 class CacheStore:
@@ -313,7 +314,7 @@ class CacheStore:
             return []
         excess = used + need - cap.low_percent * total / 100
         cached = sum(i.size_bytes for i in self.list())
-        removed = self._collect(max(0, int(cached - excess)), None)
+        removed = self._collect(max(0, int(cached - excess)), None, idle=cap.min_idle_seconds)
         log.info("watermark collection", extra=kv(used=used, total=total, need=need, removed=len(removed),
                                                   bytes=sum(i.size_bytes for i in removed)))
         self.on_collect(removed)
@@ -399,16 +400,20 @@ class CacheStore:
         digests. A cache being pulled is skipped. Returns digests removed."""
         return [i.digest for i in self._collect(max_bytes, only)]
 
-    def _collect(self, max_bytes: int | None, only: set[str] | None) -> list[Installed]:
+    def _collect(self, max_bytes: int | None, only: set[str] | None, idle: float = 0.0) -> list[Installed]:
+        """:meth:`gc`'s work; ``idle``: skip caches used less than that many seconds ago (a cache
+        just handed out is about to be referenced by the volume that asked for it)."""
         removed, trash = [], []
         with self._store_lock():
             referenced = {r["digest"] for r in self.references().values()}
             caches = [i for i in self.list() if only is None or i.digest in only]
             total = sum(i.size_bytes for i in caches)
-            for inst in sorted(caches, key=lambda i: self._dir(i.digest).stat().st_mtime):
+            used = {i.digest: self._dir(i.digest).stat().st_mtime for i in caches}
+            recent = time.time() - idle
+            for inst in sorted(caches, key=lambda i: used[i.digest]):
                 if max_bytes is not None and total <= max_bytes:
                     break
-                if inst.digest in referenced:
+                if inst.digest in referenced or (idle and used[inst.digest] > recent):
                     continue
                 try:
                     with self._digest_lock(inst.digest, inst.digest, None):
