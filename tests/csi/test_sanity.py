@@ -26,6 +26,7 @@ def test_csi_sanity(running_node, tmp_path):
     (the specs that publish a real volume need CreateVolume and are skipped)."""
     sanity = tool("csi-sanity")
     mountdir = running_node.kubelet_dir / "pods" / str(uuid.uuid4()) / "volumes" / "kubernetes.io~csi" / "sanity"
+    mountdir.parent.mkdir(parents=True)  # sanity makes the mount dir itself, not its parents
     proc = subprocess.run(
         [sanity, f"--csi.endpoint=unix://{running_node.csi_socket}",
          f"--csi.mountdir={mountdir}", f"--csi.stagingdir={tmp_path / 'sanity-staging'}",
