@@ -3,6 +3,9 @@ a real registry (Debian docker-registry) and real read-only bind mounts (needs r
 
 Metrics:
 * warm publish p50/p99 over 200 publishes of an installed cache (kubelet-shaped requests);
+* warm publish and unpublish p99 with 50 and with 1,000 unrelated mounts on the node (tmpfs,
+  as pods' secret volumes are), and their ratio: the cost of a call must not grow with the mount
+  table; then with 1,000 of our own volumes published (1,000 references at the agent), reported;
 * cold publish of a 512 MiB cache (kubelet retrying while the agent pulls) as a ratio to the
   cache store's pull of the same image alone, in the same run;
 * 50 concurrent publishes of one uncached digest: registry downloads of its blobs (counted on
@@ -12,6 +15,7 @@ Metrics:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import statistics
@@ -24,6 +28,7 @@ import grpc
 import psutil
 
 from agent.store import CacheStore
+from csi_driver import mounts
 from csi_driver.api import csi
 from tests.csi.conftest import Node, SlowProxy, make_cache, unmount_below
 from tests.fixtures.registry import RunningRegistry
@@ -33,7 +38,12 @@ WARM_PUBLISHES = 200
 CONCURRENT = 50
 COLD_MIB = 512
 COLD_ROUNDS = 3
-TARGETS = {"warm_publish_p99_ms": 20, "cold_publish_ratio": 1.05, "concurrent_downloads": 1, "idle_rss_mb": 60}
+CROWDS = (50, 1000)  # unrelated mounts on the node
+CROWD_ROUNDS = 20  # which crowd goes first alternates; samples are pooled over the rounds, so a burst
+CROWD_CALLS = 50  # of noise from elsewhere on the machine falls on both; calls per round and crowd
+HELD = 1000  # our own volumes published for the references measurement
+TARGETS = {"warm_publish_p99_ms": 20, "cold_publish_ratio": 1.05, "concurrent_downloads": 1, "idle_rss_mb": 60,
+           "publish_p99_mount_ratio": 1.5, "unpublish_p99_mount_ratio": 1.5}
 
 
 def emit(metric: str, value, fmt: str = ".2f") -> None:
@@ -81,6 +91,70 @@ def warm(node: Node, image: str) -> None:
         stub.NodeUnpublishVolume(v.unpublish_request(), timeout=30)
         took.append((time.perf_counter() - t0) * 1000)
     emit("unpublish_p50_ms", statistics.median(took))
+
+
+def timed_calls(node: Node, vols: list) -> tuple[list[float], list[float]]:
+    """Publish each volume, then unpublish each: the two lists of latencies in ms."""
+    stub = node.node_stub()
+    took: tuple[list[float], list[float]] = ([], [])
+    for calls, (rpc, request) in zip(took, ((stub.NodePublishVolume, "publish_request"),
+                                            (stub.NodeUnpublishVolume, "unpublish_request"))):
+        for v in vols:
+            req = getattr(v, request)()
+            t0 = time.perf_counter()
+            rpc(req, timeout=30)
+            calls.append((time.perf_counter() - t0) * 1000)
+    return took
+
+
+def crowd(where: Path, have: int, want: int) -> int:
+    """Make it ``want`` tmpfs mounts under ``where`` (of ``have`` now); returns ``want``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for i in range(have, want):
+        (where / str(i)).mkdir(parents=True, exist_ok=True)
+        if libc.mount(b"crowd", os.fsencode(where / str(i)), b"tmpfs", mounts.MS_NOSUID | mounts.MS_NODEV,
+                      b"size=16k") != 0:
+            raise OSError(ctypes.get_errno(), f"cannot mount a tmpfs at {where / str(i)}")
+    for i in range(want, have):
+        mounts.unmount(where / str(i))
+    return want
+
+
+def crowded(node: Node, image: str, tmp: Path) -> None:
+    """Warm publish/unpublish with 50, then 1,000 unrelated mounts on the node (alternating
+    which comes first per round), then with 1,000 of our own volumes published."""
+    took = {n: ([], []) for n in CROWDS}
+    have, table = 0, {}
+    try:
+        for r in range(CROWD_ROUNDS):
+            for n in (CROWDS if r % 2 == 0 else CROWDS[::-1]):
+                have = crowd(tmp / "crowd", have, n)
+                table[n] = len(mounts.mounts())
+                vols = [node.volume(image, pod_name=f"crowd-{r}-{n}-{i}") for i in range(CROWD_CALLS)]
+                for pooled, calls in zip(took[n], timed_calls(node, vols)):
+                    pooled.extend(calls)
+    finally:
+        crowd(tmp / "crowd", have, 0)
+    small, large = CROWDS
+    for i, op in enumerate(("publish", "unpublish")):
+        for n in CROWDS:
+            emit(f"{op}_p50_{n}_mounts_ms", statistics.median(took[n][i]))
+            emit(f"{op}_p99_{n}_mounts_ms", pct(took[n][i], 99))
+        emit(f"{op}_p99_mount_ratio", pct(took[large][i], 99) / pct(took[small][i], 99), ".3f")
+    for n in CROWDS:
+        emit(f"mount_table_entries_{n}_mounts", table[n], "d")
+
+    held = [node.volume(image, pod_name=f"held-{i}") for i in range(HELD)]
+    stub = node.node_stub()
+    for v in held:
+        stub.NodePublishVolume(v.publish_request(), timeout=30)
+    try:
+        publish, unpublish = timed_calls(node, [node.volume(image, pod_name=f"refs-{i}") for i in range(CROWD_CALLS)])
+        emit(f"publish_p99_{HELD}_references_ms", pct(publish, 99))
+        emit(f"unpublish_p99_{HELD}_references_ms", pct(unpublish, 99))
+    finally:
+        for v in held:
+            stub.NodeUnpublishVolume(v.unpublish_request(), timeout=30)
 
 
 def cold(node: Node, reg: RunningRegistry, tmp: Path) -> None:
@@ -196,6 +270,7 @@ def main() -> None:
             node.csi.start()
             small = push(reg, make_cache(tmp / "small", {"xla/module.bin": b"\x7fXLA" * 4096}), "bench/jax-v5e")
             warm(node, small)
+            crowded(node, small, tmp)
             concurrent(node, reg, tmp)
             cold(node, reg, tmp)
         finally:

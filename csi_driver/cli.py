@@ -16,6 +16,7 @@ from accelnode import exitcodes
 from . import resolve
 
 DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
+DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
 # How often the registration socket is checked: kubelet's plugin watcher only sees sockets being
 # created, so one that was removed (registry dir wiped) is made again and registration redone.
 REGISTRATION_CHECK_SECONDS = 2.0
@@ -41,6 +42,12 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise BadValue(f"{value!r} is not an absolute path")
+    return value
+
+
 def register(sub) -> None:
     p = sub.add_parser("csi", help="CSI node plugin csi.gkm.io: mounts caches read-only into pods",
                        description=__doc__)
@@ -49,6 +56,10 @@ def register(sub) -> None:
     p.add_argument("--agent-socket", required=True, metavar="PATH", help="the node agent's unix socket")
     p.add_argument("--plugins-registry", default=DEFAULT_REGISTRY, metavar="DIR",
                    help="kubelet's plugin registration directory; empty: do not register "
+                        "(default: %(default)s)")
+    p.add_argument("--kubelet-dir", type=_absolute, default=DEFAULT_KUBELET_DIR, metavar="DIR",
+                   help="kubelet's root directory (its --root-dir): volumes are published only at "
+                        "DIR/pods/<pod-uid>/volumes/kubernetes.io~csi/<volume-name>/mount, compared by real path "
                         "(default: %(default)s)")
     p.add_argument("--kubelet-endpoint", default="", metavar="PATH",
                    help="the CSI socket's path as kubelet sees it (default: the --endpoint path)")
@@ -140,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         (identity.IdentityServer(agent.stub, args.agent_socket), csi_grpc.IdentityServicer,
          csi_grpc.add_IdentityServicer_to_server),
         (identity.ControllerCapabilities(), csi_grpc.ControllerServicer, csi_grpc.add_ControllerServicer_to_server),
-        (node.NodeServer(args.node_id, agent, resolver, pull_wait=args.pull_wait),
+        (node.NodeServer(args.node_id, agent, resolver, kubelet_dir=args.kubelet_dir, pull_wait=args.pull_wait),
          csi_grpc.NodeServicer, csi_grpc.add_NodeServicer_to_server),
     ]
     for servicer, base, _ in servicers:
@@ -161,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     http = MetricsServer(args.metrics_address, metrics.registry, ready).start()
     server = grpcutil.serve_unix(sock, lambda s: [add(svc, s) for svc, _, add in servicers], max_workers=16)
     log.info("CSI driver serving", extra=kv(endpoint=sock, node_id=args.node_id, agent=args.agent_socket,
+                                            kubelet_dir=args.kubelet_dir,
                                             api_server=config.server if config else None,
                                             trust_pod_image_attribute=args.trust_pod_image_attribute))
 

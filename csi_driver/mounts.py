@@ -1,9 +1,19 @@
-"""Read-only bind mounts through mount(2)/umount2(2), and the mount table as the source of truth.
+"""Read-only bind mounts through mount(2)/umount2(2), and questions about one mount point that
+cost the same whatever the size of the node's mount table.
 
-A bind mount of a directory on the same filesystem is invisible to ``os.path.ismount`` (same
-st_dev as the parent), so mount points are read from /proc/self/mountinfo. The kernel writes
-them fully resolved (no symlinks) with space, tab, newline and backslash octal-escaped, so paths
-are compared in that form (:func:`resolve`).
+A busy node's mount table holds a thousand entries or more (every pod's secret and projected
+volumes), so publish and unpublish never read /proc/self/mountinfo:
+
+* whether a path is a mount point, and the identity (st_dev, st_ino) of the directory its top
+  mount shows: one statx(2) (:func:`mounted_root`). A bind mount of a directory on the same
+  filesystem keeps the parent's st_dev (``os.path.ismount`` cannot see it); statx's
+  STATX_ATTR_MOUNT_ROOT can (Linux 5.8+; older kernels fall back to reading the mount table);
+* the options the visible mount carries: statvfs(2)'s f_flag (:func:`options_at`; ST_RDONLY,
+  ST_NOSUID, ST_NODEV, ST_NOEXEC have the MS_* values).
+
+The mount table is read only to describe a mount in an error (:func:`describe`), on old kernels,
+and by tests. The kernel writes it fully resolved (no symlinks) with space, tab, newline and
+backslash octal-escaped, so paths are compared in that form (:func:`resolve`).
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ from dataclasses import dataclass
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
 MNT_DETACH = 2
+AT_FDCWD, AT_SYMLINK_NOFOLLOW, AT_NO_AUTOMOUNT = -100, 0x100, 0x800
+STATX_TYPE, STATX_INO, STATX_ATTR_MOUNT_ROOT = 0x1, 0x100, 0x2000
 # mount option name -> flag, for the options a read-only cache mount may carry
 FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
 ALWAYS = MS_RDONLY | MS_NOSUID | MS_NODEV
@@ -27,6 +39,20 @@ _OCTAL = re.compile(rb"\\([0-7]{3})")
 class Mount:
     point: str
     options: frozenset[str]  # the per-mount options (mountinfo field 6): ro, nosuid, ...
+    root: str = "/"  # the directory of its filesystem the mount shows
+    fstype: str = ""
+    source: str = ""
+
+
+class _Statx(ctypes.Structure):
+    """struct statx (linux/stat.h), 256 bytes; the fields read here and padding for the rest."""
+
+    _fields_ = [("mask", ctypes.c_uint32), ("blksize", ctypes.c_uint32), ("attributes", ctypes.c_uint64),
+                ("nlink", ctypes.c_uint32), ("uid", ctypes.c_uint32), ("gid", ctypes.c_uint32),
+                ("mode", ctypes.c_uint16), ("_spare0", ctypes.c_uint16), ("ino", ctypes.c_uint64),
+                ("size", ctypes.c_uint64), ("blocks", ctypes.c_uint64), ("attributes_mask", ctypes.c_uint64),
+                ("_times", ctypes.c_uint8 * 64), ("rdev_major", ctypes.c_uint32), ("rdev_minor", ctypes.c_uint32),
+                ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32), ("_rest", ctypes.c_uint8 * 112)]
 
 
 def _check(rc: int, what: str, path) -> None:
@@ -42,7 +68,7 @@ def options_of(flags: int) -> frozenset[str]:
 def bind_readonly(source: str | os.PathLike, target: str | os.PathLike, extra_flags: int = 0) -> None:
     """Bind ``source`` at ``target``, then remount it read-only, nosuid, nodev (| ``extra_flags``).
 
-    Checks in the mount table that the result carries those options. When any step after the
+    Checks that the mount now at ``target`` carries those options. When any step after the
     bind fails the bind is undone, so no writable mount is ever left at ``target``.
     """
     src, dst = os.fsencode(source), os.fsencode(target)
@@ -50,10 +76,10 @@ def bind_readonly(source: str | os.PathLike, target: str | os.PathLike, extra_fl
     _check(_libc.mount(src, dst, None, MS_BIND, None), "bind mount onto", target)
     try:
         _check(_libc.mount(None, dst, None, MS_BIND | MS_REMOUNT | flags, None), "read-only remount of", target)
-        top = top_mount(target)
-        if top is None or not options_of(flags) <= top.options:
+        got = options_at(target) if is_mountpoint(target) else None
+        if got is None or not options_of(flags) <= got:
             raise OSError(errno.EROFS, f"{target} lacks {sorted(options_of(flags))} after the remount "
-                                       f"(mount table: {sorted(top.options) if top else 'not mounted'})", str(target))
+                                       f"(it has: {sorted(got) if got is not None else 'not mounted'})", str(target))
     except BaseException as e:
         _undo(target, e)
         raise
@@ -84,10 +110,16 @@ def _unescape(field: bytes) -> str:
 
 
 def mounts() -> list[Mount]:
-    """Every mount in this process's mount namespace, in mount order (later ones on top)."""
+    """Every mount in this process's mount namespace, in mount order (later ones on top).
+    Linear in the mount table: for errors, old kernels and tests, never a publish's common path."""
+    out = []
     with open("/proc/self/mountinfo", "rb") as f:
-        fields = [line.split() for line in f]
-    return [Mount(_unescape(x[4]), frozenset(x[5].decode().split(","))) for x in fields]
+        for line in f:
+            x = line.split()
+            after = x.index(b"-")  # optional fields (shared:N, master:N) end at a lone "-"
+            out.append(Mount(_unescape(x[4]), frozenset(x[5].decode().split(",")), _unescape(x[3]),
+                             _unescape(x[after + 1]), _unescape(x[after + 2])))
+    return out
 
 
 def mount_points() -> set[str]:
@@ -95,13 +127,60 @@ def mount_points() -> set[str]:
 
 
 def top_mount(path: str | os.PathLike) -> Mount | None:
-    """The mount visible at ``path`` when ``path`` is a mount point, else None."""
+    """The mount visible at ``path`` when ``path`` is a mount point, else None (reads the table)."""
     p = resolve(path)
     return next((m for m in reversed(mounts()) if m.point == p), None)
 
 
+def _statx(path: str | os.PathLike) -> _Statx | None:
+    """statx(2) of ``path`` itself (a symlink is not followed, a mount on it is); None when this
+    kernel or C library cannot say whether it is a mount's root."""
+    if not hasattr(_libc, "statx"):
+        return None
+    buf = _Statx()
+    _check(_libc.statx(AT_FDCWD, os.fsencode(path), AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT,
+                       STATX_TYPE | STATX_INO, ctypes.byref(buf)), "statx", path)
+    return buf if buf.attributes_mask & STATX_ATTR_MOUNT_ROOT else None
+
+
+def mounted_root(path: str | os.PathLike) -> tuple[int, int] | None:
+    """When ``path`` is a mount point, the (st_dev, st_ino) of the directory its top mount shows
+    (for a bind mount: of the source directory); None when it is not one or does not exist."""
+    try:
+        st = _statx(path)
+        if st is not None:
+            if not st.attributes & STATX_ATTR_MOUNT_ROOT:
+                return None
+            return os.makedev(st.dev_major, st.dev_minor), st.ino
+        if top_mount(path) is None:  # kernels before 5.8
+            return None
+        return identity(path)
+    except (FileNotFoundError, NotADirectoryError):  # OSError(ENOENT, ...) is made a FileNotFoundError
+        return None
+
+
 def is_mountpoint(path: str | os.PathLike) -> bool:
-    return top_mount(path) is not None
+    return mounted_root(path) is not None
+
+
+def options_at(path: str | os.PathLike) -> frozenset[str]:
+    """The options of :data:`FLAGS` that the mount visible at ``path`` carries (statvfs f_flag;
+    ``ro`` also when the whole filesystem is read-only)."""
+    return options_of(os.statvfs(path).f_flag)
+
+
+def identity(path: str | os.PathLike) -> tuple[int, int]:
+    """(st_dev, st_ino) of ``path`` itself (not following a symlink)."""
+    st = os.stat(path, follow_symlinks=False)
+    return st.st_dev, st.st_ino
+
+
+def describe(path: str | os.PathLike) -> str:
+    """What the top mount at ``path`` is, for an error message (reads the mount table)."""
+    top = top_mount(path)
+    if top is None:
+        return "nothing mounted"
+    return f"{top.fstype} {top.source} (its {top.root}, mounted {','.join(sorted(top.options))})"
 
 
 def same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:

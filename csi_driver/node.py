@@ -1,10 +1,14 @@
 """CSI Node service: publish a cache read-only at the pod's target path, and take it away again.
 
-The driver keeps nothing in memory that a later call needs: the mount table says what is
-mounted, and the agent's durable references say which volume holds which cache at which
-target. A restarted driver therefore unpublishes what its predecessor published. The one
-in-memory thing is which target paths have a call in flight: a second call for the same target
-is answered ABORTED (CSI's "operation pending for volume") instead of racing the first.
+The driver keeps nothing in memory that a later call needs: what is mounted at a target says
+what is mounted, and the agent's durable references say which volume holds which cache at which
+target. A restarted driver therefore unpublishes what its predecessor published. In memory are
+only which target paths have a call in flight (a second call for the same target is answered
+ABORTED, CSI's "operation pending for volume", instead of racing the first) and the identities
+of the store's cache directories, a cache of what the agent says (:mod:`.confine`).
+
+Targets are confined to kubelet's shape under ``--kubelet-dir``, and unpublish takes away only
+mounts of the store's caches (:mod:`.confine`). Neither call reads the node's mount table.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import grpc
 
 from accelnode.log import kv
 
-from . import mounts, resolve
+from . import confine, mounts, resolve
 from .api import agent, agent_grpc, csi, csi_grpc
 from .resolve import ResolveError
 
@@ -83,11 +87,13 @@ def _answers_agent_errors(rpc):
 
 class NodeServer(csi_grpc.NodeServicer):
     def __init__(self, node_id: str, agent_client: AgentClient, resolver: resolve.Resolver, *,
-                 pull_wait: float = 20.0):
+                 kubelet_dir: str = "/var/lib/kubelet", pull_wait: float = 20.0):
         self.node_id = node_id
         self.agent = agent_client
         self.resolver = resolver
+        self.kubelet_dir = kubelet_dir
         self.pull_wait = pull_wait
+        self.store_dirs = confine.StoreDirs()
         self._busy: set[str] = set()  # resolved target paths with a publish/unpublish in flight
         self._busy_lock = threading.Lock()
 
@@ -99,7 +105,7 @@ class NodeServer(csi_grpc.NodeServicer):
         _require(context, vid, "volume_id")
         _require(context, target, "target_path")
         flags = _mount_flags(context, request)
-        where = _resolve_target(context, target)
+        where = self._confined(context, target)
         _check_place(context, where, target)
         vc = dict(request.volume_context)
         try:
@@ -110,13 +116,14 @@ class NodeServer(csi_grpc.NodeServicer):
         except ResolveError as e:
             context.abort(Code[e.code], str(e))
         ready = self._ensure(context, cache, image)
+        self.store_dirs.learn(ready.path)
 
         with self._only_call_on(where, context):
-            top = mounts.top_mount(where)
+            top = mounts.mounted_root(where)
             wanted = mounts.options_of(flags)
             if top is None:
                 _check_empty_dir(context, where, target)
-            elif not (mounts.same_directory(where, ready.path) and wanted == top.options & mounts.FLAGS.keys()):
+            elif not (top == mounts.identity(ready.path) and wanted == mounts.options_at(where)):
                 context.abort(Code.ALREADY_EXISTS, f"{target} is already a mount point of something other than "
                                                    f"{cache} ({ready.digest}) {','.join(sorted(wanted))}")
             self._acquire(context, request, ready.digest, pod, cache)  # also: is a mount there this volume's?
@@ -193,12 +200,17 @@ class NodeServer(csi_grpc.NodeServicer):
         vid, target = request.volume_id, request.target_path
         _require(context, vid, "volume_id")
         _require(context, target, "target_path")
-        where = _resolve_target(context, target)
+        where = self._confined(context, target)
         with self._only_call_on(where, context):
             try:
                 for _ in range(MAX_STACKED_UNMOUNTS):
-                    if not mounts.is_mountpoint(where):
+                    shown = mounts.mounted_root(where)
+                    if shown is None:
                         break
+                    if self.store_dirs.cache_at(shown, lambda: self._cache_paths(context)) is None:
+                        context.abort(Code.FAILED_PRECONDITION, f"{target} has a mount that is not a cache of this "
+                                                                f"node's store: {mounts.describe(where)}; leaving it "
+                                                                "there")
                     mounts.unmount(where)
                 else:
                     context.abort(Code.INTERNAL, f"{target} still mounted after {MAX_STACKED_UNMOUNTS} unmounts")
@@ -209,6 +221,16 @@ class NodeServer(csi_grpc.NodeServicer):
                                    agent.ReleaseReferenceRequest(volume_id=vid, target_path=target))
         log.info("volume unpublished", extra=kv(volume_id=vid, target=target, released=released.released))
         return csi.NodeUnpublishVolumeResponse()
+
+    def _confined(self, context, target: str) -> str:
+        try:
+            return confine.target(target, self.kubelet_dir)
+        except confine.OutsideKubelet as e:
+            context.abort(Code.INVALID_ARGUMENT, str(e))
+
+    def _cache_paths(self, context) -> list[str]:
+        listing = self.agent.call(context, "ListCaches", agent.ListCachesRequest())
+        return [c.path for c in listing.caches if c.path]
 
     # -- info ----------------------------------------------------------------------------
 
@@ -224,11 +246,10 @@ class NodeServer(csi_grpc.NodeServicer):
                       if (r.volume_id, r.target_path) == (vid, path)), None)
         if cache is None:
             context.abort(Code.NOT_FOUND, f"volume {vid} is not published at {path} on this node")
-        top = mounts.top_mount(path)
-        if top is None:
+        if not mounts.is_mountpoint(path):
             problem = f"{path} is no longer a mount point"
-        elif not {"ro", "nosuid", "nodev"} <= top.options:
-            problem = f"{path} is mounted {','.join(sorted(top.options))}, not ro,nosuid,nodev"
+        elif not {"ro", "nosuid", "nodev"} <= (options := mounts.options_at(path)):
+            problem = f"{path} is mounted {','.join(sorted(options))}, not ro,nosuid,nodev"
         elif not mounts.same_directory(path, cache.path):
             problem = f"{path} no longer shows {cache.digest}"
         else:
@@ -278,17 +299,6 @@ def _mount_flags(context, request) -> int:
                                                  f"ro,nosuid,nodev and may add noexec")
         flags |= mounts.FLAGS[opt]
     return flags
-
-
-def _resolve_target(context, target: str) -> str:
-    """The target as the mount table names it: the parent's symlinks resolved (kubelet's root may
-    be a symlink), the last component kept, so a symlink placed there is never followed."""
-    if not os.path.isabs(target):
-        context.abort(Code.INVALID_ARGUMENT, f"target_path {target!r} is not an absolute path")
-    parent, name = os.path.split(os.path.normpath(target))
-    if not name:
-        context.abort(Code.INVALID_ARGUMENT, f"target_path {target!r} names no directory")
-    return os.path.join(mounts.resolve(parent), name)
 
 
 def _check_place(context, where: str, target: str) -> None:

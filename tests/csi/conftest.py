@@ -167,11 +167,16 @@ class Node:
     def csi_argv(self) -> list[str]:
         return ["csi", "--endpoint", f"unix://{self.csi_socket}", "--node-id", "node-a",
                 "--agent-socket", str(self.agent_socket), "--plugins-registry", str(self.registry_dir),
-                "--pull-wait", str(self.pull_wait), "--metrics-address", f"127.0.0.1:{self.csi_metrics_port}",
+                "--kubelet-dir", str(self.kubelet_dir), "--pull-wait", str(self.pull_wait), "--metrics-address", f"127.0.0.1:{self.csi_metrics_port}",
                 "--log-format", "text", *self.csi_flags]
 
     def set_pull_wait(self, seconds: float) -> None:
         self.pull_wait = seconds
+        self.csi.argv = self.csi_argv()
+
+    def set_kubelet_dir(self, path: Path) -> None:
+        """Kubelet's root directory, for the driver (before it starts) and the volumes made after."""
+        self.kubelet_dir = path
         self.csi.argv = self.csi_argv()
 
     def set_csi_flags(self, *flags: str) -> None:

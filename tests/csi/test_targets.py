@@ -16,15 +16,18 @@ from .test_publish import assert_published
 Code = grpc.StatusCode
 
 
-def test_kubelet_root_behind_a_symlink_with_odd_characters(running_node, images):
-    """/var/lib/kubelet is a symlink on some distributions; the mount table shows resolved paths,
-    octal-escaping spaces and backslashes."""
-    real = running_node.root / "real disk\\kubelet"
+def test_kubelet_root_behind_a_symlink_with_odd_characters(node, images):
+    """/var/lib/kubelet is a symlink on some distributions (--kubelet-dir names the link; targets
+    are compared by real path); the mount table shows resolved paths, octal-escaping spaces and
+    backslashes."""
+    real = node.root / "real disk\\kubelet"
     real.mkdir()
-    running_node.kubelet_dir = running_node.root / "kubelet-link"
-    running_node.kubelet_dir.symlink_to(real)
-    stub = running_node.node_stub()
-    vol = running_node.volume(images.tpu, name="cache vol")
+    node.set_kubelet_dir(node.root / "kubelet-link")
+    node.kubelet_dir.symlink_to(real)
+    node.agent.start()
+    node.csi.start()
+    stub = node.node_stub()
+    vol = node.volume(images.tpu, name="cache vol")
     stub.NodePublishVolume(vol.publish_request(), timeout=60)
     stub.NodePublishVolume(vol.publish_request(), timeout=60)  # recognised as ours: no second mount
     assert mount_count(vol.target) == 1 and mounts.is_mountpoint(vol.target)
@@ -34,7 +37,7 @@ def test_kubelet_root_behind_a_symlink_with_odd_characters(running_node, images)
     assert not stats.volume_condition.abnormal, stats.volume_condition.message
     stub.NodeUnpublishVolume(vol.unpublish_request(), timeout=30)
     assert mount_count(vol.target) == 0 and not vol.target.exists()
-    assert running_node.references() == {}
+    assert node.references() == {}
 
 
 def test_something_already_at_the_target(running_node, images):

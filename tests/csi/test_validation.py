@@ -140,28 +140,31 @@ def test_bad_volume_capability(csi_only, mutate, message):
     assert not vol.target.exists()
 
 
-@pytest.mark.parametrize("target,code,message", [
-    ("relative/mount", Code.INVALID_ARGUMENT, "is not an absolute path"),
-    ("/", Code.INVALID_ARGUMENT, "names no directory"),
+@pytest.mark.parametrize("target,message", [
+    ("relative/mount", "is not an absolute path"),
+    ("/", "is not where kubelet publishes a CSI volume"),
 ])
-def test_bad_target_path(csi_only, target, code, message):
+def test_bad_target_path(csi_only, target, message):
     err = error_of(csi_only.node_stub().NodePublishVolume, csi_only.volume(IMAGE).publish_request(target_path=target))
-    assert err.code() == code and message in err.details()
+    assert err.code() == Code.INVALID_ARGUMENT and message in err.details()
+    assert "<kubelet-dir>/pods/<pod-uid>/volumes/kubernetes.io~csi/<volume-name>/mount" in err.details()
 
 
 def test_target_parent_must_exist(csi_only):
     """The CO makes the parent (kubelet does, 0750); the driver makes only the target itself."""
     vol = csi_only.volume(IMAGE)
-    missing = csi_only.root / "no-such-pod" / "volumes" / "mount"
-    err = error_of(csi_only.node_stub().NodePublishVolume, vol.publish_request(target_path=str(missing)))
+    req = vol.publish_request()
+    vol.target.parent.rmdir()
+    err = error_of(csi_only.node_stub().NodePublishVolume, req)
     assert err.code() == Code.FAILED_PRECONDITION and "parent directory" in err.details()
-    assert not (csi_only.root / "no-such-pod").exists()
+    assert not vol.target.parent.exists()
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--node-id", ""], "argument --node-id: must not be empty"),
     (["--node-id", "n", "--pull-wait", "-1"], "'-1' is not a number of seconds >= 0"),
     (["--node-id", "n", "--pull-wait", "soon"], "'soon' is not a number of seconds >= 0"),
+    (["--node-id", "n", "--kubelet-dir", "var/lib/kubelet"], "'var/lib/kubelet' is not an absolute path"),
 ])
 def test_bad_flags_exit_with_usage(tmp_path, argv, message):
     proc = subprocess.run(accelnode_cmd() + ["csi", "--endpoint", f"unix://{tmp_path}/csi.sock",

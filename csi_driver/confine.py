@@ -1,0 +1,103 @@
+"""Where the driver may mount, and which mounts it may take away.
+
+The driver runs privileged with kubelet's pods directory mounted Bidirectional, so a path it is
+handed decides where a mount appears on the host. Two rules bound that (defence in depth: kubelet
+is the only expected caller of the CSI socket):
+
+* A target path must be where kubelet publishes a CSI volume, for inline and persistent volumes
+  alike: ``<kubelet-dir>/pods/<pod-uid>/volumes/kubernetes.io~csi/<volume-name>/mount``
+  (:data:`SHAPE`). It is checked as written (absolute, no ``.`` or ``..``, that shape, the pod
+  uid a UUID or, for static pods, 32 hex digits) and as resolved: the real path of its parent
+  must be ``realpath(<kubelet-dir>/pods)/<pod-uid>/volumes/kubernetes.io~csi/<volume-name>``, so
+  a symlink anywhere along it cannot lead elsewhere. Anything else: INVALID_ARGUMENT.
+* A mount is ours when the directory it shows is a cache directory of the node's store, by
+  identity (st_dev, st_ino) (:class:`StoreDirs`). Unpublish takes nothing else away.
+
+Both cost a bounded number of system calls per call, whatever the number of mounts on the node,
+of caches in the store or of references the agent holds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable
+
+from . import mounts
+
+CSI_PLUGIN_DIR = "kubernetes.io~csi"  # kubelet's escaped name of the CSI volume plugin
+SHAPE = f"<kubelet-dir>/pods/<pod-uid>/volumes/{CSI_PLUGIN_DIR}/<volume-name>/mount"
+# A pod's uid: a UUID; static pods get the hex MD5 kubelet computes for them.
+POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}")
+
+
+class OutsideKubelet(ValueError):
+    """A target path that is not where kubelet publishes a CSI volume."""
+
+
+def target(path: str, kubelet_dir: str) -> str:
+    """The resolved target for ``path`` (its parent's real path + ``mount``), or OutsideKubelet
+    saying why not. The last component is never resolved: a symlink there is not followed."""
+    expected = f"expected {SHAPE} with --kubelet-dir {kubelet_dir}"
+    if not os.path.isabs(path):
+        raise OutsideKubelet(f"target_path {path!r} is not an absolute path; {expected}")
+    parts = path.split("/")
+    if "." in parts or ".." in parts:
+        raise OutsideKubelet(f"target_path {path!r} contains '.' or '..'; {expected}")
+    if path != os.path.normpath(path):
+        raise OutsideKubelet(f"target_path {path!r} is not a normalised path; {expected}")
+    tail = parts[-6:]
+    if (len(parts) < 7 or tail[0] != "pods" or not POD_UID.fullmatch(tail[1])
+            or tail[2:4] != ["volumes", CSI_PLUGIN_DIR] or tail[5] != "mount"):
+        raise OutsideKubelet(f"target_path {path!r} is not where kubelet publishes a CSI volume; {expected}")
+    pods = mounts.resolve(os.path.join(kubelet_dir, "pods"))
+    parent, want = mounts.resolve(os.path.dirname(path)), os.path.join(pods, *tail[1:5])
+    if parent != want:
+        raise OutsideKubelet(f"target_path {path!r} leads to {parent}/mount, not into {want}; {expected}")
+    return os.path.join(parent, "mount")
+
+
+class StoreDirs:
+    """The identities (st_dev, st_ino) of the store's cache directories, learnt from the agent.
+
+    Each READY EnsureCache names a cache's path (:meth:`learn`); an identity not known yet asks
+    the agent for every installed cache once (``listing``: after a restart, or for a foreign
+    mount). A known identity is confirmed by one stat of its path, because a collected cache's
+    inode may be reused. The map holds at most the caches installed when it was last refreshed
+    plus those learnt since.
+    """
+
+    def __init__(self):
+        self._known: dict[tuple[int, int], str] = {}
+        self._lock = threading.Lock()
+
+    def learn(self, path: str) -> None:
+        ident = mounts.identity(path)
+        with self._lock:
+            self._known[ident] = path
+
+    def cache_at(self, ident: tuple[int, int], listing: Callable[[], Iterable[str]]) -> str | None:
+        """The store path of the cache directory whose identity is ``ident``, or None."""
+        path = self._confirmed(ident)
+        if path is not None:
+            return path
+        known = {}
+        for p in listing():
+            try:
+                known[mounts.identity(p)] = p
+            except FileNotFoundError:  # collected since the listing
+                continue
+        with self._lock:
+            self._known = known
+        return self._confirmed(ident)
+
+    def _confirmed(self, ident: tuple[int, int]) -> str | None:
+        with self._lock:
+            path = self._known.get(ident)
+        try:
+            if path is not None and mounts.identity(path) == ident:
+                return path
+        except FileNotFoundError:
+            pass
+        return None
