@@ -386,3 +386,25 @@ def pod_patch(pod: dict) -> list:
         want = {"TPU_WORKER_ID": str(index * per_pod + n), "TPU_PROCESS_PORT": str(port + n)}
         ops += env_ops(containers[i], f"/spec/containers/{i}", want, {})[0]
     return ops
+
+
+def apply_ops(obj: dict, ops: list) -> None:
+    """Apply operations of the kinds this module makes (add, replace, remove) to ``obj`` in place."""
+    for op in ops:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        node = obj
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        if not isinstance(node, list):
+            if op["op"] == "remove":
+                del node[last]
+            else:
+                node[last] = op["value"]
+        elif op["op"] == "remove":
+            del node[int(last)]
+        elif last == "-":
+            node.append(op["value"])
+        elif op["op"] == "replace":
+            node[int(last)] = op["value"]
+        else:
+            node.insert(int(last), op["value"])

@@ -17,6 +17,7 @@ import copy
 import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -285,3 +286,40 @@ def test_hostile_requests_from_the_apiserver_side(env):
     with pytest.raises(ApiException) as info:
         e["batch"].create_namespaced_job(e["ns"], copy.deepcopy(job))
     assert info.value.status == 422 and "job-index" in info.value.body
+
+
+def test_scale_through_the_scale_subresource_is_caught_up_by_the_reconciler(env, control_plane, kubectl):
+    """``/scale`` carries no template, so no webhook can fix the hostnames: the reconciler
+    (running in-process as the controller identity, with daemonsets/rbac-controller-tpuenv.yaml)
+    writes the template, once; the new pod then gets an id the hostnames name."""
+    from prometheus_client import CollectorRegistry
+
+    from accelnode.kube.client import Client, Config
+    from controller.core import Controller, Metrics
+    from controller.queue import Backoff
+    from controller.tpuscale import statefulset_env_reconciler
+
+    e, ns = env, env["ns"]
+    out = kubectl("admin", "apply", "-f", str(ROOT / "daemonsets/namespace.yaml"),
+                  "-f", str(ROOT / "daemonsets/rbac-controller-tpuenv.yaml"))
+    assert out.returncode == 0, out.stderr
+    e["apps"].create_namespaced_stateful_set(ns, statefulset("sc", "scsvc", 2))
+    pods_of(e, "app=sc", 2)
+    e["apps"].patch_namespaced_stateful_set_scale("sc", ns, {"spec": {"replicas": 3}})
+    me = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), user_agent="accelnode-controller")
+    ctl = Controller(me, statefulset_env_reconciler(me), Metrics(CollectorRegistry()), workers=1, resync=0.5,
+                     backoff=Backoff(0.2, 2.0)).start()
+    try:
+        want = "sc-0.scsvc,sc-1.scsvc,sc-2.scsvc"
+        eventually(lambda: env_of(e["apps"].read_namespaced_stateful_set("sc", ns).spec.template.spec.containers[0])
+                   .get("TPU_WORKER_HOSTNAMES") == want, "the reconciler rewrites the hostnames")
+        pod = eventually(lambda: next((p for p in pods_of(e, "app=sc", 3) if p.metadata.name == "sc-2"), None),
+                         "sc-2")
+        got = env_of(pod.spec.containers[0])
+        assert (got["TPU_WORKER_ID"], got["TPU_WORKER_HOSTNAMES"]) == ("2", want)
+        # steady state: resyncs later the spec was written once (generation: create, scale, our write)
+        time.sleep(2)
+        assert ctl.reconciler.cache.synced()
+        assert e["apps"].read_namespaced_stateful_set("sc", ns).metadata.generation == 3
+    finally:
+        ctl.stop(10)

@@ -240,6 +240,9 @@ def _check_workload(obj, plan, op_path="/spec/template"):
     ops, _ = plan(obj)
     assert all(o["path"].startswith(op_path) for o in ops)
     once = apply(copy.deepcopy(obj), ops)  # applies cleanly to the object we were sent
+    ours = copy.deepcopy(obj)
+    t.apply_ops(ours, ops)  # the reconciler's own application agrees with the library's
+    assert ours == once
     assert plan(once)[0] == []  # a second admission is a no-op
     before = _user_entries(obj["spec"]["template"]["spec"]["containers"])
     assert _user_entries(once["spec"]["template"]["spec"]["containers"]) == before
