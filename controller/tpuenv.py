@@ -268,7 +268,9 @@ def statefulset_slice(sts: dict) -> tuple[Slice | None, list[str]]:
                       "Service that gives each TPU worker its DNS name")
     replicas = _int(_get(sts, "spec", "replicas", kind=int, default=1), "spec.replicas", 0, MAX_WORKERS)
     start = _int(_get(sts, "spec", "ordinals", "start", kind=int, default=0), "spec.ordinals.start", 0, MAX_INDEX)
-    template = _get(sts, "spec", "template", default={})
+    template = _get(sts, "spec", "template")
+    if template is None:
+        raise Refused("spec.template is required")
     warnings = []
     if (_get(template, "metadata", "labels", default={}, where="spec.template") or {}).get(INJECT_LABEL) != INJECT_VALUE:
         warnings.append(f"the pod template lacks the label {INJECT_LABEL}={INJECT_VALUE}: its pods will not get "

@@ -286,7 +286,10 @@ def _mangle(obj, draw):
         key = draw(st.sampled_from(sorted(node)))
         path.append(key)
         if not isinstance(node[key], (dict, list)) or not draw(st.booleans()):
-            node[key] = draw(json_values)
+            if draw(st.booleans()):
+                node[key] = draw(json_values)
+            else:
+                del node[key]
             return obj
         node = node[key] if isinstance(node[key], dict) else (node[key][0] if node[key] and isinstance(
             node[key][0], dict) else node)
@@ -311,6 +314,20 @@ def test_any_object_gets_an_answer_never_an_exception(data):
             apply(copy.deepcopy(obj), resp.patch)
     else:
         assert resp.code == 422 and resp.message
+
+
+@pytest.mark.parametrize("template", [None, "absent", {}, {"metadata": None, "spec": None}])
+def test_a_statefulset_without_a_usable_template_is_denied_or_patched_where_the_patch_applies(template):
+    sts = sts_obj()
+    if template == "absent":
+        del sts["spec"]["template"]
+    else:
+        sts["spec"]["template"] = template
+    resp = HOOKS[MUTATE_STATEFULSET](review("StatefulSet", sts))
+    if resp.allowed:
+        apply(copy.deepcopy(sts), resp.patch or [])
+    else:
+        assert resp.code == 422 and "spec.template" in resp.message
 
 
 def test_wrong_kinds_versions_and_operations_pass_unchanged():
