@@ -144,6 +144,9 @@ class CertReloader:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # the listen backlog: socketserver's default of 5 drops SYNs when the API server opens
+    # connections in a burst, and each dropped SYN costs the client a 1 s retransmit
+    request_queue_size = 128
 
     def __init__(self, address, handler, certs: CertReloader):
         self.certs = certs

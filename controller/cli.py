@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from .admission import AdmissionServer
     from .cachehooks import ControllerIdentity
     from .cachehooks import routes as cache_routes
+    from .envhooks import routes as env_routes
     from .leader import LeaderElector, Timing
     from .manager import RECONCILERS, Manager
     from .pinning import Resolver
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         ident.username()  # learn it now (logged); retried on the first requests if the API server is not up yet
         try:
             webhooks = AdmissionServer(args.webhook_address, args.tls_cert_file, args.tls_key_file,
-                                       cache_routes(resolver, ident)).start()
+                                       {**cache_routes(resolver, ident), **env_routes()}).start()
         except BaseException:
             metrics.stop()
             raise

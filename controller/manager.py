@@ -24,12 +24,14 @@ from .claims import clustergkmcache_claims_reconciler, gkmcache_claims_reconcile
 from .core import Controller, Metrics
 from .pinning import Resolver
 from .reconciler import Reconciler
+from .tpuscale import statefulset_env_reconciler
 
 log = logging.getLogger("accelnode.controller")
 
 RECONCILERS: list[Callable[[Client, Resolver], Reconciler]] = [
     gkmcache_reconciler, clustergkmcache_reconciler,  # pin, cluster status (docs/cache-controller.md)
     gkmcache_claims_reconciler, clustergkmcache_claims_reconciler,  # PV/PVC per workload namespace (docs/cache-claims.md)
+    statefulset_env_reconciler,  # TPU env of StatefulSets scaled through /scale (docs/tpu-env.md)
 ]
 
 
