@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -88,3 +89,13 @@ def http_get(port: int, path: str) -> tuple[int, str]:
         return e.code, e.read().decode()
     except OSError as e:
         return 0, str(e)
+
+
+def eventually(predicate, what: str, timeout: float = 20.0, interval: float = 0.05):
+    """The first truthy value of ``predicate()``, checked every ``interval`` seconds; fails the test
+    naming ``what`` (and the last value seen) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what} (last: {value!r})"
+        time.sleep(interval)
+    return value
