@@ -70,7 +70,7 @@ def test_a_dead_thread_is_named_and_a_closed_one_is_not_watched():
         code, body = http_get(http.port, "/healthz")
         assert code == 503 and "reflector thread 'reflector' died" in body and "registrar" not in body
         stop.set()  # the registrar ends on purpose: not a problem
-        problems = eventually(lambda: (p := health.problems()) if len(p) == 1 else None, "the registrar closed")
+        problems = eventually(lambda: len(p := health.problems()) == 1 and p, "the registrar closed")
         assert "reflector thread 'reflector' died" in problems[0]
     finally:
         stop.set()
