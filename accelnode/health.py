@@ -29,6 +29,7 @@ import time
 from typing import Callable
 
 Check = Callable[[], "str | None"]
+GRACE_DEFAULT = 30.0  # seconds a loop may overrun its promised wake-up (a slow scan, a slow API call)
 
 
 class Heartbeat:
