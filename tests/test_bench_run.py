@@ -18,7 +18,8 @@ def run(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # loading run.py put its repo root first
 
     def group(name: str, *lines: str, crash: bool = False) -> None:
-        body = "".join(f"    print({line!r})\n" for line in lines) + ("    raise RuntimeError('boom')\n" if crash else "")
+        body = "".join(f"    print({line!r})\n" for line in lines)
+        body += "    raise RuntimeError('boom')\n" if crash else ""
         (tmp_path / f"bench_{name}.py").write_text(f"def main():\n{body or '    pass'}\n")
 
     mod.group = group

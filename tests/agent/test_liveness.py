@@ -14,7 +14,7 @@ from accelnode.httpserve import MetricsServer
 from accelnode.kube.client import Client, Config
 from agent import reporter as status_reporter
 from agent.nodestatus import Local
-from tests.conftest import accelnode_cmd, eventually, http_get, require_root
+from tests.conftest import accelnode_cmd, eventually, health_turned, http_get, require_root
 from tests.fixtures.device_plugin import free_port
 
 from .conftest import TPU_LABELS
@@ -75,19 +75,11 @@ def reporter(control_plane, cluster):
     http.stop()
 
 
-def turned(port: int, what: str) -> str:
-    body = eventually(lambda: (r := http_get(port, "/healthz"))[0] == 503 and what in r[1] and r[1],
-                      f"/healthz naming {what}")
-    code, ready = http_get(port, "/readyz")
-    assert code == 503 and what in ready, ready
-    return body
-
-
 def test_hung_status_writer_turns_liveness_and_recovers(reporter):
     r, port, gates = reporter
     gates["view"].clear()
     r.poke()
-    assert "status writer stuck: no beat for" in turned(port, "status writer")
+    assert "status writer stuck: no beat for" in health_turned(port, "status writer")
     gates["view"].set()
     eventually(lambda: http_get(port, "/healthz") == (200, "ok\n"), "status writer beating again")
 
@@ -101,13 +93,13 @@ def test_dead_status_writer_is_named(reporter, monkeypatch):
 
     monkeypatch.setattr(r, "reconcile", die)
     r.poke()
-    assert "status writer thread" in turned(port, "status writer thread")
+    assert "status writer thread" in health_turned(port, "status writer thread")
 
 
 def test_hung_prefetch_turns_liveness_and_recovers(reporter, cluster, images):
     r, port, gates = reporter
     gates["prefetch"].clear()
     r.prefetcher._queue.put((images.shared, False))  # what reconcile queues for a wanted cache
-    assert "prefetch stuck" in turned(port, "prefetch")
+    assert "prefetch stuck" in health_turned(port, "prefetch")
     gates["prefetch"].set()
     eventually(lambda: http_get(port, "/healthz") == (200, "ok\n"), "prefetch beating again")

@@ -13,20 +13,23 @@ from accelnode.health import Health
 from accelnode.httpserve import MetricsServer
 from accelnode.kube.client import Client, Config
 from csi_driver.cacheview import CacheView
-from tests.conftest import eventually, http_get
+from tests.conftest import eventually, health_turned, http_get
 
-from .test_by_name import by_name, csi_rbac, make_cache, objects  # noqa: F401 (fixtures)
+from . import test_by_name
+from .test_by_name import make_cache
+
+by_name, csi_rbac, objects = test_by_name.by_name, test_by_name.csi_rbac, test_by_name.objects  # fixtures
 
 WATCH_S = 6  # a quiet watch lasts this long; its promise covers it
 STALL_S = WATCH_S + 3
 
 
-def test_running_driver_is_alive(by_name):  # noqa: F811
+def test_running_driver_is_alive(by_name):
     assert http_get(by_name.csi_metrics_port, "/healthz") == (200, "ok\n")
 
 
 @pytest.fixture
-def view(control_plane, csi_rbac):  # noqa: F811
+def view(control_plane, csi_rbac):
     """A cache view in-process on the real API server, with short watches; yields (view, port)."""
     health = Health()
     v = CacheView(Client(Config.from_kubeconfig(str(control_plane.kubeconfig("csi")))), health,
@@ -48,22 +51,15 @@ def test_a_quiet_watch_stays_alive_across_its_timeouts(view):
     assert set(seen) == {(200, "ok\n")} and v.namespaced.relists == relists
 
 
-def turned(port: int, what: str) -> str:
-    body = eventually(lambda: (r := http_get(port, "/healthz"))[0] == 503 and what in r[1] and r[1],
-                      f"/healthz naming {what}", timeout=STALL_S * 3)
-    code, ready = http_get(port, "/readyz")
-    assert code == 503 and what in ready, ready
-    return body
-
-
-def test_a_hung_watch_turns_liveness_and_recovers(view, objects):  # noqa: F811
+def test_a_hung_watch_turns_liveness_and_recovers(view, objects):
     v, port = view
     gate = threading.Event()
     v.cluster.on_change = gate.wait  # the next event hangs the watch thread in its callback
     name = f"hang-{uuid.uuid4().hex[:8]}"
     make_cache(objects, name, "registry.invalid/x@sha256:" + "0" * 64)
     try:
-        assert "watch ClusterGKMCaches stuck: no beat for" in turned(port, "watch ClusterGKMCaches")
+        body = health_turned(port, "watch ClusterGKMCaches", STALL_S * 3)
+        assert "watch ClusterGKMCaches stuck: no beat for" in body
     finally:
         gate.set()
         objects.delete_cluster_custom_object("gkm.io", "v1alpha1", "clustergkmcaches", name)
@@ -71,7 +67,7 @@ def test_a_hung_watch_turns_liveness_and_recovers(view, objects):  # noqa: F811
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_dead_watch_is_named(view, objects):  # noqa: F811
+def test_a_dead_watch_is_named(view, objects):
     v, port = view
 
     def die():
@@ -82,6 +78,6 @@ def test_a_dead_watch_is_named(view, objects):  # noqa: F811
     name = f"die-{uuid.uuid4().hex[:8]}"
     make_cache(objects, name, "registry.invalid/x@sha256:" + "0" * 64, namespace=ns)
     try:
-        assert "thread 'watch-gkmcaches' died" in turned(port, "watch GKMCaches thread")
+        assert "thread 'watch-gkmcaches' died" in health_turned(port, "watch GKMCaches thread", STALL_S * 3)
     finally:
         objects.delete_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", name)

@@ -11,7 +11,7 @@ from accelnode.httpserve import MetricsServer
 from device_plugin import server as dpserver
 from device_plugin.metrics import Metrics
 from device_plugin.topology import NodeConfig
-from tests.conftest import eventually, http_get
+from tests.conftest import eventually, health_turned, http_get
 from tests.fixtures.device_plugin import free_port
 
 HOUR = "3600"
@@ -70,22 +70,13 @@ def plugin(tpu_host, kubelet, monkeypatch):
     http.stop()
 
 
-def turned(port: int, what: str) -> str:
-    """/healthz's 503 body once it names ``what``; /readyz must say the same."""
-    body = eventually(lambda: (r := http_get(port, "/healthz"))[0] == 503 and what in r[1] and r[1],
-                      f"/healthz naming {what}")
-    code, ready = http_get(port, "/readyz")
-    assert code == 503 and what in ready, ready
-    return body
-
-
 def test_stalled_watcher_turns_liveness_and_recovers(plugin, monkeypatch):
     p, port = plugin
     gate = threading.Event()
     scan = p.watcher.inventory.scan
     monkeypatch.setattr(p.watcher.inventory, "scan", lambda: gate.wait() and scan())
     try:
-        body = turned(port, "device watcher stuck: no beat for")
+        body = health_turned(port, "device watcher stuck: no beat for")
         assert body.startswith("not alive: ")
     finally:
         gate.set()
@@ -100,10 +91,10 @@ def test_dead_watcher_and_registrar_are_named(plugin, monkeypatch):
         raise SystemExit("injected")  # not an Exception: the loops' own handlers let it through
 
     monkeypatch.setattr(p.watcher.inventory, "scan", die)
-    assert "thread 'watcher' died" in turned(port, "device watcher thread")
+    assert "thread 'watcher' died" in health_turned(port, "device watcher thread")
     monkeypatch.setattr(p, "_reconcile", die)
     p._kick.set()
-    assert "thread 'registrar' died" in turned(port, "registrar thread")
+    assert "thread 'registrar' died" in health_turned(port, "registrar thread")
 
 
 def test_stalled_registrar_turns_liveness(plugin, monkeypatch):
@@ -112,7 +103,7 @@ def test_stalled_registrar_turns_liveness(plugin, monkeypatch):
     reconcile = p._reconcile
     monkeypatch.setattr(p, "_reconcile", lambda: gate.wait() and reconcile())
     try:
-        turned(port, "registrar stuck")
+        health_turned(port, "registrar stuck")
     finally:
         gate.set()
     eventually(lambda: http_get(port, "/healthz") == (200, "ok\n"), "registrar beating again")
@@ -122,7 +113,7 @@ def test_grpc_server_gone_turns_liveness_and_recovers(plugin, monkeypatch):
     p, port = plugin
     monkeypatch.setattr(p, "_reconcile", lambda: True)  # the registrar beats but does not serve again yet
     p._server.stop(grace=0).wait()
-    turned(port, "device plugin gRPC server")
+    health_turned(port, "device plugin gRPC server")
     monkeypatch.undo()  # the registrar sees its socket gone and serves again
     p._kick.set()
     eventually(lambda: http_get(port, "/healthz") == (200, "ok\n"), "serving again")
