@@ -44,9 +44,9 @@ def register(sub) -> None:
     p.add_argument("--metrics-address", default="127.0.0.1:2112",
                    help="HOST:PORT for /metrics, /healthz, /readyz; empty disables (default: %(default)s)")
     p.add_argument("--health-interval", type=_tick, default=DEFAULT_TICK,
-                   help="seconds between reads of the chips' sysfs health attributes (PCI vendor, AER counters), "
-                   "0.05-3600: these give no event, so a chip falling off the bus or an AER error is seen within "
-                   "this time. Device nodes appearing or vanishing and udev events are seen at once, whatever "
+                   help="seconds between reads of the chips' sysfs health attributes (PCI vendor, driver binding, "
+                   "AER counters), 0.05-3600: these give no event, so a chip falling off the bus, an unbound "
+                   "driver or an AER error is seen within this time. Device nodes appearing or vanishing and udev events are seen at once, whatever "
                    "this is (default: %(default)s)")
     acli.add_common(p)
     acli.apply_env(p)
