@@ -6,7 +6,8 @@
 #   make demo     run the device plugin on a simulated TPU host and show what kubelet sees
 #   make cluster  local etcd + kube-apiserver in the foreground (docs/local-cluster.md)
 #   make test     every test (unit + integration against real peers)
-#   make bench    every benchmark; `make bench GROUP=device_plugin` for one group
+#   make bench    every benchmark; `make bench GROUP=device_plugin` for one group; fails when a printed
+#                 target is missed unless `make bench BENCH_ARGS=--report-only` (bench/run.py)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -18,6 +19,7 @@ export ACCELNODE_TOOLS_BIN := $(TOOLS_BIN)
 GROUP ?=
 TESTS ?= tests
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 TOOLS :=
 # Each tools/mk/*.mk adds its binaries to TOOLS and says how to build them.
@@ -50,7 +52,7 @@ test: deps tools
 	$(PY) -m pytest $(TESTS) $(PYTEST_ARGS)
 
 bench: deps tools
-	$(PY) bench/run.py $(GROUP)
+	$(PY) bench/run.py $(BENCH_ARGS) $(GROUP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .bench

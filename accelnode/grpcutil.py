@@ -3,6 +3,7 @@
 * A stale socket file is removed before listening (never a non-socket file: that is an error).
 * :func:`serve_unix` returns only after a client has connected to the new socket, so a
   caller may register with kubelet knowing the endpoint answers.
+* :func:`serving_problem` is the liveness check of a daemon's gRPC server (accelnode.health).
 """
 
 from __future__ import annotations
@@ -71,6 +72,19 @@ def serve_unix(path: str | os.PathLike, add_servicers, *, max_workers: int = 8, 
     server.start()
     wait_listening(path)
     return server
+
+
+def serving_problem(path: str | os.PathLike, timeout: float = 2.0) -> str | None:
+    """None when a gRPC server answers on unix socket ``path`` (the HTTP/2 handshake completes
+    within ``timeout``), else what is wrong."""
+    if not Path(path).is_socket():
+        return f"gRPC server: no socket at {path}"
+    with unix_channel(path) as ch:
+        try:
+            grpc.channel_ready_future(ch).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            return f"gRPC server on {path} did not answer within {timeout:.0f}s"
+    return None
 
 
 def unix_channel(path: str | os.PathLike, options=None) -> grpc.Channel:

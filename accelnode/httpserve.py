@@ -1,7 +1,10 @@
 """The HTTP endpoint every daemon exposes: ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``.
 
-``/readyz`` answers 200 only while the daemon's ``ready()`` callable returns True (for example:
-the device plugin is registered with kubelet and serving), else 503 with the reason.
+``/healthz`` answers 200 while the daemon's :class:`~accelnode.health.Health` finds every essential
+thread alive and beating and every check passing, else 503 naming what is dead or stuck (a daemon
+without a Health answers 200). ``/readyz`` answers 200 only while it is alive and its ``ready()``
+callable returns True (for example: the device plugin is registered with kubelet and serving),
+else 503 with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from .health import Health
 from .log import kv
 
 log = logging.getLogger("accelnode.http")
@@ -30,8 +34,9 @@ def parse_address(addr: str) -> tuple[str, int]:
 
 
 class MetricsServer:
-    def __init__(self, address: str, registry: CollectorRegistry, ready: ReadyFn):
+    def __init__(self, address: str, registry: CollectorRegistry, ready: ReadyFn, health: Health | None = None):
         self.registry = registry
+        self.health = health or Health()
         self.ready = ready
         outer = self
 
@@ -41,9 +46,11 @@ class MetricsServer:
                 if path == "/metrics":
                     body, ctype, code = generate_latest(outer.registry), CONTENT_TYPE_LATEST, 200
                 elif path == "/healthz":
-                    body, ctype, code = b"ok\n", "text/plain", 200
+                    ok, reason = outer.health.liveness()
+                    body = (b"ok\n" if ok else f"not alive: {reason}\n".encode())
+                    ctype, code = "text/plain", (200 if ok else 503)
                 elif path == "/readyz":
-                    ok, reason = outer.ready()
+                    ok, reason = outer.readiness()
                     body = (b"ok\n" if ok else f"not ready: {reason}\n".encode())
                     ctype, code = "text/plain", (200 if ok else 503)
                 else:
@@ -60,6 +67,10 @@ class MetricsServer:
         self._httpd = ThreadingHTTPServer(parse_address(address), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
+
+    def readiness(self) -> tuple[bool, str]:
+        ok, reason = self.health.liveness()
+        return (ok, reason) if not ok else self.ready()
 
     @property
     def port(self) -> int:

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from accelnode import grpcutil
+    from accelnode.health import Health
     from accelnode.httpserve import MetricsServer
     from accelnode.log import kv
 
@@ -119,16 +120,25 @@ def run(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     agent = core.Agent(store, accelerators.detect(args.sysfs_root, args.dev_root), core.Metrics(registry),
                        max_pulls=args.max_pulls)
-    metrics = MetricsServer(args.metrics_address, registry, lambda: (True, "")).start()
+    health = Health()
+    reporter = None  # set below with --node-name; ready once its watches have listed
+
+    def ready() -> tuple[bool, str]:
+        if reporter is not None:
+            return reporter.ready()
+        return (False, "status reporter not started") if args.node_name else (True, "")
+
+    metrics = MetricsServer(args.metrics_address, registry, ready, health).start()
     server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(service.AgentService(agent), s),
                                  max_workers=32)
+    health.check("agent", lambda: grpcutil.serving_problem(sock))
     log.info("agent serving", extra=kv(socket=str(sock), store=args.store,
                                        accelerators=[str(a) for a in agent.accelerators],
                                        **({"mirrors": dict(options.mirrors)} if options.mirrors else {})))
-    reporter = None
     if args.node_name:
         try:
-            reporter = status_reporter.for_agent(agent, args.node_name, args.kubeconfig, resync=args.status_resync)
+            reporter = status_reporter.for_agent(agent, args.node_name, args.kubeconfig, resync=args.status_resync,
+                                                 health=health)
         except (ValueError, OSError) as e:
             server.stop(grace=0)
             metrics.stop()

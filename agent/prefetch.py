@@ -8,6 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from accelnode.health import GRACE_DEFAULT, NOBEAT, Heartbeat
 from accelnode.log import kv
 
 from . import fit
@@ -30,11 +31,18 @@ class Prefetcher:
     only through the prefetch annotation is first inspected (manifests and config, no layers)
     and pulled only if it fits this node's accelerators. A failed pull is retried after
     ``retry`` seconds.
+
+    Its loop beats ``beat`` (:mod:`accelnode.health`): every :attr:`IDLE_WAKE` seconds while
+    idle, and before each prefetch, promising to be done within ``busy_bound`` seconds.
     """
 
-    def __init__(self, pull, accelerators, inspect, *, on_done, retry: float = 60.0):
+    IDLE_WAKE = 60.0
+
+    def __init__(self, pull, accelerators, inspect, *, on_done, retry: float = 60.0, beat: Heartbeat = NOBEAT,
+                 busy_bound: float = 600.0, grace: float = GRACE_DEFAULT):
         self._pull, self._inspect, self._on_done = pull, inspect, on_done
         self.accelerators, self.retry = accelerators, retry
+        self.beat, self.busy_bound, self.grace = beat, busy_bound, grace
         self._queue: queue.Queue = queue.Queue()
         self._outcomes: dict[str, _Outcome] = {}  # pinned image -> last outcome
         self._queued: set[str] = set()
@@ -77,9 +85,14 @@ class Prefetcher:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            item = self._queue.get()
+            self.beat.beat(self.IDLE_WAKE + self.grace)
+            try:
+                item = self._queue.get(timeout=self.IDLE_WAKE)
+            except queue.Empty:
+                continue
             if item is None:
                 continue
+            self.beat.beat(self.busy_bound)
             image, check_fit = item
             outcome = _Outcome()
             try:
@@ -98,3 +111,4 @@ class Prefetcher:
                 self._outcomes[image] = outcome
                 self._queued.discard(image)
             self._on_done()
+        self.beat.close()

@@ -14,6 +14,10 @@ Inputs, all kept current without polling the API server:
 reporter writes an object only when its wanted status differs from what it last wrote (one
 ``PUT .../status`` per change, plus a ``POST`` the first time an object is needed). Caches this node should hold are
 pulled before any pod asks (:class:`~agent.prefetch.Prefetcher`).
+
+Health (:mod:`accelnode.health`): each watch (``watch GKMCaches``, ``watch ClusterGKMCaches``,
+``watch Node``, ``watch Pods``), the ``status writer`` loop and the ``prefetch`` loop beat a
+heartbeat; :meth:`Reporter.ready` says which watch has not listed yet.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path
 from accelnode.kube.reflector import Reflector
 from accelnode.log import kv
@@ -63,27 +68,40 @@ class Reporter:
     CONFLICT_ATTEMPTS = 3
 
     def __init__(self, client: Client, node: str, accelerators, view, prefetch, *, resync: float = 2.0,
-                 inspect=None, collect=None):
+                 inspect=None, collect=None, health: Health | None = None, grace: float = GRACE_DEFAULT,
+                 prefetch_bound: float = 600.0 + 2 * GRACE_DEFAULT):
+        """``prefetch_bound``: the most seconds one prefetch (inspect and pull) may take before
+        the prefetch loop counts as stuck."""
         self.client, self.node, self.accelerators = client, node, list(accelerators)
         self.view, self.resync = view, resync
+        health = health or Health()
+        self.grace = grace
+        # one reconcile step (the local view, or one object's write with its conflict retries)
+        self._step_bound = 2 * self.CONFLICT_ATTEMPTS * client.timeout + grace
+        self._beat = health.heartbeat("status writer", grace)
         self.writes = Writes()
         self.retry_in = 0.0  # the current backoff after failed writes (0 while all is well)
         self._stop = threading.Event()
         self._dirty = threading.Event()
         poke = self.poke
-        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), on_change=poke, keep=_trim_cache)
+        beat = lambda what: health.heartbeat(f"watch {what}", grace)  # noqa: E731
+        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), on_change=poke, keep=_trim_cache,
+                                beat=beat("GKMCaches"))
         self.cluster_caches = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"), on_change=poke,
-                                        keep=_trim_cache)
-        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke, keep=_trim_node)
+                                        keep=_trim_cache, beat=beat("ClusterGKMCaches"))
+        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke, keep=_trim_node,
+                                  beat=beat("Node"))
         self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"}, on_change=poke,
-                              keep=_trim_pod)
+                              keep=_trim_pod, beat=beat("Pods"))
         self._reflectors = (self.caches, self.cluster_caches, self.node_obj, self.pods)
         # touched by the reconcile thread only
         self._written: dict[str, _Written] | None = None  # None until read back from the API
         self._history: dict = {}
         self._seen: set[str] = set()  # installed digests some cache has named (candidates after a roll)
         self._collect = collect  # collect(digests) removes rolled-off digests from the store; None: never
-        self.prefetcher = Prefetcher(prefetch, self.accelerators, inspect, on_done=poke)
+        self.prefetcher = Prefetcher(prefetch, self.accelerators, inspect, on_done=poke,
+                                     beat=health.heartbeat("prefetch", grace), busy_bound=prefetch_bound,
+                                     grace=grace)
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -117,15 +135,29 @@ class Reporter:
         """Something may have changed: reconcile soon."""
         self._dirty.set()
 
+    def ready(self) -> tuple[bool, str]:
+        """Ready once every watch has listed; else which have not."""
+        missing = [name for name, r in (("GKMCaches", self.caches), ("ClusterGKMCaches", self.cluster_caches),
+                                        ("Node", self.node_obj), ("Pods", self.pods)) if not r.synced.is_set()]
+        if missing:
+            return False, f"{', '.join(missing)} not read from the API server yet"
+        return True, ""
+
     # -- reconcile -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self._run_loop()
+        self._beat.close()  # stopped on purpose (an exception out of the loop leaves the heartbeat dead)
+
+    def _run_loop(self) -> None:
         while True:
+            self._beat.beat(self.resync + self.grace)
             self._dirty.wait(self.resync)
             if self._stop.is_set():
                 return
             self._dirty.clear()
             try:
+                self._beat.beat(self._step_bound)
                 self.reconcile()
                 self.retry_in = 0.0
                 continue
@@ -138,6 +170,7 @@ class Reporter:
                 log.exception("status reconcile failed", extra=kv(node=self.node))
                 self.retry_in = 30.0
             # back off: cues that come meanwhile wait (they are folded into the retry)
+            self._beat.beat(self.retry_in + self.grace)
             if self._stop.wait(self.retry_in):
                 return
             self._dirty.set()
@@ -216,6 +249,7 @@ class Reporter:
         re-read the object and try again only if it still differs (never over a version we
         have not seen)."""
         kind = _kind(ns)
+        self._beat.beat(self._step_bound)
         for _ in range(self.CONFLICT_ATTEMPTS):
             w = self._written.get(ns)
             if w is None:
@@ -314,11 +348,12 @@ def local_view(agent: core.Agent) -> Local:
 
 
 def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: float,
-              pull_timeout: float = 600.0) -> Reporter:
+              pull_timeout: float = 600.0, health: Health | None = None) -> Reporter:
     """A reporter over the in-process agent core, talking to the API server of ``kubeconfig``
     (the pod's service account when None). Raises ValueError/OSError on bad configuration."""
     config = Config.from_kubeconfig(kubeconfig) if kubeconfig else Config.in_cluster()
     options = agent.store.options
     return Reporter(Client(config), node, agent.accelerators, lambda: local_view(agent),
                     lambda image: agent.ensure_until_done(image, pull_timeout), resync=resync,
-                    inspect=lambda image: inspect(image, options), collect=agent.collect)
+                    inspect=lambda image: inspect(image, options), collect=agent.collect, health=health,
+                    prefetch_bound=pull_timeout + 2 * GRACE_DEFAULT)

@@ -45,14 +45,15 @@ CACHES = 100
 CHANGES = 20
 IDLE_S = float(os.environ.get("BENCH_AGENT_IDLE_S", "300"))
 BIG_PULLS, BIG_MIB = 6, 32
-TARGETS = {"writes_per_change": 1, "idle_writes": 0, "rss_mb": 50, "present_install_ms": 20, "rss_growth_mb": 10}
+TARGETS = {"writes_per_change": "<=1", "idle_writes": "==0", "rss_mb": "<=50", "present_install_ms": "<=20",
+           "rss_growth_mb": "<=10"}  # bench/run.py's format
 GKM = ("gkm.io", "v1alpha1")
 
 
 def emit(metric: str, value, fmt: str = ".2f") -> None:
     print(f"BENCH {G} {metric}={value:{fmt}}", flush=True)
     if metric in TARGETS:
-        print(f"BENCH {G} target_{metric}={TARGETS[metric]}", flush=True)
+        print(f"BENCH {G} target_{metric}{TARGETS[metric]}", flush=True)
 
 
 def wait(check, what: str, timeout: float = 300.0):

@@ -1,8 +1,10 @@
 """Cache store benchmark against a real local registry (Debian docker-registry).
 
 - cold pull + install of a 512 MiB cache in 8 gzip layers (``accelnode cache pull`` in a
-  subprocess), as a ratio to the Go ``oras`` CLI copying the same image to an OCI layout plus
-  ``tar -xzf`` of its layers, measured in the same run (best of 2 each, interleaved);
+  subprocess), as a ratio to two hand-made baselines measured in the same run: the Go ``oras``
+  CLI copying the same image to an OCI layout, then ``tar -xzf`` of its layers one after the other
+  (``_vs_oras``), or all 8 at once by 8 parallel ``tar`` processes (``_vs_oras_parallel_tar``, the
+  strongest); the median of 3 rounds, the three contenders interleaved in a rotating order;
 - peak RSS of our pull process (from wait4's rusage);
 - ``ensure`` of an already-installed digest with a freshly opened store (median of 200).
 """
@@ -26,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 TOTAL = 512 << 20
 FILES = 64
 LAYERS = 8
+ROUNDS = 3
 
 
 def make_cache(root: Path) -> None:
@@ -59,15 +62,24 @@ def timed(cmd: list[str], **kw) -> tuple[float, int]:
     return elapsed, usage.ru_maxrss
 
 
-def oras_pull_untar(oras: str, image: str, work: Path) -> float:
+def oras_pull_untar(oras: str, image: str, work: Path, parallel: bool) -> float:
+    """Seconds for ``oras copy`` of ``image`` into an OCI layout plus extracting its layers with
+    ``tar -xzf``: one after the other, or every layer by its own ``tar`` at once."""
     layout, out = work / "layout", work / "out"
     start = time.monotonic()
     timed([oras, "copy", "--from-plain-http", image, "--to-oci-layout", f"{layout}:bench"], stderr=subprocess.DEVNULL)
     out.mkdir()
     index = json.loads((layout / "index.json").read_text())
     manifest = json.loads((layout / "blobs" / index["manifests"][0]["digest"].replace(":", "/")).read_text())
-    for layer in manifest["layers"]:
-        timed(["tar", "-xzf", str(layout / "blobs" / layer["digest"].replace(":", "/")), "-C", str(out)])
+    cmds = [["tar", "-xzf", str(layout / "blobs" / layer["digest"].replace(":", "/")), "-C", str(out)]
+            for layer in manifest["layers"]]
+    if parallel:
+        procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL) for c in cmds]
+        if any(p.wait() != 0 for p in procs):
+            raise RuntimeError("a parallel tar -xzf failed")
+    else:
+        for c in cmds:
+            timed(c)
     return time.monotonic() - start
 
 
@@ -86,17 +98,32 @@ def main() -> None:
         make_cache(work / "src")
         image = reg.push(work / "src", "bench/cache512", layers=LAYERS)
         shutil.rmtree(work / "src")
-        ours, theirs, rss = [], [], []
-        for run in range(2):
-            w = work / f"oras{run}"
-            w.mkdir()
-            theirs.append(oras_pull_untar(oras, image, w))
-            shutil.rmtree(w)
+        secs: dict[str, list[float]] = {"ours": [], "oras_tar": [], "oras_parallel_tar": []}
+        rss = []
+
+        def ours(r: int) -> float:
             cmd = [sys.executable, "-m", "accelnode", "cache", "pull", image, "--plain-http", "--log-level", "warning",
-                   "--store", str(work / f"store{run}")]
-            secs, peak_kib = timed(cmd, cwd=ROOT)
-            ours.append(secs)
+                   "--store", str(work / f"store{r}")]
+            elapsed, peak_kib = timed(cmd, cwd=ROOT)
             rss.append(peak_kib)
+            return elapsed
+
+        def baseline(parallel: bool):
+            def one(r: int) -> float:
+                w = work / f"oras{r}"
+                w.mkdir()
+                try:
+                    return oras_pull_untar(oras, image, w, parallel)
+                finally:
+                    shutil.rmtree(w)
+            return one
+
+        contenders = [("ours", ours), ("oras_tar", baseline(False)), ("oras_parallel_tar", baseline(True))]
+        for r in range(ROUNDS):
+            for name, fn in contenders[r % 3:] + contenders[:r % 3]:  # rotate who goes first
+                secs[name].append(fn(r))
+            if r:  # store0 stays for the warm measurement below
+                shutil.rmtree(work / f"store{r}", ignore_errors=True)
         store_dir = work / "store0"
         opts = RegistryOptions(plain_http=True)
         samples = []
@@ -104,13 +131,18 @@ def main() -> None:
             start = time.perf_counter()
             CacheStore(store_dir, registry=opts).ensure(image)
             samples.append(time.perf_counter() - start)
-        ratio = min(ours) / min(theirs)
-        print(f"BENCH cache cold_pull_512mib_s={min(ours):.2f}", flush=True)
-        print(f"BENCH cache oras_pull_untar_512mib_s={min(theirs):.2f}", flush=True)
-        print(f"BENCH cache cold_pull_ratio_vs_oras={ratio:.2f} target_cold_pull_ratio_vs_oras=1.0", flush=True)
-        print(f"BENCH cache pull_peak_rss_mb={max(rss) / 1024:.1f} target_pull_peak_rss_mb=100", flush=True)
-        print(f"BENCH cache present_install_ms={statistics.median(samples) * 1000:.2f} "
-              f"target_present_install_ms=20", flush=True)
+        med = {name: statistics.median(v) for name, v in secs.items()}
+        print(f"BENCH cache cold_pull_512mib_s={med['ours']:.2f}", flush=True)
+        print(f"BENCH cache oras_pull_untar_512mib_s={med['oras_tar']:.2f}", flush=True)
+        print(f"BENCH cache oras_pull_parallel_untar_512mib_s={med['oras_parallel_tar']:.2f}", flush=True)
+        print(f"BENCH cache cold_pull_ratio_vs_oras={med['ours'] / med['oras_tar']:.2f} "
+              "target_cold_pull_ratio_vs_oras<=1.0", flush=True)
+        print(f"BENCH cache cold_pull_ratio_vs_oras_parallel_tar={med['ours'] / med['oras_parallel_tar']:.2f} "
+              "target_cold_pull_ratio_vs_oras_parallel_tar<=1.0", flush=True)
+        print(f"BENCH cache pull_peak_rss_mb={max(rss) / 1024:.1f} target_pull_peak_rss_mb<=100", flush=True)
+        # the store's own answer for a cache already there; the agent's answer over gRPC, as the CSI
+        # driver asks it, is bench_agent's present_install_ms
+        print(f"BENCH cache store_present_ms={statistics.median(samples) * 1000:.2f}", flush=True)
     finally:
         reg.stop()
         shutil.rmtree(work, ignore_errors=True)

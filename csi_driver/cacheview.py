@@ -5,13 +5,16 @@ Objects are trimmed to what a publish reads: name, namespace, ``spec.image``,
 ``spec.workloadNamespaces``, ``status.resolvedDigest`` and the conditions. A kind is usable once
 its first list has arrived (:meth:`CacheView.synced`); until then a publish that needs it is
 answered UNAVAILABLE and ``/readyz`` says which kind is missing. A missing CRD, an unreachable
-server or a refused watch are retried by the reflectors with backoff.
+server or a refused watch are retried by the reflectors with backoff. Each reflector beats a
+heartbeat (``watch GKMCaches``, ``watch ClusterGKMCaches``) in the driver's
+:class:`~accelnode.health.Health`: a watch thread that dies or hangs turns ``/healthz``.
 """
 
 from __future__ import annotations
 
 import threading
 
+from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.kube.client import Client, custom_path
 from accelnode.kube.reflector import Reflector
 
@@ -30,10 +33,17 @@ def trim(obj: dict) -> dict:
                                       for c in status.get("conditions") or [] if isinstance(c, dict)]}}
 
 
+KINDS = (("GKMCaches", "gkmcaches"), ("ClusterGKMCaches", "clustergkmcaches"))
+
+
 class CacheView:
-    def __init__(self, client: Client):
-        self.namespaced = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), keep=trim)
-        self.cluster = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"), keep=trim)
+    def __init__(self, client: Client, health: Health | None = None, **reflector_options):
+        """``reflector_options`` go to both reflectors (tests: ``watch_seconds``, ``stall_after``)."""
+        health = health or Health()
+        self.namespaced, self.cluster = (
+            Reflector(client, custom_path(GROUP, VERSION, plural), keep=trim,
+                      beat=health.heartbeat(f"watch {kind}", GRACE_DEFAULT), **reflector_options)
+            for kind, plural in KINDS)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -48,14 +58,13 @@ class CacheView:
 
     def ready(self) -> tuple[bool, str]:
         """(both kinds listed, which are not yet): the driver's readiness."""
-        missing = [kind for kind, r in (("GKMCaches", self.namespaced), ("ClusterGKMCaches", self.cluster))
-                   if not r.synced.is_set()]
+        missing = [kind for (kind, _), r in zip(KINDS, (self.namespaced, self.cluster)) if not r.synced.is_set()]
         if missing:
             return False, f"{' and '.join(missing)} not read from the API server yet"
         return True, ""
 
     def start(self) -> "CacheView":
-        for name, r in (("gkmcaches", self.namespaced), ("clustergkmcaches", self.cluster)):
+        for (_, name), r in zip(KINDS, (self.namespaced, self.cluster)):
             t = threading.Thread(target=r.run, args=(self._stop,), name=f"watch-{name}", daemon=True)
             t.start()
             self._threads.append(t)

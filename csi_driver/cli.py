@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from accelnode import grpcutil
+    from accelnode.health import GRACE_DEFAULT, Health
     from accelnode.httpserve import MetricsServer
     from accelnode.log import kv
 
@@ -134,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
     if reg_dir is not None and not reg_dir.is_dir():
         raise exitcodes.CLIError(f"plugin registration directory {reg_dir} does not exist", exitcodes.PREREQUISITE)
     config = api_config(args)
+    health = Health()
     try:
-        view = cacheview.CacheView(Client(config, user_agent="accelnode-csi")) if config is not None else None
+        view = cacheview.CacheView(Client(config, user_agent="accelnode-csi"), health) if config is not None else None
     except (ValueError, OSError) as e:  # unreadable certificates or keys (ssl.SSLError is an OSError)
         raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
     Path(sock).parent.mkdir(parents=True, exist_ok=True)
@@ -169,8 +171,9 @@ def run(args: argparse.Namespace) -> int:
 
     if view is not None:
         view.start()
-    http = MetricsServer(args.metrics_address, metrics.registry, ready).start()
+    http = MetricsServer(args.metrics_address, metrics.registry, ready, health).start()
     server = grpcutil.serve_unix(sock, lambda s: [add(svc, s) for svc, _, add in servicers], max_workers=16)
+    health.check("CSI", lambda: grpcutil.serving_problem(sock))
     log.info("CSI driver serving", extra=kv(endpoint=sock, node_id=args.node_id, agent=args.agent_socket,
                                             kubelet_dir=args.kubelet_dir,
                                             api_server=config.server if config else None,
@@ -206,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    loop = health.heartbeat("registration loop", GRACE_DEFAULT)
     while True:
+        loop.beat(REGISTRATION_CHECK_SECONDS + GRACE_DEFAULT)
         if reg_dir is not None:
             reg_server = keep_registration_socket(reg_server)
         if stop.wait(REGISTRATION_CHECK_SECONDS):

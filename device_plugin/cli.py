@@ -7,11 +7,16 @@ import argparse
 from accelnode import cli as acli
 from accelnode import exitcodes
 
+from .events import DEFAULT_TICK
+
 
 def _tick(raw: str) -> float:
-    v = float(raw)
-    if not 0.005 <= v <= 0.05:
-        raise argparse.ArgumentTypeError(f"{raw}: must be between 0.005 and 0.05 seconds")
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not 0.05 <= v <= 3600:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{raw}: must be between 0.05 and 3600 seconds")
     return v
 
 
@@ -38,8 +43,11 @@ def register(sub) -> None:
                    "holding all of the host's chips (default: not set)")
     p.add_argument("--metrics-address", default="127.0.0.1:2112",
                    help="HOST:PORT for /metrics, /healthz, /readyz; empty disables (default: %(default)s)")
-    p.add_argument("--health-interval", type=_tick, default=0.05,
-                   help="seconds between sysfs health reads, 0.005-0.05 (default: %(default)s)")
+    p.add_argument("--health-interval", type=_tick, default=DEFAULT_TICK,
+                   help="seconds between reads of the chips' sysfs health attributes (PCI vendor, driver binding, "
+                   "AER counters), 0.05-3600: these give no event, so a chip falling off the bus, an unbound "
+                   "driver or an AER error is seen within this time. Device nodes appearing or vanishing and udev events are seen at once, whatever "
+                   "this is (default: %(default)s)")
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
@@ -50,6 +58,7 @@ def run(args) -> int:
     import threading
     from pathlib import Path
 
+    from accelnode.health import Health
     from accelnode.httpserve import MetricsServer, parse_address
 
     from .api import KUBELET_SOCKET, is_extended_resource_name
@@ -89,13 +98,15 @@ def run(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     metrics = Metrics()
+    health = Health()
     plugin = Plugin(sysfs_root=sysfs, dev_root=dev, kubelet_dir=kdir, config=config, metrics=metrics,
-                    resource=args.resource_name, socket_name=args.socket_name, tick=args.health_interval)
+                    resource=args.resource_name, socket_name=args.socket_name, tick=args.health_interval,
+                    health=health)
     http = None
     try:
         if args.metrics_address:
             try:
-                http = MetricsServer(args.metrics_address, metrics.registry, plugin.ready).start()
+                http = MetricsServer(args.metrics_address, metrics.registry, plugin.ready, health).start()
             except OSError as e:
                 raise exitcodes.CLIError(f"--metrics-address {args.metrics_address}: {e.strerror}",
                                          exitcodes.PREREQUISITE) from None

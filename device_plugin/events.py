@@ -1,10 +1,21 @@
-"""What wakes the device plugin: inotify on /dev and the kubelet dir, udev where it runs, and a
-short sysfs tick (sysfs attributes give no inotify events).
+"""What wakes the device plugin: events first - inotify on the dev root, ``dev/vfio`` and the
+kubelet dir, udev where it runs - and a slow sysfs tick for what gives no event.
 
-:class:`Watcher` runs one loop on its own thread: it sleeps in ``select`` on the inotify fd, the
-udev monitor (when ``/run/udev`` exists and the sysfs root is the real ``/sys``) and a wake pipe,
-at most ``tick`` seconds; every wake-up rescans the inventory and reports a changed chip list
-to ``on_devices``; inotify events in the kubelet dir are reported to ``on_kubelet``.
+:class:`Watcher` runs one loop on its own thread, asleep in ``select`` on the inotify fd, the udev
+monitor (when ``/run/udev`` exists and the sysfs root is the real ``/sys``) and a wake pipe:
+
+* a chip's device node created or removed (``accel*`` in the dev root, anything in ``dev/vfio``,
+  ``dev/vfio`` itself), a udev ``pci``/``vfio``/``accel`` event, or a lost-events overflow
+  rescans the inventory at once, and once more :data:`SETTLE` seconds later (an event often comes
+  in the middle of a change: on hot-unplug the node goes before the PCI function);
+* every ``tick`` seconds it rescans anyway: the PCI ``vendor`` and AER counters are sysfs
+  attributes, which give no inotify event, so a chip falling off the bus or an AER error is seen
+  on the tick;
+* changed chip lists go to ``on_devices``; inotify events in the kubelet dir to ``on_kubelet``.
+
+Between events the thread sleeps until the next tick: an idle plugin wakes once per tick. It
+beats its :class:`~accelnode.health.Heartbeat` each time round, promising the next beat within
+the time to its next wake-up plus ``grace`` (a scan that hangs on sysfs breaks the promise).
 """
 
 from __future__ import annotations
@@ -16,9 +27,11 @@ import os
 import select
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
+from accelnode.health import GRACE_DEFAULT, NOBEAT, Heartbeat
 from accelnode.log import kv
 
 from .health import ChipState, Inventory
@@ -30,6 +43,8 @@ IN_DELETE_SELF, IN_Q_OVERFLOW, IN_IGNORED = 0x400, 0x4000, 0x8000
 IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
 DIR_EVENTS = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of NUL-padded name)
+SETTLE = 0.25  # seconds after an event before the follow-up scan
+DEFAULT_TICK = 5.0  # seconds between sysfs reads
 
 
 class Inotify:
@@ -89,12 +104,14 @@ def udev_monitor(sysfs_root: Path):
 class Watcher:
     def __init__(self, inventory: Inventory, kubelet_dir: Path,
                  on_devices: Callable[[tuple[ChipState, ...]], None], on_kubelet: Callable[[], None],
-                 tick: float = 0.05):
+                 tick: float = DEFAULT_TICK, beat: Heartbeat = NOBEAT, grace: float = GRACE_DEFAULT,
+                 on_scan: Callable[[str], None] = lambda cause: None):
         self.inventory = inventory
         self.kubelet_dir = kubelet_dir
         self.on_devices = on_devices
         self.on_kubelet = on_kubelet
         self.tick = tick
+        self.beat, self.grace = beat, grace
         self._ino = Inotify()
         self._udev = udev_monitor(inventory.sysfs_root)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -102,14 +119,18 @@ class Watcher:
         self._wds: dict[int, Path] = {}
         self._thread = threading.Thread(target=self._run, name="watcher", daemon=True)
         self.last: tuple[ChipState, ...] | None = None
+        self._next_tick = 0.0  # monotonic time of the next sysfs read
+        self._settle: float | None = None  # monotonic time of the follow-up scan after an event
+        self.on_scan = on_scan  # on_scan("event" | "tick") before each scan
 
     def start(self) -> "Watcher":
         self._watch_dirs()
         self.last = self.inventory.scan()
+        self._next_tick = time.monotonic() + self.tick
         self.on_devices(self.last)
         log.info("watching for device and kubelet changes",
                  extra=kv(udev=self._udev is not None, inotify_dirs=sorted(map(str, self._wds.values())),
-                          sysfs_tick_ms=round(self.tick * 1000)))
+                          sysfs_tick_s=self.tick))
         self._thread.start()
         return self
 
@@ -134,35 +155,64 @@ class Watcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.step(self.tick)
+            wait = self._until_next()
+            self.beat.beat(wait + self.grace)
+            self.step(wait)
+        self.beat.close()  # only a stop ends the loop on purpose; an exception leaves it dead
+
+    def _until_next(self) -> float:
+        due = self._next_tick if self._settle is None else min(self._next_tick, self._settle)
+        return max(0.0, due - time.monotonic())
+
+    def _chip_node(self, watched: Path | None, name: str) -> bool:
+        """Whether an event in ``watched`` concerns a chip's device node."""
+        dev = self.inventory.dev_root
+        return watched == dev / "vfio" or (watched == dev and (name.startswith("accel") or name == "vfio"))
 
     def step(self, timeout: float) -> None:
-        """One wake-up: wait up to ``timeout`` for events, rescan, report what changed."""
+        """One wake-up: wait up to ``timeout`` for events; rescan on a device event, a due
+        follow-up or a due tick; report what changed."""
         fds = [self._ino.fd, self._wake_r] + ([self._udev.fileno()] if self._udev else [])
         ready, _, _ = select.select(fds, [], [], timeout)
-        kubelet = False
+        kubelet = event = False
         if self._ino.fd in ready:
-            for wd, mask, _name in self._ino.read():
+            for wd, mask, name in self._ino.read():
                 watched = self._wds.get(wd)
                 if mask & IN_IGNORED:  # the watch is gone (its directory was deleted)
                     self._wds.pop(wd, None)
+                lost = mask & (IN_DELETE_SELF | IN_Q_OVERFLOW)
                 # a lost event may have been kubelet's: let the registrar look (it is idempotent)
-                if watched == self.kubelet_dir or mask & (IN_DELETE_SELF | IN_Q_OVERFLOW):
+                if watched == self.kubelet_dir or lost:
                     kubelet = True
+                if lost or self._chip_node(watched, name):
+                    event = True
         if len(self._wds) < 3:  # a watched dir is missing: re-arm once it exists
             self._watch_dirs()
         if self._udev and self._udev.fileno() in ready:
             while self._udev.poll(timeout=0) is not None:
-                pass
+                event = True
         if self._stop.is_set():
             return
+        now = time.monotonic()
+        cause = None
+        if event:
+            cause, self._settle = "event", now + SETTLE
+        elif self._settle is not None and now >= self._settle:
+            cause, self._settle = "event", None
+        if now >= self._next_tick:
+            cause, self._next_tick = cause or "tick", now + self.tick
+        if cause is not None:
+            self._scan(cause)
+        if kubelet:
+            self.on_kubelet()
+
+    def _scan(self, cause: str) -> None:
+        self.on_scan(cause)
         try:
             states = self.inventory.scan()
-        except Exception:  # a scan must never kill the watcher; the next tick retries
+        except Exception:  # a scan must never kill the watcher; the next wake-up retries
             log.exception("scanning chips failed")
-            states = self.last
+            return
         if states != self.last:
             self.last = states
             self.on_devices(states)
-        if kubelet:
-            self.on_kubelet()

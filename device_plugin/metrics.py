@@ -20,6 +20,9 @@ class Metrics:
                                      "Register calls to kubelet, by result", ["result"], registry=self.registry)
         self.registered = Gauge("accelnode_device_plugin_registered",
                                 "1 while registered with the running kubelet", registry=self.registry)
+        self.scans = Counter("accelnode_device_plugin_scans", "Chip inventory scans, by cause: event (a device "
+                             "node or udev event) or tick (the --health-interval read of sysfs attributes)",
+                             ["cause"], registry=self.registry)
         for h in (HEALTHY, UNHEALTHY):
             self.chips.labels(h).set(0)
 

@@ -5,7 +5,11 @@ Threads: the watcher (events + sysfs tick, see :mod:`.events`) publishes chip li
 :class:`DeviceState`; every open ListAndWatch stream sleeps on that state and sends the full
 list after each change. The registrar thread owns the gRPC server and the registration: it
 wakes on kubelet-dir events and (re)serves our socket when it was deleted, and registers when
-kubelet.sock is new. Nothing polls kubelet.
+kubelet.sock is new; it also looks every :data:`REGISTRAR_WAKE` seconds (two ``lstat``), so that
+it beats. Nothing polls kubelet.
+
+Health (:mod:`accelnode.health`): the watcher and the registrar each beat a heartbeat, and the
+gRPC server is alive while it answers on our socket.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from accelnode import grpcutil
+from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.log import kv
 
 from . import api, topology
@@ -30,6 +35,7 @@ log = logging.getLogger("accelnode.device_plugin")
 OPTIONS = api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 REGISTER_TIMEOUT = 5.0
 RETRY_MAX = 1.0  # seconds between Register attempts while kubelet.sock exists but refuses
+REGISTRAR_WAKE = 30.0  # seconds the registrar sleeps at most without an event
 
 
 class DeviceState:
@@ -164,7 +170,10 @@ def _ident(path: Path):
 
 class Plugin:
     def __init__(self, *, sysfs_root: Path, dev_root: Path, kubelet_dir: Path, config: topology.NodeConfig,
-                 metrics: Metrics, resource: str, socket_name: str, tick: float):
+                 metrics: Metrics, resource: str, socket_name: str, tick: float, health: Health | None = None,
+                 grace: float = GRACE_DEFAULT):
+        self.health = health or Health()
+        self.grace = grace
         self.kubelet_dir = kubelet_dir
         self.socket = kubelet_dir / socket_name
         self.resource = resource
@@ -177,8 +186,17 @@ class Plugin:
         self._registered_with = None  # identity of the kubelet.sock we registered with
         self.service = TPUService(self.state, dev_root, config, metrics, self.closing, self._kick.set)
         self.watcher = Watcher(Inventory(sysfs_root, dev_root), kubelet_dir, self._on_devices,
-                               self._kick.set, tick)
+                               self._kick.set, tick, self.health.heartbeat("device watcher", tick + grace), grace,
+                               lambda cause: metrics.scans.labels(cause).inc())
         self._registrar = threading.Thread(target=self._registrar_loop, name="registrar", daemon=True)
+        self._registrar_beat = self.health.heartbeat("registrar", REGISTRAR_WAKE + grace)
+        self.health.check("device plugin", self._serving_problem)
+
+    def _serving_problem(self) -> str | None:
+        server = self._server
+        if server is None:
+            return "gRPC server not serving"
+        return grpcutil.serving_problem(self.socket)
 
     def ready(self) -> tuple[bool, str]:
         if self._server is None:
@@ -226,8 +244,9 @@ class Plugin:
     # -- server and registration (registrar thread) --------------------------------------------
 
     def _registrar_loop(self) -> None:
-        delay = None
+        delay, retry = REGISTRAR_WAKE, None
         while not self.closing.is_set():
+            self._registrar_beat.beat(delay + self.grace)
             self._kick.wait(delay)
             self._kick.clear()
             if self.closing.is_set():
@@ -237,7 +256,9 @@ class Plugin:
             except Exception:
                 log.exception("serving or registering failed")
                 done = False
-            delay = None if done else min(RETRY_MAX, (delay or 0.05) * 2)
+            retry = None if done else min(RETRY_MAX, (retry or 0.05) * 2)
+            delay = retry or REGISTRAR_WAKE
+        self._registrar_beat.close()
 
     def _reconcile(self) -> bool:
         """Serve our socket if it is gone, register if kubelet.sock is new. False: retry later."""

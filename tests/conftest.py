@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -88,3 +89,23 @@ def http_get(port: int, path: str) -> tuple[int, str]:
         return e.code, e.read().decode()
     except OSError as e:
         return 0, str(e)
+
+
+def eventually(predicate, what: str, timeout: float = 20.0, interval: float = 0.05):
+    """The first truthy value of ``predicate()``, checked every ``interval`` seconds; fails the test
+    naming ``what`` (and the last value seen) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what} (last: {value!r})"
+        time.sleep(interval)
+    return value
+
+
+def health_turned(port: int, what: str, timeout: float = 20.0) -> str:
+    """The daemon's ``/healthz`` 503 body once it names ``what``; ``/readyz`` must be 503 and
+    name it too (a daemon that is not alive is not ready)."""
+    body = eventually(lambda: (r := http_get(port, "/healthz"))[0] == 503 and what in r[1] and r[1],
+                      f"/healthz naming {what}", timeout)
+    code, ready = http_get(port, "/readyz")
+    assert code == 503 and what in ready, ready
+    return body

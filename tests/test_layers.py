@@ -19,8 +19,8 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 COMPONENTS = ("device_plugin", "csi_driver", "agent", "controller")
-CORE = ("accelnode", "accelnode.cli", "accelnode.exitcodes", "accelnode.log", "accelnode.httpserve",
-        "accelnode.grpcutil")
+CORE = ("accelnode", "accelnode.cli", "accelnode.exitcodes", "accelnode.log", "accelnode.health",
+        "accelnode.httpserve", "accelnode.grpcutil")
 LIBRARIES = ("accelnode.oci", "accelnode.kube", "accelnode.hw")
 # Modules outside the runtime: the test rigs and the stub generator (a build tool, `make proto`).
 NOT_RUNTIME = ("accelnode.testing", "accelnode.protogen", "accelnode.pb")

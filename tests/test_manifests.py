@@ -50,3 +50,29 @@ def test_csi_driver_object_matches_what_the_driver_does():
     assert drv["spec"]["attachRequired"] is False
     assert drv["spec"]["podInfoOnMount"] is True  # namespace isolation needs the pod's namespace
     assert set(drv["spec"]["volumeLifecycleModes"]) == {"Ephemeral", "Persistent"}
+
+
+def daemon_containers():
+    for path in SHIPPED:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "DaemonSet":
+                pod = doc["spec"]["template"]["spec"]
+                for c in pod["containers"]:
+                    yield pytest.param(path.name, pod, c, id=f"{path.name}:{c['name']}")
+
+
+@pytest.mark.parametrize("name,pod,container", list(daemon_containers()))
+def test_probes_reach_the_daemon(name, pod, container):
+    """/healthz and /readyz on the port the daemon listens on, at an address kubelet can reach:
+    kubelet probes the pod IP, or its own loopback when given host 127.0.0.1 - which is the
+    pod's only with hostNetwork."""
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    host, _, port = env["ACCELNODE_METRICS_ADDRESS"].rpartition(":")
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        get = container[probe]["httpGet"]
+        assert (get["path"], str(get["port"])) == (path, port), (name, container["name"], probe)
+        assert container[probe].get("timeoutSeconds", 1) >= 3  # /healthz waits up to 2 s on the gRPC server
+        if pod.get("hostNetwork"):
+            assert get.get("host") == "127.0.0.1" and host == "127.0.0.1"  # not on the node's network
+        else:
+            assert "host" not in get and host == "0.0.0.0", (name, container["name"])

@@ -38,6 +38,8 @@ log = logging.getLogger("accelnode.kube")
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
+WATCH_READ_SLACK = 30  # seconds a watch may stay silent past its server-side timeout before it is dropped
+
 class KubeError(Exception):
     """The API server answered with an error Status."""
 
@@ -199,8 +201,8 @@ class Client:
         """Watch events (dicts) until the server ends the watch; ERROR events raise KubeError.
         ``on_open(response)`` gets the open response (``response.shutdown()`` ends the watch)."""
         query = dict(query, watch="1", allowWatchBookmarks="true", timeoutSeconds=str(timeout_seconds))
-        resp = self._open("GET", path, query, None, urllib3.Timeout(connect=self.timeout, read=timeout_seconds + 30),
-                          stream=True)
+        timeout = urllib3.Timeout(connect=self.timeout, read=timeout_seconds + WATCH_READ_SLACK)
+        resp = self._open("GET", path, query, None, timeout, stream=True)
         if on_open is not None:
             on_open(resp)
         buf = b""

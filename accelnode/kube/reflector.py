@@ -15,6 +15,13 @@ snapshots) and ``on_event(type, obj)`` (which object changed: ``ADDED``, ``MODIF
 ``DELETED`` with the object as stored; a controller turns it into a work-queue key). A re-list
 reports what differs from the copy it replaces, so an object deleted while the watch was down
 still arrives as ``DELETED``.
+
+Liveness: the reflector beats its heartbeat (``beat``, :mod:`accelnode.health`) before each
+list-and-watch or backoff and on each event, promising the next beat within ``stall_after``
+seconds (default: a list's timeout, then the server-side watch timeout plus the client's read
+slack, and a grace), so a
+quiet watch waiting on the network never breaks its promise; only a reflector stuck in a callback
+or dead of a bug does.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ import time
 from typing import Callable
 from urllib.parse import quote
 
+from accelnode.health import GRACE_DEFAULT, NOBEAT, Heartbeat
 from accelnode.log import kv
 
-from .client import Client, KubeError, Unreachable
+from .client import WATCH_READ_SLACK, Client, KubeError, Unreachable
 
 log = logging.getLogger("accelnode.kube")
 
@@ -51,8 +59,13 @@ class Reflector:
     def __init__(self, client: Client, path: str, *, on_change: Callable[[], None] | None = None,
                  on_event: Callable[[str, dict], None] | None = None, query: dict | None = None,
                  name: str | None = None, keep: Callable[[dict], dict] = lambda o: o,
-                 watch_seconds: int = 300, max_backoff: float = 30.0):
+                 watch_seconds: int = 300, max_backoff: float = 30.0, beat: Heartbeat = NOBEAT,
+                 stall_after: float | None = None):
         self.client, self.path, self.name = client, path, name
+        self.beat = beat
+        if stall_after is None:  # a list (client timeout), then a watch that may be silent to its end
+            stall_after = client.timeout + watch_seconds + WATCH_READ_SLACK + GRACE_DEFAULT
+        self.stall_after = stall_after
         self.query = dict(query or {})
         if name:
             self.query["fieldSelector"] = f"metadata.name={name}"
@@ -81,8 +94,15 @@ class Reflector:
         _shutdown(self._resp)
 
     def run(self, stop: threading.Event) -> None:
+        self._run(stop)
+        self.beat.close()  # stopped on purpose (an exception out of _run leaves the heartbeat dead)
+
+    def _run(self, stop: threading.Event) -> None:
         delay = 0.0
-        while not stop.wait(delay):
+        while True:
+            self.beat.beat(delay + self.stall_after)
+            if stop.wait(delay):
+                return
             try:
                 if self.resource_version is None:
                     self._list()
@@ -159,6 +179,7 @@ class Reflector:
         n = 0
         for event in events:
             n += 1
+            self.beat.beat(self.stall_after)
             obj = event.get("object") or {}
             rv = _rv(obj)
             kind = event.get("type")

@@ -308,7 +308,7 @@ def test_sigterm_stops_cleanly(tpu_host, kubelet, run_plugin):
     (["--topology", "4by4"], 2, "--topology"),
     (["--resource-name", "tpu"], 2, "not an extended resource name"),
     (["--socket-name", "a/b.sock"], 2, "plain file name"),
-    (["--health-interval", "5"], 2, "between 0.005 and 0.05"),
+    (["--health-interval", "0.01"], 2, "between 0.05 and 3600"),
     (["--metrics-address", "2112"], 2, "--metrics-address: metrics address '2112' is not HOST:PORT"),
 ])
 def test_bad_flags(tmp_path, flags, code, text):
