@@ -183,7 +183,10 @@ class Reflector:
             obj = event.get("object") or {}
             rv = _rv(obj)
             kind = event.get("type")
-            if kind == "BOOKMARK" and not rv:
+            if kind == "BOOKMARK":  # only a resourceVersion to resume from (none: nothing to learn)
+                self.resource_version = rv or self.resource_version
+                if stop.is_set():
+                    break
                 continue
             if not rv or not (obj.get("metadata") or {}).get("name"):
                 log.warning("malformed watch event, re-listing", extra=kv(
@@ -197,10 +200,9 @@ class Reflector:
                 elif kind == "DELETED":
                     kept = self._items.pop(self._key(obj), None) or self.keep(obj)
             self.resource_version = rv
-            if kind != "BOOKMARK":
-                if self.on_event is not None and kept is not None:
-                    self.on_event(kind, kept)
-                self.on_change()
+            if self.on_event is not None and kept is not None:
+                self.on_event(kind, kept)
+            self.on_change()
             if stop.is_set():
                 break
         return n
