@@ -251,7 +251,7 @@ def plan(data: dict[str, bytes] | None, names: list[str], policy: Policy, now: f
     wake = [renew_at(signer)] + [expires_at(c) for c in live[1:]]
 
     leaf, leaf_key = _load_cert(data.get("tls.crt")), _load_key(data.get("tls.key"))
-    need = None
+    need, waiting = None, None
     if leaf is None or leaf_key is None or not _key_matches(leaf, leaf_key):
         need = "no serving certificate matching its key"
     elif sorted(_dns_names(leaf)) != sorted(names):
@@ -266,13 +266,13 @@ def plan(data: dict[str, bytes] | None, names: list[str], policy: Policy, now: f
             reasons.append("the serving certificate is due for renewal")
             leaf = None
         else:
-            wake.append(trusted_at)  # the new CA signs once every caBundle had time to carry it
+            waiting = trusted_at  # the new CA signs once every caBundle had time to carry it
     if need:
         reasons.append(need)
         leaf = None
     if leaf is None:
         leaf, leaf_key = new_serving(signer, ca_key, names, now, policy.cert_lifetime)
-    wake.append(renew_at(leaf))
+    wake.append(waiting or renew_at(leaf))
     out = {**data, "tls.crt": _pem(leaf), "tls.key": _key_pem(leaf_key),
            "ca.crt": b"".join(_pem(c) for c in live), "ca.key": _key_pem(ca_key)}
     if not reasons:
