@@ -102,7 +102,8 @@ class CABundleReconciler(Reconciler):
                                     lambda o: set_ca_bundle(o, bundle, self.service, self.service_namespace))
         if written is not None:
             self.written.remember(key, obj, written)
-            log.info("caBundle written", extra=kv(configuration=key, service=f"{self.service_namespace}/{self.service}"))
+            log.info("caBundle written",
+                     extra=kv(configuration=key, service=f"{self.service_namespace}/{self.service}"))
         return None
 
 

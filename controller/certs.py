@@ -119,7 +119,8 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def _builder(subject: x509.Name, issuer: x509.Name, public_key, now: float, not_after: float) -> x509.CertificateBuilder:
+def _builder(subject: x509.Name, issuer: x509.Name, public_key, now: float,
+             not_after: float) -> x509.CertificateBuilder:
     return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(_utc(now - BACKDATE)).not_valid_after(_utc(not_after))

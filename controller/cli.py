@@ -6,9 +6,10 @@ reconcilers. The webhooks' certificate is, by default, the controller's own: eve
 keeps a CA and serving certificate in one Secret (made, renewed, reloaded without a restart)
 and the leader writes the CA into the caBundle of our webhook configurations; with
 --tls-cert-file/--tls-key-file it is someone else's (cert-manager) and the controller writes
-neither (docs/webhook-certificates.md). A leader that cannot renew its Lease within the renew deadline exits with status 1
-(its work stops at once; the Deployment restarts it as a standby). SIGTERM stops the
-reconcilers, releases the Lease so a standby takes over at once, and exits 0.
+neither (docs/webhook-certificates.md). A leader that cannot renew its Lease within the renew
+deadline exits with status 1 (its work stops at once; the Deployment restarts it as a
+standby). SIGTERM stops the reconcilers, releases the Lease so a standby takes over at once,
+and exits 0.
 """
 
 from __future__ import annotations
@@ -178,17 +179,17 @@ def run(args: argparse.Namespace) -> int:
                              service_names(args.webhook_service, service_namespace), policy=policy, registry=registry)
 
     def ready() -> tuple[bool, str]:
-        if certs is not None and webhooks is None:
-            return False, (f"no webhook serving certificate yet (Secret {namespace}/{args.webhook_secret}): "
-                           f"{certs.last_error or 'not read yet'}")
-        if elector.leading.is_set():
-            return True, ""
+        problems = []
         seen = elector.last_contact
-        if seen is not None and time.monotonic() - seen <= 2 * timing.lease_duration:
-            return True, ""  # a healthy standby: it can read the Lease and would take over
-        ago = "never" if seen is None else f"{time.monotonic() - seen:.0f}s ago"
-        return False, (f"standing by but cannot read Lease {lease} (last read {ago}): "
-                       f"{elector.last_error or 'no answer yet'}")
+        standby_ok = seen is not None and time.monotonic() - seen <= 2 * timing.lease_duration
+        if not (elector.leading.is_set() or standby_ok):  # a healthy standby can read the Lease, would take over
+            ago = "never" if seen is None else f"{time.monotonic() - seen:.0f}s ago"
+            problems.append(f"standing by but cannot read Lease {lease} (last read {ago}): "
+                            f"{elector.last_error or 'no answer yet'}")
+        if certs is not None and webhooks is None:
+            problems.append(f"no webhook serving certificate yet (Secret {namespace}/{args.webhook_secret}): "
+                            f"{certs.last_error or 'not read yet'}")
+        return not problems, "; ".join(problems)
 
     webhooks = None
     metrics = MetricsServer(args.metrics_address, registry, ready).start()
