@@ -22,6 +22,7 @@ import os
 import socket
 import ssl
 import stat
+import subprocess
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
+from accelnode import exitcodes
 from accelnode.kube.client import Client, Config, KubeError
 from accelnode.oci.registry import RegistryOptions
 from controller.admission import AdmissionServer
@@ -44,7 +46,7 @@ from controller.certs import Policy, ServingCerts, parse_bundle, plan, service_n
 from controller.core import Controller, Metrics
 from controller.pinning import DIGEST_ANNOTATION, Resolver
 from tests.agent.conftest import eventually
-from tests.conftest import ROOT
+from tests.conftest import ROOT, accelnode_cmd
 from tests.controller.conftest import NAMESPACE, ControllerProc, lease_spec
 from tests.csi.conftest import free_ports
 
@@ -388,3 +390,14 @@ def test_external_certificates_make_the_controller_write_nothing(world, tmp_path
     assert w.secret() is None
     assert {k: w.config(k)["metadata"]["resourceVersion"] for k in ("mutating", "validating")} == before
     w.stop_all()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--disable-webhooks", "--tls-cert-file", "c", "--tls-key-file", "k"), "--disable-webhooks serves no webhook"),
+    (("--tls-cert-file", "c"), "--tls-cert-file and --tls-key-file go together"),
+    (("--cert-lifetime", "100d", "--ca-lifetime", "200d"), "must be at most a third of the CA's"),
+    (("--cert-lifetime", "1y"), "invalid parse_duration value: '1y'"),
+])
+def test_certificate_flags_that_cannot_work_are_usage_errors(args, message):
+    out = subprocess.run(accelnode_cmd() + ["controller", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == exitcodes.USAGE and message in out.stderr, out.stderr
