@@ -267,6 +267,22 @@ def test_a_reverted_ca_bundle_is_written_again_and_a_new_configuration_filled(wo
     assert eventually(w.webhooks_called, timeout=WAIT)
 
 
+def test_a_configuration_cert_manager_fills_is_left_to_it(world):
+    w = world
+    path = f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{CONFIG}"
+    cfg = w.config("mutating")
+    cfg["metadata"].setdefault("annotations", {})["cert-manager.io/inject-ca-from"] = f"{NAMESPACE}/some-ca"
+    for hook in cfg["webhooks"]:
+        hook["clientConfig"]["caBundle"] = base64.b64encode(b"cert-manager's").decode()
+    rv = w.admin.request("PUT", path, body=cfg)["metadata"]["resourceVersion"]
+    time.sleep(5)  # two resyncs of the leader (--resync 2)
+    assert w.config("mutating")["metadata"]["resourceVersion"] == rv
+    cfg = w.config("mutating")
+    del cfg["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+    w.admin.request("PUT", path, body=cfg)
+    assert eventually(w.filled, timeout=WAIT)
+
+
 def test_renewal_near_expiry_is_served_without_a_restart(world):
     w = world
     w.stop_all()
