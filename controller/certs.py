@@ -319,7 +319,7 @@ class ServingCerts:
         self._expiry: float | None = None
         self._installed_pair: tuple[bytes, bytes] | None = None
         if registry is not None:
-            Gauge("accelnode_controller_webhook_cert_expiry_seconds",
+            Gauge("accelnode_controller_webhook_cert_expiry_timestamp_seconds",
                   "Unix time the installed webhook serving certificate expires (0 before one is installed)",
                   registry=registry).set_function(lambda: self._expiry or 0)
 
@@ -348,7 +348,7 @@ class ServingCerts:
         while not stop.wait(delay):
             try:
                 due = self.sync()
-            except (KubeError, Unreachable, NotOurs, OSError) as e:
+            except (KubeError, Unreachable, NotOurs, OSError, ValueError) as e:
                 delay = min(max_backoff, max(1.0, delay * 2))
                 self.last_error = str(e)
                 log.warning("webhook certificate check failed, retrying",

@@ -46,7 +46,7 @@ from controller.certs import Policy, ServingCerts, parse_bundle, plan, service_n
 from controller.core import Controller, Metrics
 from controller.pinning import DIGEST_ANNOTATION, Resolver
 from tests.agent.conftest import eventually
-from tests.conftest import ROOT, accelnode_cmd
+from tests.conftest import ROOT, accelnode_cmd, http_get
 from tests.controller.conftest import NAMESPACE, ControllerProc, lease_spec
 from tests.csi.conftest import free_ports
 
@@ -217,11 +217,22 @@ def test_two_replicas_race_to_one_secret_and_the_api_server_calls_them(world):
     name = f"{w.service}.{NAMESPACE}.svc"
     for port in w.ports:
         assert eventually(lambda p=port: _serial(p, ca, name) == want, timeout=WAIT), (a.log(), b.log())
+    expiry = x509.load_pem_x509_certificate(secret_data(w, "tls.crt")).not_valid_after_utc.timestamp()
+    for c in (a, b):
+        assert http_get(c.metrics_port, "/readyz")[0] == 200
+        assert metric(c, "accelnode_controller_webhook_cert_expiry_timestamp_seconds") == expiry
     assert eventually(w.filled, timeout=WAIT), f"caBundle not written:\n{a.log()}\n{b.log()}"
     assert eventually(w.webhooks_called, timeout=WAIT), "the API server did not call the webhooks"
     assert w.bundles()["foreign.certs.test.accelnode.io"] == base64.b64encode(b"not ours").decode()
     foreign = w.config("mutating", f"certs-foreign-{w.run}")
     assert all("caBundle" not in h["clientConfig"] for h in foreign["webhooks"])
+
+
+def metric(c: ControllerProc, name: str) -> float | None:
+    for line in http_get(c.metrics_port, "/metrics")[1].splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
 
 
 def _serial(port: int, ca: bytes, name: str) -> int | None:
