@@ -228,6 +228,29 @@ def test_two_replicas_race_to_one_secret_and_the_api_server_calls_them(world):
     assert all("caBundle" not in h["clientConfig"] for h in foreign["webhooks"])
 
 
+class Caller:
+    """The API server calls our webhooks all along (a dry-run create every 0.1 s); ``failures``
+    are the times of calls that did not come back pinned."""
+
+    def __init__(self, w: World):
+        self.w, self.calls, self.failures = w, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.calls += 1
+            if not self.w.webhooks_called():
+                self.failures.append(time.strftime("%X"))
+
+
 def metric(c: ControllerProc, name: str) -> float | None:
     for line in http_get(c.metrics_port, "/metrics")[1].splitlines():
         if line.startswith(name + " "):
@@ -294,7 +317,7 @@ def test_a_configuration_cert_manager_fills_is_left_to_it(world):
     assert eventually(w.filled, timeout=WAIT)
 
 
-def test_renewal_near_expiry_is_served_without_a_restart(world):
+def test_renewal_and_ca_rotation_are_served_without_a_restart_or_a_failed_call(world):
     w = world
     w.stop_all()
     w.core.delete_namespaced_secret(SECRET, NAMESPACE)
@@ -314,9 +337,27 @@ def test_renewal_near_expiry_is_served_without_a_restart(world):
     for port in w.ports:
         assert eventually(lambda p=port: _serial(p, ca, name) in (second, _current(w)), timeout=WAIT)
     assert w.webhooks_called()
+    # on to the CA's renewal (60 s in): the new CA joins the old in caBundle, then signs; the API
+    # server keeps calling us all along
+    caller = Caller(w)
+    caller.start()
+    try:
+        assert eventually(lambda: len(parse_bundle(secret_data(w, "ca.crt"))) == 2, timeout=90), (a.log(), b.log())
+        ca2, ca1 = parse_bundle(secret_data(w, "ca.crt"))
+        assert ca1.public_bytes(Encoding.PEM) == ca
+        assert eventually(w.filled, timeout=WAIT)
+        new_ca = ca2.public_bytes(Encoding.PEM)
+        for port in w.ports:  # both replicas end up serving a certificate of the new CA
+            assert eventually(lambda p=port: _serial(p, new_ca, name) is not None, timeout=WAIT), (a.log(), b.log())
+        seen = caller.calls
+        assert eventually(lambda: caller.calls >= seen + 10, timeout=WAIT)  # calls answered with the new CA
+    finally:
+        caller.stop()
+    assert caller.failures == [], (caller.failures, a.log(), b.log())
     assert a.proc.poll() is None and b.proc.poll() is None  # the same processes: no restart
     renewals = [r for c in (a, b) for r in c.records() if r.get("msg") == "webhook Secret renewed"]
-    assert renewals and all("the serving certificate is due for renewal" in r["reasons"] for r in renewals)
+    assert {"the serving certificate is due for renewal", "the CA is due for renewal"} <= {
+        reason for r in renewals for reason in r["reasons"]}
     w.stop_all()
 
 
@@ -346,18 +387,9 @@ def test_ca_rotation_keeps_the_old_and_new_ca_trusted_and_no_call_fails(world, c
     server = AdmissionServer(f"127.0.0.1:{w.ports[0]}", certs.cert_file, certs.key_file,
                              cache_routes(Resolver(RegistryOptions(anonymous=True)), ControllerIdentity.of(me))).start()
     leader.start()
-    stop = threading.Event()
-    failures: list[str] = []
-
-    def keep_calling():  # the API server calls us all along: not one call may fail
-        while not stop.is_set():
-            if not w.webhooks_called():
-                failures.append(time.strftime("%X"))
-            time.sleep(0.1)
-
+    caller = Caller(w)
     try:
         assert eventually(w.filled, timeout=WAIT) and eventually(w.webhooks_called, timeout=WAIT)
-        caller = threading.Thread(target=keep_calling, daemon=True)
         caller.start()
         (ca1,) = parse_bundle(secret_data(w, "ca.crt"))
 
@@ -386,10 +418,10 @@ def test_ca_rotation_keeps_the_old_and_new_ca_trusted_and_no_call_fails(world, c
         assert eventually(w.filled, timeout=WAIT)
         time.sleep(1)
     finally:
-        stop.set()
+        caller.stop()
         leader.stop(5)
         server.stop()
-    assert failures == []
+    assert caller.calls > 10 and caller.failures == []
 
 
 def test_external_certificates_make_the_controller_write_nothing(world, tmp_path):
@@ -428,3 +460,16 @@ def test_external_certificates_make_the_controller_write_nothing(world, tmp_path
 def test_certificate_flags_that_cannot_work_are_usage_errors(args, message):
     out = subprocess.run(accelnode_cmd() + ["controller", *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == exitcodes.USAGE and message in out.stderr, out.stderr
+
+
+def test_a_webhook_address_that_is_taken_ends_the_controller(controllers, controller_rbac, tmp_path):
+    data = plan(None, service_names("accelnode-controller", NAMESPACE), Policy(), time.time()).data
+    (tmp_path / "tls.crt").write_bytes(data["tls.crt"])
+    (tmp_path / "tls.key").write_bytes(data["tls.key"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        c = controllers("certs-taken", *FAST, "--webhook-address", f"127.0.0.1:{taken.getsockname()[1]}",
+                        "--tls-cert-file", str(tmp_path / "tls.crt"), "--tls-key-file", str(tmp_path / "tls.key"))
+        assert c.wait(WAIT) == exitcodes.FAILURE
+    assert "cannot serve the admission webhooks" in c.log()
