@@ -93,7 +93,7 @@ def parse_duration(text: str) -> float:
     """``90s``, ``15m``, ``8760h``, ``3650d`` -> seconds (an argparse type)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([smhd])\s*", text)
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a duration such as 30s, 15m, 8760h or 3650d")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 30s, 15m, 8760h or 3650d")
     return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 

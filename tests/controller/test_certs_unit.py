@@ -5,6 +5,7 @@ verification (chain to a CA of the bundle, names, key usage)."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import datetime as dt
 
@@ -141,7 +142,7 @@ def test_policy_limits_and_durations():
     assert parse_duration("87600h") == 10 * 365 * 86400 and parse_duration("30s") == 30
     assert parse_duration("1.5m") == 90 and parse_duration("2d") == 172800
     for bad in ("", "10", "0s", "-1h", "1y", "h"):
-        with pytest.raises(ValueError):
+        with pytest.raises(argparse.ArgumentTypeError):
             parse_duration(bad)
 
 
