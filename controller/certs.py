@@ -78,10 +78,10 @@ class Policy:
 
     @property
     def grace(self) -> float:
-        """How long a new CA is only trusted (in ``caBundle``) before it signs a renewal: at most
-        ten minutes, and at most a quarter of the time a serving certificate has left when it is
-        due (short lifetimes in tests)."""
-        return min(MAX_GRACE, self.cert_lifetime * (1 - RENEW_AT) / 4)
+        """How long a new CA is only trusted (in ``caBundle``) before it signs a renewal: ten
+        minutes, or half the time a serving certificate has left when it is due if that is
+        shorter (short lifetimes in tests)."""
+        return min(MAX_GRACE, self.cert_lifetime * (1 - RENEW_AT) / 2)
 
 
 def service_names(service: str, namespace: str) -> list[str]:

@@ -90,7 +90,7 @@ def test_a_renewed_ca_is_trusted_first_and_signs_only_after_the_grace():
     assert kept == old_ca and issued_at(new_ca) == t  # newest first; the old CA stays until it expires
     # the serving certificate is due too, but the new CA is too young to sign it: it waits
     assert t >= renew_at(leaf(mid)) and p.data["tls.crt"] == mid["tls.crt"]
-    assert p.wake_at == t + POLICY.grace and POLICY.grace == pytest.approx(900.0 / 12)
+    assert p.wake_at == t + POLICY.grace and POLICY.grace == pytest.approx(900.0 / 6)
     assert plan(p.data, NAMES, POLICY, t + POLICY.grace - 1).changed is False
     after = plan(p.data, NAMES, POLICY, t + POLICY.grace)
     assert after.reasons == ("the serving certificate is due for renewal",)
