@@ -2,14 +2,20 @@
 
 Every replica serves the admission webhooks (stateless: any replica may answer) and
 ``/metrics`` ``/healthz`` ``/readyz``; only the replica holding the leader Lease runs the
-reconcilers. A leader that cannot renew its Lease within the renew deadline exits with status 1
-(its work stops at once; the Deployment restarts it as a standby). SIGTERM stops the
-reconcilers, releases the Lease so a standby takes over at once, and exits 0.
+reconcilers. The webhooks' certificate is, by default, the controller's own: every replica
+keeps a CA and serving certificate in one Secret (made, renewed, reloaded without a restart)
+and the leader writes the CA into the caBundle of our webhook configurations; with
+--tls-cert-file/--tls-key-file it is someone else's (cert-manager) and the controller writes
+neither (docs/webhook-certificates.md). A leader that cannot renew its Lease within the renew
+deadline exits with status 1 (its work stops at once; the Deployment restarts it as a
+standby). SIGTERM stops the reconcilers, releases the Lease so a standby takes over at once,
+and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 
 from accelnode import cli as acli
 from accelnode import exitcodes
@@ -52,16 +58,43 @@ def register(sub) -> None:
     g.add_argument("--webhook-address", default="127.0.0.1:9443", metavar="HOST:PORT",
                    help="where the admission webhooks listen (HTTPS); loopback by default, so a pod must set "
                         "0.0.0.0:9443 (or its pod IP) for the API server to reach it (default: %(default)s)")
+    g = p.add_argument_group("webhook certificates (docs/webhook-certificates.md)")
     g.add_argument("--tls-cert-file", metavar="FILE",
-                   help="serving certificate of the webhooks (PEM, reloaded when it changes); without it and "
-                        "--tls-key-file no webhook is served")
+                   help="serving certificate of the webhooks (PEM, reloaded when it changes), made by something else "
+                        "(cert-manager): with it and --tls-key-file the controller keeps no Secret and writes no "
+                        "caBundle. Without them (the default) the controller keeps its own CA and serving "
+                        "certificate in --webhook-secret and writes the CA into the caBundle of its webhook "
+                        "configurations")
     g.add_argument("--tls-key-file", metavar="FILE", help="the serving certificate's private key (PEM)")
+    g.add_argument("--disable-webhooks", action="store_true",
+                   help="serve no admission webhook, keep no certificate")
+    g.add_argument("--webhook-secret", default="accelnode-controller-webhook-tls", metavar="NAME",
+                   help="Secret (in --namespace) holding the self-managed CA and serving certificate "
+                        "(default: %(default)s)")
+    g.add_argument("--webhook-service", default="accelnode-controller", metavar="NAME",
+                   help="Service the API server calls the webhooks through: the serving certificate's names, and "
+                        "the webhooks whose caBundle is written (default: %(default)s)")
+    g.add_argument("--webhook-service-namespace", metavar="NS",
+                   help="namespace of --webhook-service (default: the controller's --namespace)")
+    g.add_argument("--ca-lifetime", type=parse_duration, default=parse_duration("87600h"), metavar="DURATION",
+                   help="lifetime of a self-managed CA, e.g. 87600h; renewed at two thirds of it (default: 10 years)")
+    g.add_argument("--cert-lifetime", type=parse_duration, default=parse_duration("8760h"), metavar="DURATION",
+                   help="lifetime of a self-managed serving certificate, at most a third of --ca-lifetime; renewed "
+                        "at two thirds of it (default: 1 year)")
     add_registry_flags(p.add_argument_group("registry (resolving kernel-cache images to digests)"),
                        timeout_flag="--registry-timeout", timeout=30.0,
                        timeout_help="deadline of resolving one image to its digest (manifests and configs, no layers)")
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``15m``, ``8760h``, ``3650d`` -> seconds (an argparse type)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([smhd])\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 30s, 15m, 8760h or 3650d")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 def default_identity() -> str:
@@ -93,9 +126,11 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.oci.flags import registry_options
 
     from .admission import AdmissionServer
+    from .cabundle import CABundleReconciler
     from .cachehooks import ControllerIdentity
     from .cachehooks import routes as cache_routes
     from .envhooks import routes as env_routes
+    from .certs import Policy, ServingCerts, service_names
     from .leader import LeaderElector, Timing
     from .manager import RECONCILERS, Manager
     from .pinning import Resolver
@@ -110,7 +145,16 @@ def run(args: argparse.Namespace) -> int:
         raise exitcodes.CLIError("--workers must be at least 1 and --resync positive", exitcodes.USAGE)
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise exitcodes.CLIError("--tls-cert-file and --tls-key-file go together", exitcodes.USAGE)
+    if args.disable_webhooks and args.tls_cert_file:
+        raise exitcodes.CLIError("--disable-webhooks serves no webhook: give no --tls-cert-file", exitcodes.USAGE)
+    self_managed = not (args.disable_webhooks or args.tls_cert_file)
+    policy = Policy(args.ca_lifetime, args.cert_lifetime)
+    try:
+        policy.check()
+    except ValueError as e:
+        raise exitcodes.CLIError(str(e), exitcodes.USAGE) from None
     namespace = args.namespace or default_namespace()
+    service_namespace = args.webhook_service_namespace or namespace
     identity = args.identity or default_identity()
     try:
         config = Config.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Config.in_cluster()
@@ -120,39 +164,60 @@ def run(args: argparse.Namespace) -> int:
 
     resolver = Resolver(registry_options(args))  # one per process: webhooks and reconcilers share its answers
     registry = CollectorRegistry()
-    manager = Manager(client, [factory(client, resolver) for factory in RECONCILERS], registry, workers=args.workers,
-                      resync=args.resync)
+    reconcilers = [factory(client, resolver) for factory in RECONCILERS]
+    if self_managed:  # the leader copies the CA into our webhook configurations
+        reconcilers.append(CABundleReconciler(client, secret_namespace=namespace, secret=args.webhook_secret,
+                                              service=args.webhook_service, service_namespace=service_namespace))
+    manager = Manager(client, reconcilers, registry, workers=args.workers, resync=args.resync)
     elector = LeaderElector(client, namespace, args.lease_name, identity, timing, on_started_leading=manager.start)
     Gauge("accelnode_controller_leader", "1 while this replica holds the leader Lease",
           registry=registry).set_function(lambda: 1 if elector.leading.is_set() else 0)
     lease = f"{namespace}/{args.lease_name}"
 
-    def ready() -> tuple[bool, str]:
-        if elector.leading.is_set():
-            return True, ""
-        seen = elector.last_contact
-        if seen is not None and time.monotonic() - seen <= 2 * timing.lease_duration:
-            return True, ""  # a healthy standby: it can read the Lease and would take over
-        ago = "never" if seen is None else f"{time.monotonic() - seen:.0f}s ago"
-        return False, (f"standing by but cannot read Lease {lease} (last read {ago}): "
-                       f"{elector.last_error or 'no answer yet'}")
+    certs = None
+    if self_managed:
+        certs = ServingCerts(client, namespace, args.webhook_secret,
+                             service_names(args.webhook_service, service_namespace), policy=policy, registry=registry)
 
-    metrics = MetricsServer(args.metrics_address, registry, ready).start()
+    def ready() -> tuple[bool, str]:
+        problems = []
+        seen = elector.last_contact
+        standby_ok = seen is not None and time.monotonic() - seen <= 2 * timing.lease_duration
+        if not (elector.leading.is_set() or standby_ok):  # a healthy standby can read the Lease, would take over
+            ago = "never" if seen is None else f"{time.monotonic() - seen:.0f}s ago"
+            problems.append(f"standing by but cannot read Lease {lease} (last read {ago}): "
+                            f"{elector.last_error or 'no answer yet'}")
+        if certs is not None and webhooks is None:
+            problems.append(f"no webhook serving certificate yet (Secret {namespace}/{args.webhook_secret}): "
+                            f"{certs.last_error or 'not read yet'}")
+        return not problems, "; ".join(problems)
+
     webhooks = None
-    if args.tls_cert_file:
-        ident = ControllerIdentity.of(client)
-        ident.username()  # learn it now (logged); retried on the first requests if the API server is not up yet
-        try:
-            webhooks = AdmissionServer(args.webhook_address, args.tls_cert_file, args.tls_key_file,
-                                       {**cache_routes(resolver, ident), **env_routes()}).start()
-        except BaseException:
-            metrics.stop()
-            raise
-    else:
-        log.info("no --tls-cert-file: admission webhooks are not served")
+    metrics = MetricsServer(args.metrics_address, registry, ready).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    failed: list[str] = []  # why the webhooks cannot be served: the controller exits with it
+
+    def serve(cert_file: str, key_file: str) -> None:
+        nonlocal webhooks
+        try:
+            webhooks = AdmissionServer(args.webhook_address, cert_file, key_file, routes).start()
+        except OSError as e:  # the address is taken, a file is missing or not a certificate
+            failed.append(f"cannot serve the admission webhooks on {args.webhook_address}: {e}")
+            stop.set()
+
+    if args.disable_webhooks:
+        log.info("--disable-webhooks: admission webhooks are not served")
+    else:
+        ident = ControllerIdentity.of(client)
+        ident.username()  # learn it now (logged); retried on the first requests if the API server is not up yet
+        routes = {**cache_routes(resolver, ident), **env_routes()}
+        if certs is None:
+            serve(args.tls_cert_file, args.tls_key_file)
+        else:  # the first pair comes from the API server: served once installed, leader election meanwhile
+            threading.Thread(target=certs.run, args=(stop,), kwargs={"on_first_install": serve}, name="webhook-certs",
+                             daemon=True).start()
     log.info("controller starting", extra=kv(identity=identity, lease=lease, reconcilers=len(manager.controllers)))
     try:
         stopped_cleanly = elector.run(stop)
@@ -162,7 +227,11 @@ def run(args: argparse.Namespace) -> int:
         elector.release()
     if webhooks is not None:
         webhooks.stop()
+    if certs is not None:
+        certs.close()
     metrics.stop()
+    if failed:
+        raise exitcodes.CLIError(failed[0], exitcodes.FAILURE)
     if not stopped_cleanly:
         raise exitcodes.CLIError(f"lost the leader Lease {lease}: could not renew within {timing.renew_deadline:g}s; "
                                  "exiting so that no work is done without it", exitcodes.FAILURE)

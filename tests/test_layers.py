@@ -153,7 +153,7 @@ def test_runtime_dependencies_are_what_runtime_code_imports():
     assert declared == needed, (f"declared but not imported at run time: {sorted(declared - needed)}; "
                                 f"imported but not declared: {sorted(needed - declared)}")
     extras = {_canonical(_dist_name(r)) for reqs in meta["optional-dependencies"].values() for r in reqs}
-    assert {"kubernetes", "psutil", "cryptography", "pytest"} <= extras
+    assert {"kubernetes", "psutil", "pytest"} <= extras
     assert not extras & declared
 
 

@@ -12,8 +12,9 @@ from tests.agent.conftest import eventually
 from tests.conftest import http_get
 from tests.controller.conftest import LEASE_PATH, lease_spec
 
-FAST = ("--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1")
-SLOW_LEASE = ("--lease-duration", "60", "--renew-deadline", "10", "--retry-period", "1")
+# leader election alone: no webhooks, so no webhook certificate (its RBAC is not applied here)
+FAST = ("--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1", "--disable-webhooks")
+SLOW_LEASE = ("--lease-duration", "60", "--renew-deadline", "10", "--retry-period", "1", "--disable-webhooks")
 
 
 def holder(admin: Client) -> str | None:

@@ -1,5 +1,6 @@
 """The controller's identity (daemonsets/rbac-controller.yaml) may read, create and renew its
-Lease in its namespace, and nothing else."""
+Lease in its namespace, and nothing else; with daemonsets/rbac-controller-webhooks.yaml, also
+keep its one webhook Secret there and update the webhook configurations named there."""
 
 from __future__ import annotations
 
@@ -48,3 +49,72 @@ def test_the_controller_is_forbidden_everything_else(me, kube_namespace):
     forbidden(me, "GET", f"/api/v1/namespaces/{NAMESPACE}/secrets")
     forbidden(me, "GET", "/api/v1/configmaps")
     forbidden(me, "GET", "/api/v1/nodes")
+
+
+# -- the webhook certificates (daemonsets/rbac-controller-webhooks.yaml) -----------------------------
+
+SECRET = "accelnode-controller-webhook-tls"
+SECRETS = f"/api/v1/namespaces/{NAMESPACE}/secrets"
+WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+
+
+@pytest.fixture
+def webhook_rbac(kubectl, controller_rbac, admin):
+    out = kubectl("admin", "apply", "-f", "daemonsets/rbac-controller-webhooks.yaml")
+    assert out.returncode == 0, out.stderr
+
+    def clean():  # the names are shared with tests/controller/test_webhook_certs.py
+        for path in (f"{SECRETS}/{SECRET}", f"{WEBHOOKS}/accelnode-gkm-caches", f"{WEBHOOKS}/rbac-test-other"):
+            try:
+                admin.request("DELETE", path)
+            except KubeError as e:
+                assert e.code == 404, e
+
+    clean()
+    yield
+    clean()
+
+
+def _secret(name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls", "metadata": {"name": name},
+            "data": {"tls.crt": "", "tls.key": ""}}
+
+
+def _webhooks(name: str) -> dict:
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "accelnode"}}, "webhooks": []}
+
+
+def test_the_controller_keeps_its_webhook_secret_and_no_other(me, webhook_rbac, admin, kube_namespace):
+    me.request("POST", SECRETS, body=_secret(SECRET))
+    got = me.request("GET", f"{SECRETS}/{SECRET}")
+    me.request("PUT", f"{SECRETS}/{SECRET}", body=got)
+    listed = me.request("GET", SECRETS, query={"fieldSelector": f"metadata.name={SECRET}"})
+    assert [s["metadata"]["name"] for s in listed["items"]] == [SECRET]
+    forbidden(me, "GET", SECRETS)  # every Secret of the namespace
+    forbidden(me, "DELETE", f"{SECRETS}/{SECRET}")
+    forbidden(me, "PATCH", f"{SECRETS}/{SECRET}", body={"metadata": {"labels": {"x": "y"}}})
+    admin.request("POST", SECRETS, body=_secret("someone-elses"))
+    try:
+        forbidden(me, "GET", f"{SECRETS}/someone-elses")
+        forbidden(me, "PUT", f"{SECRETS}/someone-elses", body=_secret("someone-elses"))
+    finally:
+        admin.request("DELETE", f"{SECRETS}/someone-elses")
+    other = f"/api/v1/namespaces/{kube_namespace}/secrets"
+    forbidden(me, "POST", other, body=_secret(SECRET))
+    forbidden(me, "GET", f"{other}/{SECRET}")
+    forbidden(me, "GET", "/api/v1/secrets")
+
+
+def test_the_controller_updates_only_our_webhook_configurations(me, webhook_rbac, admin):
+    admin.request("POST", WEBHOOKS, body=_webhooks("accelnode-gkm-caches"))
+    admin.request("POST", WEBHOOKS, body=_webhooks("rbac-test-other"))
+    listed = me.request("GET", WEBHOOKS, query={"labelSelector": "app.kubernetes.io/part-of=accelnode"})
+    ours = next(c for c in listed["items"] if c["metadata"]["name"] == "accelnode-gkm-caches")
+    me.request("PUT", f"{WEBHOOKS}/accelnode-gkm-caches", body=ours)
+    me.request("GET", "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations")
+    other = next(c for c in listed["items"] if c["metadata"]["name"] == "rbac-test-other")
+    forbidden(me, "PUT", f"{WEBHOOKS}/rbac-test-other", body=other)
+    forbidden(me, "POST", WEBHOOKS, body=_webhooks("rbac-test-new"))
+    forbidden(me, "DELETE", f"{WEBHOOKS}/accelnode-gkm-caches")
+    forbidden(me, "PATCH", f"{WEBHOOKS}/accelnode-gkm-caches", body={"webhooks": []})
