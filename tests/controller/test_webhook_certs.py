@@ -53,6 +53,7 @@ from tests.csi.conftest import free_ports
 SECRET = "accelnode-controller-webhook-tls"
 SECRET_PATH = f"/api/v1/namespaces/{NAMESPACE}/secrets/{SECRET}"
 CONFIG = "accelnode-gkm-caches"  # the name daemonsets/webhooks-gkm.yaml ships and RBAC allows updating
+ENV_CONFIG = "accelnode-tpu-env"  # daemonsets/webhooks-tpu-env.yaml's
 WAIT = 60  # seconds: a bound on starts, elections and propagation, never a measurement
 FAST = ("--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1", "--resync", "2")
 IMAGE = "127.0.0.1:9/certs/probe@sha256:" + "a" * 64  # pinned by its own digest: no registry call
@@ -74,7 +75,9 @@ class World:
     # -- objects -------------------------------------------------------------------------------
 
     def shipped(self, port: int) -> list[dict]:
-        docs = list(yaml.safe_load_all((ROOT / "daemonsets/webhooks-gkm.yaml").read_text()))
+        """Our webhook configurations as shipped (the caches' two, then the TPU env one)."""
+        docs = [d for f in ("webhooks-gkm.yaml", "webhooks-tpu-env.yaml")
+                for d in yaml.safe_load_all((ROOT / "daemonsets" / f).read_text())]
         for doc in docs:
             for hook in doc["webhooks"]:
                 hook["clientConfig"]["service"].update(name=self.service, namespace=NAMESPACE, port=port)
@@ -91,10 +94,10 @@ class World:
         return self.admin.request("GET", f"/apis/admissionregistration.k8s.io/v1/{kind}webhookconfigurations/{name}")
 
     def bundles(self) -> dict[str, str | None]:
-        """caBundle of every webhook of our two configurations, by webhook name."""
+        """caBundle of every webhook of our three configurations, by webhook name."""
         out = {}
-        for kind in ("mutating", "validating"):
-            for hook in self.config(kind)["webhooks"]:
+        for kind, name in (("mutating", CONFIG), ("validating", CONFIG), ("mutating", ENV_CONFIG)):
+            for hook in self.config(kind, name)["webhooks"]:
                 out[hook["name"]] = hook["clientConfig"].get("caBundle")
         return out
 
@@ -119,6 +122,7 @@ class World:
     def delete_everything(self) -> None:
         for delete in (lambda: self.reg.delete_mutating_webhook_configuration(CONFIG),
                        lambda: self.reg.delete_validating_webhook_configuration(CONFIG),
+                       lambda: self.reg.delete_mutating_webhook_configuration(ENV_CONFIG),
                        lambda: self.reg.delete_mutating_webhook_configuration(f"certs-foreign-{self.run}"),
                        lambda: self.core.delete_namespaced_secret(SECRET, NAMESPACE)):
             try:
@@ -130,6 +134,21 @@ class World:
 
     def webhooks_called(self) -> bool:
         return self.call() == ""
+
+    def env_injected(self) -> str:
+        """A dry-run create of an opted-in StatefulSet: its template's TPU_WORKER_HOSTNAMES, as
+        the TPU env webhook set it through the API server ("" when it was not called)."""
+        label = {"gke-tpu-env-injector.aaronbatilo.dev/inject": "enabled"}
+        body = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "web", "labels": label},
+                "spec": {"replicas": 2, "serviceName": "nginx", "selector": {"matchLabels": {"app": "web"}},
+                         "template": {"metadata": {"labels": {"app": "web", **label}},
+                                      "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause"}]}}}}
+        try:
+            out = client.AppsV1Api(self.core.api_client).create_namespaced_stateful_set(self.ns, body, dry_run="All")
+        except client.ApiException:
+            return ""
+        env = out.spec.template.spec.containers[0].env or []
+        return next((e.value for e in env if e.name == "TPU_WORKER_HOSTNAMES"), "")
 
     def call(self) -> str:
         """A dry-run create of a GKMCache: "" when it came back pinned, else what went wrong."""
@@ -229,6 +248,7 @@ def test_two_replicas_race_to_one_secret_and_the_api_server_calls_them(world):
         assert metric(c, "accelnode_controller_webhook_cert_expiry_timestamp_seconds") == expiry
     assert eventually(w.filled, timeout=WAIT), f"caBundle not written:\n{a.log()}\n{b.log()}"
     assert eventually(w.webhooks_called, timeout=WAIT), "the API server did not call the webhooks"
+    assert eventually(w.env_injected, timeout=WAIT) == "web-0.nginx,web-1.nginx"  # the TPU env webhooks too
     assert w.bundles()["foreign.certs.test.accelnode.io"] == base64.b64encode(b"not ours").decode()
     foreign = w.config("mutating", f"certs-foreign-{w.run}")
     assert all("caBundle" not in h["clientConfig"] for h in foreign["webhooks"])
