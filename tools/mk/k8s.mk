@@ -1,13 +1,13 @@
-# A real Kubernetes control plane for the tests: etcd, kube-apiserver, kube-controller-manager and
-# a kubectl of the same minor, built from the Go modules pinned in tools/k8s/go.mod (Kubernetes
-# 1.35, etcd 3.6). Rebuilt only when one is missing or when that go.mod/go.sum change. `make
-# cluster` runs one in the foreground for a person (accelnode/testing/devcluster.py,
-# docs/local-cluster.md).
-K8S_NAMES := etcd kube-apiserver kube-controller-manager kubectl
+# A real Kubernetes control plane for the tests: etcd, kube-apiserver, kube-controller-manager, a
+# kubectl of the same minor, and the node side (kubelet; kubeadm for token discovery and joins),
+# built from the Go modules pinned in tools/k8s/go.mod (Kubernetes 1.35, etcd 3.6). Rebuilt only
+# when one is missing or when that go.mod/go.sum change. `make cluster` runs one in the foreground
+# for a person (accelnode/testing/devcluster.py, docs/local-cluster.md).
+K8S_NAMES := etcd kube-apiserver kube-controller-manager kubectl kubelet kubeadm
 K8S_TOOLS := $(addprefix $(TOOLS_BIN)/,$(K8S_NAMES))
 TOOLS += $(K8S_TOOLS)
 
-K8S_PKGS := go.etcd.io/etcd/server/v3 $(addprefix k8s.io/kubernetes/cmd/,kube-apiserver kube-controller-manager kubectl)
+K8S_PKGS := go.etcd.io/etcd/server/v3 $(addprefix k8s.io/kubernetes/cmd/,kube-apiserver kube-controller-manager kubectl kubelet kubeadm)
 
 # Stamp the release into /version and `kubectl version` as the release build does (a plain
 # `go build` reports v0.0.0-master).
