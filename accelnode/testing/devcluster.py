@@ -265,7 +265,11 @@ class ControlPlane:
     (SIGTERM, then SIGKILL), waits for them and removes the etcd data. Safe to call twice.
     """
 
-    def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0):
+    def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0, kubelets: bool = False):
+        """``kubelets=True``: ready for real kubelets (accelnode/testing/node.py): the Node
+        authorizer beside RBAC, ServiceAccount admission (pods get their token volume), and a
+        client certificate the apiserver shows kubelets (logs, exec)."""
+        self.kubelets = kubelets
         self.workdir = Path(workdir)
         self.tools_bin = Path(tools_bin)
         self.start_timeout = start_timeout
@@ -294,6 +298,15 @@ class ControlPlane:
         except KeyError:
             raise KeyError(f"no identity {identity!r}; known: {sorted(self._kubeconfigs)}") from None
 
+    def node_kubeconfig(self, node: str) -> Path:
+        """A kubeconfig for kubelet on ``node``: user ``system:node:<node>`` in ``system:nodes``."""
+        assert self._pki is not None, "start() first"
+        ident = Identity(f"node-{node}", f"system:node:{node}", ("system:nodes",))
+        if ident.name not in self._kubeconfigs:
+            self._clients[ident.name] = self._pki.client(ident)
+            self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
+        return self._kubeconfigs[ident.name]
+
     def start(self) -> None:
         etcd, apiserver = self._binary("etcd"), self._binary("kube-apiserver")
         controller_manager = self._binary("kube-controller-manager")
@@ -318,14 +331,15 @@ class ControlPlane:
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={self._pki.serving[0]}", f"--tls-private-key-file={self._pki.serving[1]}",
             f"--client-ca-file={self._pki.ca}",
-            "--authorization-mode=RBAC", "--anonymous-auth=false",
+            "--authorization-mode=Node,RBAC" if self.kubelets else "--authorization-mode=RBAC",
+            "--anonymous-auth=false",
             f"--service-account-issuer={ISSUER}", f"--service-account-key-file={self._pki.sa_pub}",
             f"--service-account-signing-key-file={self._pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             # The controller-manager creates each namespace's `default` ServiceAccount, which
             # this admission plugin insists on for every pod, but only a moment after the
             # namespace: tests create pods right after their namespace.
-            "--disable-admission-plugins=ServiceAccount",
+            *(self._kubelet_flags() if self.kubelets else ["--disable-admission-plugins=ServiceAccount"]),
             "--allow-privileged=true", "--profiling=false",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
         ], self.workdir / "kube-apiserver.log")
@@ -399,6 +413,12 @@ class ControlPlane:
         self.stop()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _kubelet_flags(self) -> list[str]:
+        crt, key = self._pki.client(Identity("kubelet-client", "kube-apiserver-kubelet-client", ("system:masters",)))
+        return [f"--kubelet-client-certificate={crt}", f"--kubelet-client-key={key}",
+                # kubelets here are named with --hostname-override: reach them by their node IP
+                "--kubelet-preferred-address-types=InternalIP", "--enable-admission-plugins=NodeRestriction"]
 
     def _binary(self, name: str) -> str:
         path = self.tools_bin / name
