@@ -82,6 +82,9 @@ IDENTITIES = (
 # The user the apiserver's bootstrap RBAC policy grants the controller-manager's rights to.
 CONTROLLER_MANAGER = Identity("kube-controller-manager", "system:kube-controller-manager", ())
 
+# The user the bootstrap RBAC policy grants the scheduler's rights to (kubelets=True only).
+SCHEDULER = Identity("kube-scheduler", "system:kube-scheduler", ())
+
 # Every default controller, the two token controllers that are off by default (so bootstrap
 # tokens work), and none of those that act on Nodes as if kubelets ran them: our Nodes are bare
 # records with no kubelet posting status, so the node lifecycle controller would mark them
@@ -267,8 +270,8 @@ class ControlPlane:
 
     def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0, kubelets: bool = False):
         """``kubelets=True``: ready for real kubelets (accelnode/testing/node.py): the Node
-        authorizer beside RBAC, ServiceAccount admission (pods get their token volume), and a
-        client certificate the apiserver shows kubelets (logs, exec)."""
+        authorizer beside RBAC, ServiceAccount admission (pods get their token volume), a
+        client certificate the apiserver shows kubelets (logs, exec), and kube-scheduler."""
         self.kubelets = kubelets
         self.workdir = Path(workdir)
         self.tools_bin = Path(tools_bin)
@@ -280,6 +283,8 @@ class ControlPlane:
         self._etcd: _Proc | None = None
         self._apiserver: _Proc | None = None
         self._controller_manager: _Proc | None = None
+        self._scheduler: _Proc | None = None
+        self.scheduler_port = free_port()
         self._kubeconfigs: dict[str, Path] = {}
         self._clients: dict[str, tuple[Path, Path]] = {}
         self._pki: _PKI | None = None
@@ -312,7 +317,7 @@ class ControlPlane:
         controller_manager = self._binary("kube-controller-manager")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._pki = _PKI(self.workdir / "pki")
-        for ident in (*IDENTITIES, CONTROLLER_MANAGER):
+        for ident in (*IDENTITIES, CONTROLLER_MANAGER, *((SCHEDULER,) if self.kubelets else ())):
             self._clients[ident.name] = self._pki.client(ident)
             self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
         policy = self.workdir / "audit-policy.yaml"
@@ -353,7 +358,9 @@ class ControlPlane:
             # is no front proxy, so no request-header CA to look up in kube-system
             f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
             f"--client-ca-file={self._pki.ca}", "--authentication-skip-lookup=true",
-            f"--controllers={','.join(CONTROLLERS)}",
+            # with real kubelets the Node controllers have real Nodes to act on (the node
+            # lifecycle controller lifts the not-ready taint kubelet registers with)
+            f"--controllers={','.join(CONTROLLERS[:3] if self.kubelets else CONTROLLERS)}",
             # each controller acts as its own ServiceAccount in kube-system, with the rights the
             # bootstrap policy gives it, as in a real cluster
             "--use-service-account-credentials=true",
@@ -361,6 +368,16 @@ class ControlPlane:
             f"--cluster-signing-cert-file={self._pki.ca}", f"--cluster-signing-key-file={self._pki.ca_key}",
             "--leader-elect=false", "--profiling=false",
         ], self.workdir / "kube-controller-manager.log")
+        if self.kubelets:  # pods for a real kubelet need binding to its Node
+            kubeconfig = self.kubeconfig(SCHEDULER.name)
+            self._scheduler = _Proc("kube-scheduler", [
+                self._binary("kube-scheduler"), "--bind-address=127.0.0.1", f"--secure-port={self.scheduler_port}",
+                f"--tls-cert-file={self._pki.controller_manager_serving[0]}",
+                f"--tls-private-key-file={self._pki.controller_manager_serving[1]}",
+                f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}", "--authentication-skip-lookup=true",
+                "--leader-elect=false", "--profiling=false",
+            ], self.workdir / "kube-scheduler.log")
         try:
             self._etcd.start()
             self._wait(self._etcd, f"http://127.0.0.1:{client}/readyz", None)
@@ -381,6 +398,10 @@ class ControlPlane:
         self._controller_manager.start()
         self._wait(self._controller_manager, f"https://127.0.0.1:{self.controller_manager_port}/healthz",
                    ssl.create_default_context(cafile=str(self.ca_file)))
+        if self._scheduler is not None:
+            self._scheduler.start()
+            self._wait(self._scheduler, f"https://127.0.0.1:{self.scheduler_port}/healthz",
+                       ssl.create_default_context(cafile=str(self.ca_file)))
 
     def stop_apiserver(self) -> None:
         """Stop kube-apiserver (etcd keeps the data): clients see the API go away.
@@ -389,19 +410,19 @@ class ControlPlane:
         it exits when it loses the API while it is still starting its controllers, and its
         requests in flight can hold the apiserver's shutdown up until the kill.
         """
-        for proc in (self._controller_manager, self._apiserver):
+        for proc in (self._scheduler, self._controller_manager, self._apiserver):
             if proc is not None:
                 proc.stop()
 
     def stop(self) -> None:
-        for proc in (self._controller_manager, self._apiserver, self._etcd):
+        for proc in (self._scheduler, self._controller_manager, self._apiserver, self._etcd):
             if proc is not None:
                 proc.stop()
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
 
     def check_running(self) -> None:
         """Raise :class:`ControlPlaneError` if one of the servers has exited."""
-        for proc in (self._etcd, self._apiserver, self._controller_manager):
+        for proc in (self._etcd, self._apiserver, self._controller_manager, self._scheduler):
             if proc is not None and proc.exited():
                 raise proc.failure("exited")
 

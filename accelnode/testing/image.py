@@ -5,7 +5,7 @@ this module makes the same image from Debian's own tools and writes it as an OCI
 that ``ctr images import`` (containerd) takes:
 
 1. **base layer**: ``mmdebstrap --variant=essential`` of Debian bookworm with ``python3``,
-   ``python3-venv`` and ``ca-certificates``; a customize hook makes the virtualenv
+   ``python3-venv``, ``ca-certificates`` and ``libstdc++6`` (grpcio needs it); a customize hook makes the virtualenv
    ``/opt/accelnode`` and installs the runtime dependencies (``pyproject.toml``'s
    ``dependencies``, wheels fetched beforehand by pip, installed offline) and the ``accelnode``
    user (uid/gid 65532). Rebuilt only when those dependencies or this recipe change.
@@ -47,7 +47,7 @@ VENV = "/opt/accelnode"
 SITE = f"{VENV}/lib/python{PYVER}/site-packages"
 UID = 65532
 EPOCH = 1700000000  # fixed mtime of everything we write (SOURCE_DATE_EPOCH for mmdebstrap)
-RECIPE_VERSION = "1"  # bump when the recipe below changes what it makes
+RECIPE_VERSION = "2"  # bump when the recipe below changes what it makes
 SOURCE_DIRS = ("accelnode", "agent", "csi_driver", "device_plugin", "controller")
 ENV = [f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
        "PYTHONDONTWRITEBYTECODE=1", "PYTHONUNBUFFERED=1", "LANG=C.UTF-8"]
@@ -118,7 +118,7 @@ def build_base(out: Path, root: Path = ROOT, log=print) -> None:
         log(f"image: fetching wheels of the runtime dependencies ({len(runtime_requirements(root))})")
         _run([py, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", wheels,  # same platform as bookworm's
               *runtime_requirements(root)], "pip download")
-        log(f"image: mmdebstrap {SUITE} (python3, python3-venv, ca-certificates)")
+        log(f"image: mmdebstrap {SUITE} (python3, python3-venv, ca-certificates, libstdc++6)")
         hook = (f'set -e; chroot "$1" python3 -m venv {VENV}; '
                 f'mkdir -p "$1/tmp/wheels"; cp {wheels}/*.whl "$1/tmp/wheels/"; '
                 f'chroot "$1" {VENV}/bin/pip install -q --no-index --no-compile --find-links /tmp/wheels '
@@ -130,7 +130,7 @@ def build_base(out: Path, root: Path = ROOT, log=print) -> None:
                 f'echo "accelnode:x:{UID}:" >> "$1/etc/group"')
         env = dict(os.environ, SOURCE_DATE_EPOCH=str(EPOCH))
         tmp = out.with_name(out.stem + ".partial.tar")  # mmdebstrap picks its output format by the name
-        _run(["mmdebstrap", "--variant=essential", "--mode=root", "--include=python3,python3-venv,ca-certificates",
+        _run(["mmdebstrap", "--variant=essential", "--mode=root", "--include=python3,python3-venv,ca-certificates,libstdc++6",
               "--aptopt=APT::Install-Recommends \"false\"",
               "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
               "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
@@ -303,10 +303,12 @@ def build(root: Path = ROOT, log=print) -> Image:
 def build_pause(root: Path = ROOT) -> Image:
     cache = cache_dir(root)
     layer = _cached(cache / "pause-layer.tar", pause_layer)
-    archive = cache / "pause.oci.tar"
+    entrypoint = ["/pause", "-P"]  # catatonit's pause mode: sleep, reap, exit on SIGINT/SIGTERM
+    key = _hash(_sha256_file(layer).encode(), json.dumps(entrypoint).encode())
+    archive = cache / f"pause-{key}.oci.tar"
     if not archive.exists():
-        write_oci_archive(archive, PAUSE_NAME, [layer], entrypoint=["/pause"], user="65535:65535")
-    return Image(archive, PAUSE_NAME, _sha256_file(layer)[:16])
+        write_oci_archive(archive, PAUSE_NAME, [layer], entrypoint=entrypoint, user="65535:65535")
+    return Image(archive, PAUSE_NAME, key)
 
 
 def ctr_import(image: Image, address: str, namespace: str = "k8s.io") -> None:

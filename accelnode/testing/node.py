@@ -10,8 +10,9 @@ one :class:`Node` does, and undoes on :meth:`Node.stop`:
   lower a process's oom_score_adj: runc's "can't get final child's PID from pipe");
 - a bridge CNI conflist (containerd reports the network ready only with one; our pods use the
   host's network, so the bridge is never made);
-- kubelet with ``--root-dir`` in the work directory, ``--hostname-override``, node IP 127.0.0.1,
-  its server and healthz on free loopback ports, ``cgroupDriver: cgroupfs``,
+- kubelet with ``--root-dir`` in the work directory, ``--hostname-override``, its server and
+  healthz on free loopback ports (kubelet refuses a loopback node IP: the Node's InternalIP is the
+  host's, where nothing of ours listens), ``cgroupDriver: cgroupfs``,
   ``failCgroupV1: false`` (cgroup v1 hosts), ``oomScoreAdj: 0`` (as above), container logs in
   the work directory, x509 client authentication with the control plane's CA;
 - what kubelet changes outside the work directory is recorded first and put back: the sysctls
@@ -188,7 +189,7 @@ state = "{d / 'state'}"
         argv = [str(self.tools_bin / "kubelet"), f"--config={path}",
                 f"--kubeconfig={self.cp.node_kubeconfig(self.name)}", f"--root-dir={self.root_dir}",
                 f"--cert-dir={self.workdir / 'kubelet-pki'}", f"--hostname-override={self.name}",
-                "--node-ip=127.0.0.1", "--v=1", *([f"--node-labels={labels}"] if labels else [])]
+                "--v=1", *([f"--node-labels={labels}"] if labels else [])]
         self._kubelet = _Proc("kubelet", argv, self.workdir / "kubelet.log")
         self._kubelet.start()
 
@@ -338,3 +339,121 @@ def _kill_shims(socket: Path) -> None:
                 os.kill(int(pid), signal.SIGKILL)
             except OSError:
                 pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the kustomize overlay that fits daemonsets/ to this node
+
+SYSTEM_NS = "accelnode-system"
+
+
+def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_root: Path, api_port: int,
+                  accelerator_type: str = "", topology: str = "", base_docs: list[dict] | None = None) -> dict:
+    """A kustomization in ``out`` over ``base`` (daemonsets/) for a :class:`Node` on loopback.
+
+    Every pod uses the host's network (no kube-proxy, no pod network here) and reaches the API
+    server at 127.0.0.1 (``KUBERNETES_SERVICE_HOST``/``PORT``: kubelet's service variables give
+    way to a container's own); every listener gets a free loopback port. The kubelet paths are
+    the node's ``--root-dir``; the device plugin and the agent read the simulated host
+    (``sysfs_root``, ``dev_root``, mounted at the same paths so that device paths mean the same
+    inside and out); the agent talks plain HTTP to a loopback registry. The controller runs one
+    replica; the API server reaches its webhooks through Service ``accelnode-controller`` made an
+    ExternalName of 127.0.0.1 on the webhook port (the serving certificate still names the
+    Service). Returns the ports: ``device_plugin``, ``csi``, ``agent``, ``controller``, ``webhook``.
+    """
+    ports = {k: free_port() for k in ("device_plugin", "csi", "agent", "controller", "webhook")}
+    api = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+           {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)}]
+    kdir = node.root_dir
+    caches = node.workdir / "caches"
+    udev = node.workdir / "udev"
+    udev.mkdir(parents=True, exist_ok=True)
+
+    def probes(port: int) -> dict:
+        return {p: {"httpGet": {"host": "127.0.0.1", "port": port}} for p in ("readinessProbe", "livenessProbe")}
+
+    def env(**kv) -> list[dict]:
+        return [{"name": f"ACCELNODE_{k.upper()}", "value": str(v)} for k, v in kv.items()]
+
+    hw_env = env(sysfs_root=sysfs_root, dev_root=dev_root)
+    device_plugin = {
+        "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "accelnode-tpu-device-plugin",
+                                                                  "namespace": SYSTEM_NS},
+        "spec": {"template": {"spec": {
+            "containers": [{
+                "name": "device-plugin",
+                "env": hw_env + env(metrics_address=f"127.0.0.1:{ports['device_plugin']}")
+                + (env(accelerator_type=accelerator_type) if accelerator_type else [])
+                + (env(topology=topology) if topology else []),
+                **probes(ports["device_plugin"]),
+                "volumeMounts": [{"$patch": "replace"},
+                                 {"name": "dev", "mountPath": str(dev_root)},
+                                 {"name": "sys", "mountPath": str(sysfs_root), "readOnly": True},
+                                 {"name": "device-plugins", "mountPath": str(DEVICE_PLUGINS)},
+                                 {"name": "udev", "mountPath": "/run/udev", "readOnly": True}]}],
+            "volumes": [{"name": "dev", "hostPath": {"path": str(dev_root)}},
+                        {"name": "sys", "hostPath": {"path": str(sysfs_root)}},
+                        {"name": "udev", "hostPath": {"path": str(udev)}}]}}}}
+    plugin_dir = kdir / "plugins" / "csi.gkm.io"
+    csi_node = {
+        "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "accelnode-csi-node", "namespace": SYSTEM_NS},
+        "spec": {"template": {"spec": {
+            "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
+            "containers": [
+                {"name": "csi",
+                 "env": api + env(endpoint=f"unix://{plugin_dir}/csi.sock", plugins_registry=kdir / "plugins_registry",
+                                  kubelet_dir=kdir, metrics_address=f"127.0.0.1:{ports['csi']}"),
+                 **probes(ports["csi"]),
+                 "volumeMounts": [{"$patch": "replace"},
+                                  {"name": "kubelet-pods", "mountPath": str(kdir / "pods"),
+                                   "mountPropagation": "Bidirectional"},
+                                  {"name": "plugin-dir", "mountPath": str(plugin_dir)},
+                                  {"name": "registration-dir", "mountPath": str(kdir / "plugins_registry")},
+                                  {"name": "cache-store", "mountPath": "/var/lib/accelnode/caches", "readOnly": True},
+                                  {"name": "agent-socket", "mountPath": "/run/accelnode"}]},
+                {"name": "agent",
+                 "env": api + hw_env + env(metrics_address=f"127.0.0.1:{ports['agent']}", plain_http="true",
+                                           gc_interval=5),
+                 **probes(ports["agent"]),
+                 "volumeMounts": [{"$patch": "replace"},
+                                  {"name": "cache-store", "mountPath": "/var/lib/accelnode/caches"},
+                                  {"name": "agent-socket", "mountPath": "/run/accelnode"},
+                                  {"name": "sys", "mountPath": str(sysfs_root), "readOnly": True},
+                                  {"name": "dev", "mountPath": str(dev_root), "readOnly": True},
+                                  {"name": "registry-credentials", "mountPath": "/etc/accelnode/registry",
+                                   "readOnly": True}]}],
+            "volumes": [{"name": "kubelet-pods", "hostPath": {"path": str(kdir / "pods")}},
+                        {"name": "plugin-dir", "hostPath": {"path": str(plugin_dir)}},
+                        {"name": "registration-dir", "hostPath": {"path": str(kdir / "plugins_registry")}},
+                        {"name": "cache-store", "hostPath": {"path": str(caches)}},
+                        {"name": "sys", "hostPath": {"path": str(sysfs_root)}},
+                        {"name": "dev", "hostPath": {"path": str(dev_root)}}]}}}}
+    controller = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "accelnode-controller", "namespace": SYSTEM_NS},
+        "spec": {"replicas": 1, "template": {"spec": {
+            "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
+            "containers": [{
+                "name": "controller",
+                "env": api + env(webhook_address=f"127.0.0.1:{ports['webhook']}",
+                                 metrics_address=f"127.0.0.1:{ports['controller']}", plain_http="true"),
+                "ports": [{"$patch": "replace"}, {"name": "webhook", "containerPort": ports["webhook"]},
+                          {"name": "metrics", "containerPort": ports["controller"]}],
+                **probes(ports["controller"])}]}}}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "accelnode-controller", "namespace": SYSTEM_NS},
+               "spec": {"type": "ExternalName", "externalName": "127.0.0.1", "selector": None,
+                        "ports": [{"$patch": "replace"}, {"name": "webhook", "port": ports["webhook"]}]}}
+    patches = [{"path": f"{n}.yaml"} for n in ("device-plugin", "csi-node", "controller", "service")]
+    for name, doc in (("device-plugin", device_plugin), ("csi-node", csi_node), ("controller", controller),
+                      ("service", service)):
+        (out / f"{name}.yaml").parent.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    for doc in base_docs or ():  # each webhook's Service port: the ExternalName's
+        if doc["kind"] in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            ops = [{"op": "add", "path": f"/webhooks/{i}/clientConfig/service/port", "value": ports["webhook"]}
+                   for i, _ in enumerate(doc["webhooks"])]
+            patches.append({"target": {"kind": doc["kind"], "name": doc["metadata"]["name"]},
+                            "patch": yaml.safe_dump(ops)})
+    (out / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(base, out)], "patches": patches}, sort_keys=False))
+    return ports

@@ -3,11 +3,11 @@
 # built from the Go modules pinned in tools/k8s/go.mod (Kubernetes 1.35, etcd 3.6). Rebuilt only
 # when one is missing or when that go.mod/go.sum change. `make cluster` runs one in the foreground
 # for a person (accelnode/testing/devcluster.py, docs/local-cluster.md).
-K8S_NAMES := etcd kube-apiserver kube-controller-manager kubectl kubelet kubeadm
+K8S_NAMES := etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kubeadm
 K8S_TOOLS := $(addprefix $(TOOLS_BIN)/,$(K8S_NAMES))
 TOOLS += $(K8S_TOOLS)
 
-K8S_PKGS := go.etcd.io/etcd/server/v3 $(addprefix k8s.io/kubernetes/cmd/,kube-apiserver kube-controller-manager kubectl kubelet kubeadm)
+K8S_PKGS := go.etcd.io/etcd/server/v3 $(addprefix k8s.io/kubernetes/cmd/,kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kubeadm)
 
 # Stamp the release into /version and `kubectl version` as the release build does (a plain
 # `go build` reports v0.0.0-master).
