@@ -420,7 +420,7 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
                                   {"name": "agent-socket", "mountPath": "/run/accelnode"},
                                   {"name": "sys", "mountPath": str(sysfs_root), "readOnly": True},
                                   {"name": "dev", "mountPath": str(dev_root), "readOnly": True},
-                                  {"name": "registry-credentials", "mountPath": "/etc/accelnode/registry",
+                                  {"name": "registry-credentials", "mountPath": "/etc/accelnode/registry/.docker",
                                    "readOnly": True}]}],
             "volumes": [{"name": "kubelet-pods", "hostPath": {"path": str(kdir / "pods")}},
                         {"name": "plugin-dir", "hostPath": {"path": str(plugin_dir)}},

@@ -92,7 +92,7 @@ def cache(deployed, tmp_path_factory):
     ns = namespace(deployed)
     ref = deployed.registry.push(make_cache(tmp_path_factory.mktemp("cache"), FILES), "e2e/jax-v5e", tag="v1",
                                  kind="jax", targets=V5E)
-    deployed.apply(cache_object("jax-v5e", ns, ref.split("@")[0]))
+    deployed.apply(cache_object("jax-v5e", ns, f"{deployed.registry.host}/e2e/jax-v5e:v1"))
     digest = ref.split("@")[1]
     deployed.wait(lambda: deployed.get("gkmcache", "jax-v5e", "-n", ns).get("status", {}).get("resolvedDigest") == digest,
                   "the controller to pin the GKMCache")
