@@ -457,3 +457,48 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(base, out)], "patches": patches}, sort_keys=False))
     return ports
+
+
+# ---------------------------------------------------------------------------------------------
+# workloads
+
+TPU = "google.com/tpu"
+MOUNT = "/caches/jax"
+# Runs in the workload container (the accelnode image's python3): what it got, as one JSON line;
+# exit 1 when something is missing, so the pod Succeeds only when everything holds.
+PROBE = r"""
+import errno, glob, hashlib, json, os, sys
+root = sys.argv[1]
+files = {}
+for d, _, names in os.walk(root):
+    for n in names:
+        p = os.path.join(d, n)
+        files[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+try:
+    open(os.path.join(root, "written-by-pod"), "w").close()
+    read_only = False
+except OSError as e:
+    read_only = e.errno == errno.EROFS
+devices = sorted(p for p in glob.glob("/dev/vfio/*") + glob.glob("/dev/accel*"))
+tpu = {k: v for k, v in os.environ.items() if k.startswith("TPU_")}
+print(json.dumps({"devices": devices, "tpu_env": tpu, "files": files, "read_only": read_only}))
+sys.exit(0 if devices and tpu and files and read_only else 1)
+"""
+
+
+def workload(name: str, ns: str, volume: dict, *, chips: int = 2, command: list[str] | None = None) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+            "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                     "tolerations": [{"key": TPU, "operator": "Exists", "effect": "NoSchedule"}],
+                     "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                                     "command": command or ["python3", "-c", PROBE, MOUNT],
+                                     "resources": {"limits": {TPU: str(chips)}},
+                                     "volumeMounts": [{"name": "kernel-cache", "mountPath": MOUNT, "readOnly": True}]}],
+                     "volumes": [{"name": "kernel-cache", **volume}]}}
+
+
+def inline(cache: str, ns: str) -> dict:
+    return {"csi": {"driver": "csi.gkm.io", "readOnly": True,
+                    "volumeAttributes": {"csi.gkm.io/GKMCache": cache, "csi.gkm.io/namespace": ns}}}
+
+

@@ -10,34 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from accelnode.testing.node import DEVICE_PLUGINS
+from accelnode.testing.node import DEVICE_PLUGINS, PROBE, inline, workload  # noqa: F401 (re-exported)
 from tests.node.conftest import SYSTEM, TPU
 
 V5E = [{"backend": "tpu", "arch": "v5e"}]
-MOUNT = "/caches/jax"
 FILES = {"xla/module-1.bin": b"\x7fXLA" * 4096, "xla/module-2.bin": b"\x01" * 1000}
-
-# Runs in the workload container (the accelnode image's python3): what it got, as one JSON line;
-# exit 1 when something is missing, so the pod Succeeds only when everything holds.
-PROBE = r"""
-import errno, glob, hashlib, json, os, sys
-root = sys.argv[1]
-files = {}
-for d, _, names in os.walk(root):
-    for n in names:
-        p = os.path.join(d, n)
-        files[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
-try:
-    open(os.path.join(root, "written-by-pod"), "w").close()
-    read_only = False
-except OSError as e:
-    read_only = e.errno == errno.EROFS
-devices = sorted(p for p in glob.glob("/dev/vfio/*") + glob.glob("/dev/accel*"))
-tpu = {k: v for k, v in os.environ.items() if k.startswith("TPU_")}
-print(json.dumps({"devices": devices, "tpu_env": tpu, "files": files, "read_only": read_only}))
-sys.exit(0 if devices and tpu and files and read_only else 1)
-"""
-
 
 def make_cache(root: Path, files: dict[str, bytes]) -> Path:
     for name, data in files.items():
@@ -57,22 +34,6 @@ def namespace(world) -> str:
 def cache_object(name: str, ns: str, image: str) -> dict:
     return {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache", "metadata": {"name": name, "namespace": ns},
             "spec": {"image": image}}
-
-
-def workload(name: str, ns: str, volume: dict, *, chips: int = 2, command: list[str] | None = None) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
-            "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-                     "tolerations": [{"key": TPU, "operator": "Exists", "effect": "NoSchedule"}],
-                     "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
-                                     "command": command or ["python3", "-c", PROBE, MOUNT],
-                                     "resources": {"limits": {TPU: str(chips)}},
-                                     "volumeMounts": [{"name": "kernel-cache", "mountPath": MOUNT, "readOnly": True}]}],
-                     "volumes": [{"name": "kernel-cache", **volume}]}}
-
-
-def inline(cache: str, ns: str) -> dict:
-    return {"csi": {"driver": "csi.gkm.io", "readOnly": True,
-                    "volumeAttributes": {"csi.gkm.io/GKMCache": cache, "csi.gkm.io/namespace": ns}}}
 
 
 def phase(world, ns: str, name: str) -> str:
