@@ -40,6 +40,8 @@ class Demo:
     def __init__(self, workdir: Path, tools_bin: Path):
         self.workdir, self.tools_bin = workdir, tools_bin
         self.cp = self.node = self.registry = None
+        self.reg_host = ""
+        self.timings: dict[str, float] = {}
 
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
         out = subprocess.run([str(self.tools_bin / "kubectl"), f"--kubeconfig={self.cp.kubeconfig('admin')}", *args],
@@ -72,9 +74,14 @@ class Demo:
         return f"127.0.0.1:{port}"
 
     def run(self) -> None:
+        self.up()
+        self.workload()
+
+    def up(self) -> None:
+        """Steps 1-5: image, control plane, simulated host, node, the suite applied and Ready."""
         from accelnode.testing import image as images
         from accelnode.testing.devcluster import ControlPlane
-        from accelnode.testing.node import Node, inline, workload, write_overlay
+        from accelnode.testing.node import Node, write_overlay
         from accelnode.testing.simhost import SimHost
 
         say("1. the accelnode image, built without a container engine (mmdebstrap + the wheel -> OCI archive)")
@@ -116,11 +123,16 @@ class Demo:
                   "the accelnode pods Ready")
         print(f"   every accelnode pod Ready in {time.monotonic() - t0:.0f}s:")
         print("   " + "\n   ".join(self.kubectl("get", "pods", "-n", "accelnode-system").splitlines()))
+        self.timings["suite_ready_s"] = time.monotonic() - t0
         node = self.get("node", self.node.name)
         print(f"   node capacity google.com/tpu={node['status']['capacity'].get('google.com/tpu')}")
 
+    def workload(self) -> None:
+        """Steps 6-7: a cache in the registry, a GKMCache, a pod with chips and the cache."""
+        from accelnode.testing.node import inline, workload
+
         say("6. a kernel cache: built with `accelnode cache build`, pushed to a local registry, named by a GKMCache")
-        reg = self.start_registry()
+        reg = self.reg_host = self.reg_host or self.start_registry()
         src = self.workdir / "cache-src"
         (src / "xla").mkdir(parents=True)
         (src / "xla" / "module-1.bin").write_bytes(b"\x7fXLA" * 4096)
