@@ -169,3 +169,33 @@ def test_a_cache_for_another_accelerator_keeps_the_pod_from_starting_and_says_wh
                         "a FailedMount event saying the cache does not fit")
     assert any("cuda/90" in e and "tpu/v5e" in e for e in why), why  # what it wants, what the node has
     assert phase(deployed, ns, "wrong-cache") == "Pending"
+
+
+def test_the_agent_pod_deleted_mid_pull_the_pod_still_gets_the_whole_cache(deployed, tmp_path):
+    """The CSI + agent pod is deleted while the agent unpacks a 256 MiB cache for a waiting pod: the
+    DaemonSet brings a new one, kubelet retries the mount, the new agent pulls again and the pod
+    gets every byte; no staging directory is left in the store."""
+    import hashlib
+    import os
+    import time
+
+    ns = namespace(deployed)
+    files = {f"big/part-{i}.bin": os.urandom(64 << 20) for i in range(4)}
+    deployed.registry.push(make_cache(tmp_path / "big", files), "e2e/jax-big", tag="v1", kind="jax", targets=V5E,
+                           compression="none", layers=4)
+    deployed.apply(cache_object("big", ns, f"{deployed.registry.host}/e2e/jax-big:v1"))
+    deployed.wait(lambda: deployed.get("gkmcache", "big", "-n", ns).get("status", {}).get("resolvedDigest"),
+                  "the controller to pin the big cache")
+    staging = deployed.node.workdir / "caches" / "tmp"
+    deployed.apply(workload("after-crash", ns, inline("big", ns), chips=1))
+    deployed.wait(lambda: staging.is_dir() and any(staging.iterdir()), "the agent staging the pull", interval=0.02)
+    (old,) = deployed.pods(selector="app.kubernetes.io/name=accelnode-csi-node")
+    deployed.kubectl("delete", "pod", "-n", SYSTEM, old["metadata"]["name"], "--grace-period=1", "--wait=false")
+    got = finished(deployed, ns, "after-crash")
+    assert got["read_only"] is True
+    want = {f"io.jax.cache/{k}": hashlib.sha256(v).hexdigest() for k, v in files.items()}
+    assert {k: v for k, v in got["files"].items() if k.startswith("io.jax.cache/")} == want
+    assert any(p["metadata"]["uid"] != old["metadata"]["uid"] for p in
+               deployed.pods(selector="app.kubernetes.io/name=accelnode-csi-node"))
+    time.sleep(1)
+    assert not staging.exists() or not any(staging.iterdir()), sorted(staging.iterdir())
