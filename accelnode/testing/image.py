@@ -166,8 +166,8 @@ def build_app(out: Path, root: Path = ROOT, log=print) -> None:
         # byte code for bookworm's CPython 3.11 (same magic number as any 3.11), hash-checked so
         # the fixed mtimes do not matter
         if sys.version_info[:2] == (3, 11):
-            _run([sys.executable, "-m", "compileall", "-q", "--invalidation-mode", "unchecked-hash", site],
-                 "compileall")
+            _run([sys.executable, "-m", "compileall", "-q", "--invalidation-mode", "unchecked-hash",
+                  "-s", stage, "-p", "/", site], "compileall")  # file names as installed, not the stage's
         _deterministic_tar(stage, out)
 
 
