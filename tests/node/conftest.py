@@ -3,8 +3,8 @@ its own control plane (Node authorizer, ServiceAccount admission), the accelnode
 (accelnode/testing/image.py) and ``daemonsets/`` applied with ``kubectl apply -k`` through an
 overlay that fits it to the loopback node and a simulated v5e-4 TPU host.
 
-``deployed`` (module scope) is that node with every accelnode pod Ready; it is torn down (pods,
-containers, mounts, kubelet's changes to the host) when the module ends.
+``deployed`` (package scope: one node for every test here) is that node with every accelnode pod
+Ready; it is torn down (pods, containers, mounts, kubelet's changes to the host) at the end.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _build(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def deployed(tmp_path_factory, registry):
     from accelnode.testing import image as images
     from accelnode.testing.devcluster import ControlPlane
