@@ -16,7 +16,9 @@ What one :class:`ControlPlane` sets up in its work directory:
 - kube-controller-manager on a free loopback port as ``system:kube-controller-manager``, each
   controller with its own ServiceAccount credentials: garbage collection, namespace deletion,
   PV/PVC binding, Deployments, StatefulSets, Jobs, CSR signing with the CA, bootstrap tokens;
-  nothing that needs a kubelet or acts on Nodes (see :data:`CONTROLLERS`);
+  nothing that needs a kubelet or acts on Nodes (see :data:`CONTROLLERS`) - unless
+  ``kubelets=True``: then also kube-scheduler, the Node controllers, the Node authorizer and
+  ServiceAccount admission, for real kubelets (``accelnode/testing/node.py``);
 - one client certificate and kubeconfig per identity in :data:`IDENTITIES` (and one for the
   controller-manager, :data:`CONTROLLER_MANAGER`).
 

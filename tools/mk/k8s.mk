@@ -23,6 +23,7 @@ K8S_LDFLAGS := -s -w $(foreach p,k8s.io/component-base/version k8s.io/client-go/
 K8S_BUILD := $(TOOLS_DIR)/build/k8s
 
 $(K8S_TOOLS) &: tools/k8s/go.mod tools/k8s/go.sum
+	@echo "tools: building $(K8S_NAMES) from tools/k8s/go.mod (once; about 7 minutes on 2 cores)"
 	rm -rf $(K8S_BUILD) && mkdir -p $(K8S_BUILD) $(TOOLS_BIN)
 	cd tools/k8s && CGO_ENABLED=0 nice go build -trimpath -ldflags='$(K8S_LDFLAGS)' -o $(K8S_BUILD)/ $(K8S_PKGS)
 	mv $(K8S_BUILD)/server $(K8S_BUILD)/etcd
