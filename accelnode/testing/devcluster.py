@@ -318,7 +318,11 @@ class ControlPlane:
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={self._pki.serving[0]}", f"--tls-private-key-file={self._pki.serving[1]}",
             f"--client-ca-file={self._pki.ca}",
-            "--authorization-mode=RBAC", "--anonymous-auth=false",
+            "--authorization-mode=RBAC",
+            # kubeadm's token discovery: a joining node reads kube-public/cluster-info anonymously
+            # (RBAC lets system:anonymous read only that and the public /healthz, /version) and
+            # then authenticates with its bootstrap token
+            "--anonymous-auth=true", "--enable-bootstrap-token-auth=true",
             f"--service-account-issuer={ISSUER}", f"--service-account-key-file={self._pki.sa_pub}",
             f"--service-account-signing-key-file={self._pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
