@@ -51,6 +51,7 @@ SECRET_TYPE = "bootstrap.kubernetes.io/token"
 NODE_GROUP = "system:bootstrappers:kubeadm:default-node-token"
 GROUP_LABEL = "accelnode.io/join-group"  # the group's name, or a hash of it when not a label value
 GROUP_ANNOTATION = "accelnode.io/join-group"  # the group's full name
+CLUSTER_INFO = "/api/v1/namespaces/kube-public/configmaps/cluster-info"
 TOKEN_RE = re.compile(r"^([a-z0-9]{6})\.([a-z0-9]{16})$")
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
@@ -159,6 +160,19 @@ class JoinTokens:
             return JoinInfo(best.token, self.ca_hash, control_plane)
         return JoinInfo(self._create(group, now), self.ca_hash, control_plane)
 
+    def signed(self, info: JoinInfo) -> bool:
+        """Whether the bootstrap signer has signed ``kube-public/cluster-info`` for the token yet
+        (it does so a few seconds after the Secret appears). A VM given a token before that
+        waits for the signature in its discovery; writing the metadata once this is true makes
+        the join start the moment the VM sees it."""
+        try:
+            cm = self.kube.request("GET", CLUSTER_INFO)
+        except KubeError as e:
+            if e.code == 404:
+                return False
+            raise
+        return f"jws-kubeconfig-{info.token_id}" in (cm.get("data") or {})
+
     def revoke(self, group: str) -> None:
         """Delete every token Secret of ``group`` (none: nothing to do)."""
         for tok in self._list(group):
@@ -213,7 +227,7 @@ class JoinTokens:
                 if e.code == 409:
                     continue
                 raise
-            log.info("join token created", extra=kv(group=group, token_id=tid, expiration=expiration))
+            log.info("join token created", extra=kv(group=group, bootstrap_id=tid, expiration=expiration))
             return token
         raise RuntimeError("could not create a join token: five random token ids were all taken")
 
@@ -224,4 +238,4 @@ class JoinTokens:
             if e.code != 404:
                 raise
             return
-        log.info(f"join token {why}", extra=kv(group=group, token_id=name.removeprefix("bootstrap-token-")))
+        log.info(f"join token {why}", extra=kv(group=group, bootstrap_id=name.removeprefix("bootstrap-token-")))

@@ -73,6 +73,20 @@ def test_a_new_token_is_a_kubeadm_node_bootstrap_token(control_plane, me, admin,
     assert tuple(info.metadata_items()) == METADATA_KEYS
 
 
+def test_the_bootstrap_signer_signs_cluster_info_for_a_new_token(control_plane, me, group):
+    jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
+    info = jt.ensure(group, "10.0.0.2")
+    deadline = time.monotonic() + 60
+    while not jt.signed(info) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert jt.signed(info), "kube-controller-manager's bootstrap signer did not sign cluster-info in 60s"
+    jt.revoke(group)
+    deadline = time.monotonic() + 60
+    while jt.signed(info) and time.monotonic() < deadline:  # the signer drops a deleted token's signature
+        time.sleep(0.2)
+    assert not jt.signed(info)
+
+
 def test_the_token_is_reused_per_group_and_renewed_near_expiry(control_plane, me, admin, group):
     ca = control_plane.ca_file.read_bytes()
     jt = JoinTokens(me, ca_pem=ca)
