@@ -44,6 +44,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "Metadata Server for VM"
     sys_version = ""
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in two writes: no delayed-ACK stall
     server: "_HTTPServer"
 
     def log_message(self, *args) -> None:  # tests read MetadataServer.requests instead
