@@ -85,3 +85,20 @@ def test_the_join_configuration_carries_the_provider_id_as_v1beta4_wants():
     assert cfg["nodeRegistration"]["kubeletExtraArgs"] == [{"name": "provider-id",
                                                             "value": "gce://p/us-east5-b/tpu-0"}]
     assert cfg["nodeRegistration"]["name"] == "tpu-0"
+
+
+def test_the_systemd_unit_is_valid(tmp_path):
+    """systemd-analyze accepts the shipped unit (with a stand-in for the installed binary)."""
+    import shutil
+    import subprocess
+
+    from tests.conftest import ROOT, require
+
+    exe = shutil.which("systemd-analyze")
+    require(exe is not None, "systemd-analyze (Debian package systemd, tools/apt/bootstrap.txt)")
+    unit = (ROOT / "daemonsets/systemd/accelnode-bootstrap.service").read_text()
+    assert "ExecStart=/usr/local/bin/accelnode bootstrap" in unit
+    path = tmp_path / "accelnode-bootstrap.service"
+    path.write_text(unit.replace("/usr/local/bin/accelnode", shutil.which("true")))
+    out = subprocess.run([exe, "verify", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
