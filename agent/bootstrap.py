@@ -51,13 +51,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from accelnode.gce.metadata import Metadata, MetadataError, Unreachable
+from accelnode.kube.bootstraptoken import HASH_RE, METADATA_KEYS, TOKEN_RE, spki_hash
 from accelnode.log import kv
 
 log = logging.getLogger("accelnode.bootstrap")
 
-TOKEN_KEY, ENDPOINT_KEY, HASH_KEY = "kubeadm-join-token", "kubeadm-control-plane-ip", "kubeadm-ca-hash"
-TOKEN_RE = re.compile(r"^([a-z0-9]{6})\.([a-z0-9]{16})$")
-HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+TOKEN_KEY, ENDPOINT_KEY, HASH_KEY = METADATA_KEYS
 ENDPOINT_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?$")
 DEFAULT_PORT = 6443
 CLUSTER_INFO = "/api/v1/namespaces/kube-public/configmaps/cluster-info"
@@ -168,11 +167,6 @@ def wait_for_join_values(md: Metadata, *, timeout: float | None, poll_s: int = 6
 
 
 # -- token discovery -------------------------------------------------------------------------
-
-
-def spki_hash(cert: x509.Certificate) -> str:
-    spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return "sha256:" + hashlib.sha256(spki).hexdigest()
 
 
 def _b64url(data: bytes) -> str:

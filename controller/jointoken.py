@@ -38,21 +38,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-
+from accelnode.kube.bootstraptoken import METADATA_KEYS, TOKEN_RE, ca_cert_hash
 from accelnode.kube.client import Client, KubeError
 from accelnode.log import kv
 
 log = logging.getLogger("accelnode.controller.jointoken")
 
-METADATA_KEYS = ("kubeadm-join-token", "kubeadm-control-plane-ip", "kubeadm-ca-hash")
 SECRET_TYPE = "bootstrap.kubernetes.io/token"
 NODE_GROUP = "system:bootstrappers:kubeadm:default-node-token"
 GROUP_LABEL = "accelnode.io/join-group"  # the group's name, or a hash of it when not a label value
 GROUP_ANNOTATION = "accelnode.io/join-group"  # the group's full name
 CLUSTER_INFO = "/api/v1/namespaces/kube-public/configmaps/cluster-info"
-TOKEN_RE = re.compile(r"^([a-z0-9]{6})\.([a-z0-9]{16})$")
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
 _ENDPOINT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?$")
@@ -72,17 +68,6 @@ class JoinInfo:
 
     def metadata_items(self) -> dict[str, str]:
         return dict(zip(METADATA_KEYS, (self.token, self.control_plane, self.ca_hash)))
-
-
-def ca_cert_hash(ca_pem: bytes) -> str:
-    """``sha256:<hex>`` of the first certificate's SubjectPublicKeyInfo, as kubeadm pins a CA.
-    ValueError when ``ca_pem`` holds no certificate."""
-    try:
-        cert = x509.load_pem_x509_certificates(ca_pem)[0]
-    except (ValueError, IndexError) as e:
-        raise ValueError(f"the cluster CA is not a PEM certificate: {e}") from None
-    spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return "sha256:" + hashlib.sha256(spki).hexdigest()
 
 
 def new_token() -> str:
