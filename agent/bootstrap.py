@@ -330,10 +330,19 @@ class Joiner:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace")
         assert proc.stdout is not None
-        for line in proc.stdout:
-            self.out.write(line.replace(secret, "<redacted>"))
-        self.out.flush()
-        return proc.wait()
+        try:
+            for line in proc.stdout:
+                self.out.write(line.replace(secret, "<redacted>"))
+            self.out.flush()
+            return proc.wait()
+        except BaseException:  # stopped (SIGTERM, Ctrl-C): kubeadm goes too, the config file is removed
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
 
     def join(self, values: JoinValues, config: dict) -> None:
         """BootstrapError after the last failed attempt."""

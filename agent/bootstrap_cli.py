@@ -69,6 +69,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import signal
 
     from accelnode.gce.metadata import Metadata, MetadataError
     from accelnode.log import kv
@@ -77,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
                             discover, join_configuration, provider_id, wait_for_join_values)
 
     log = logging.getLogger("accelnode.bootstrap")
+
+    def on_term(signum, _frame):  # systemctl stop: unwind, so the token's file and kubeadm go too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     kubeadm = shutil.which(args.kubeadm)
     if kubeadm is None:
         raise exitcodes.CLIError(f"kubeadm not found ({args.kubeadm}): install it or pass --kubeadm PATH",

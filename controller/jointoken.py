@@ -133,6 +133,8 @@ class JoinTokens:
         """The group's join values: a token with comfortable time left (reused or new), the CA
         hash and ``control_plane``. KubeError/Unreachable from the API pass through."""
         check_control_plane(control_plane)
+        if not group:
+            raise ValueError("a join token needs a node group name")
         now = self.clock()
         usable: list[_Token] = []
         for tok in self._list(group):

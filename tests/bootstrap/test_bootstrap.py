@@ -129,3 +129,27 @@ def test_kubeadm_itself_accepts_our_join_configuration(tmp_path):
                                                       ignore_preflight_errors=["Swap"])))
     out = subprocess.run([tool("kubeadm"), "config", "validate", "--config", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_stopping_bootstrap_mid_join_stops_kubeadm_and_removes_the_token_file(
+        metadata, join_tokens, control_plane_endpoint, bootstrap, tmp_path):
+    import os
+    import signal
+    import time
+
+    record = tmp_path / "hung-kubeadm"
+    hung = tmp_path / "kubeadm-hangs"
+    hung.write_text(f'#!/bin/sh\necho "$$ $3" > {record}.tmp && mv {record}.tmp {record}\nexec sleep 120\n')
+    hung.chmod(0o755)
+    info = join_tokens.ensure(f"group-{metadata.instance['name']}", control_plane_endpoint)
+    metadata.set_attributes(info.metadata_items())
+    b = bootstrap(metadata, hung, *RUN)
+    deadline = time.monotonic() + 60
+    while not record.exists() and b.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid, config = record.read_text().split()
+    assert os.path.exists(config)
+    b.proc.send_signal(signal.SIGTERM)  # systemctl stop
+    assert b.wait(30) == 130, b.output()
+    assert not os.path.exists(config) and not os.path.exists(os.path.dirname(config))
+    assert not os.path.exists(f"/proc/{pid}")  # kubeadm stopped (and reaped) with it

@@ -137,6 +137,8 @@ def test_bad_input_is_refused_and_creates_nothing(control_plane, me, admin, grou
     for bad in ("", "https://10.0.0.2:6443", "10.0.0.2 6443", "10.0.0.2/x"):
         with pytest.raises(ValueError, match="host\\[:port\\]"):
             jt.ensure(group, bad)
+    with pytest.raises(ValueError, match="node group name"):
+        jt.ensure("", "10.0.0.2")
     assert tokens(jt, admin, group) == {}
     with pytest.raises(ValueError, match="not a PEM certificate"):
         JoinTokens(me, ca_pem=b"-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----\n")
