@@ -18,7 +18,8 @@ No Google emulator is installable here, so this follows the protocol the real se
   that does not exist is 404 at once, not a wait: to wait for a key to appear a client watches
   its directory.
 
-Tests change attributes with :meth:`MetadataServer.set_attributes` /
+Tests change attributes with :meth:`MetadataServer.set_attributes`,
+:meth:`MetadataServer.replace_attributes` (what Compute's ``instances.setMetadata`` does) and
 :meth:`MetadataServer.remove_attributes` (one change, one new ETag, waiters woken at once), and
 count requests in :attr:`MetadataServer.requests`. ``GCE_METADATA_HOST`` for a client is
 :attr:`MetadataServer.host`. ``python -m accelnode.testing.metadata`` runs one in the foreground.
@@ -131,11 +132,17 @@ class MetadataServer:
 
     def set_attributes(self, items: dict[str, str], *, project: bool = False) -> None:
         """Set instance (or project) attributes in one change, waking every waiter."""
-        for k, v in items.items():
-            if not isinstance(k, str) or not k or "/" in k or not isinstance(v, str):
-                raise ValueError(f"bad attribute {k!r}={v!r}")
+        self._check(items)
         with self._cond:
             (self.project if project else self.instance)["attributes"].update(items)
+            self._cond.notify_all()
+
+    def replace_attributes(self, items: dict[str, str], *, project: bool = False) -> None:
+        """Make the attributes exactly ``items`` in one change, as Compute's
+        ``instances.setMetadata`` (the whole item list) does."""
+        self._check(items)
+        with self._cond:
+            (self.project if project else self.instance)["attributes"] = dict(items)
             self._cond.notify_all()
 
     def remove_attributes(self, *keys: str, project: bool = False) -> None:
@@ -144,6 +151,12 @@ class MetadataServer:
             for k in keys:
                 attrs.pop(k, None)
             self._cond.notify_all()
+
+    @staticmethod
+    def _check(items: dict[str, str]) -> None:
+        for k, v in items.items():
+            if not isinstance(k, str) or not k or "/" in k or not isinstance(v, str):
+                raise ValueError(f"bad attribute {k!r}: keys are non-empty names without '/', values strings")
 
     def wait_for_waiters(self, n: int = 1, timeout: float = 30.0) -> None:
         """Return once at least ``n`` long polls are parked (AssertionError after ``timeout``)."""

@@ -71,6 +71,11 @@ def test_etags_follow_the_content(md):
     assert second != first
     md.remove_attributes("x")
     assert raw(md, "instance/attributes/?recursive=true")[1]["ETag"] == first
+    md.replace_attributes({"y": "2"})
+    assert json.loads(raw(md, "instance/attributes/?recursive=true")[2]) == {"y": "2"}
+    with pytest.raises(ValueError, match="bad attribute"):
+        md.set_attributes({"a/b": "1"})
+    assert md.attributes() == {"y": "2"}
 
 
 def test_a_long_poll_answers_at_once_on_a_stale_etag_and_on_change_otherwise(md):
