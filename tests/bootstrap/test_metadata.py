@@ -138,3 +138,28 @@ def test_the_client_refuses_a_server_that_is_no_metadata_server():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_the_emulator_runs_standalone():
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "accelnode.testing.metadata", "--name", "vm-x",
+                             "--attribute", "kube-labels=a=b"], stdout=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        host = proc.stdout.readline().strip().removeprefix("export GCE_METADATA_HOST=")
+        assert "metadata server emulator at http://" in first
+        c = Metadata(host)
+        assert c.get("instance/name").body == "vm-x"
+        assert c.attributes()[0] == {"kube-labels": "a=b"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    bad = subprocess.run([sys.executable, "-m", "accelnode.testing.metadata", "--attribute", "novalue"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "is not KEY=VALUE" in bad.stderr
