@@ -231,9 +231,10 @@ def discover(values: JoinValues, *, timeout: float = 60.0, request_timeout: floa
     """kubeadm's token discovery against ``values.endpoint``. Waits up to ``timeout`` for the
     bootstrap signer to sign cluster-info for the token (it does so moments after the token's
     Secret appears); TokenNotSigned after that."""
-    insecure = ssl.create_default_context()
-    insecure.check_hostname = False
-    insecure.verify_mode = ssl.CERT_NONE  # not trusted yet: the signature and the pin decide
+    insecure = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no system CAs to load: nothing is trusted yet,
+    insecure.check_hostname = False                      # the signature and the pin decide
+    insecure.verify_mode = ssl.CERT_NONE
+    insecure.minimum_version = ssl.TLSVersion.TLSv1_2
     deadline = clock() + timeout
     delay = 0.05
     while True:
