@@ -50,14 +50,13 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from accelnode.gce.metadata import Metadata, MetadataError, Unreachable
-from accelnode.kube.bootstraptoken import HASH_RE, METADATA_KEYS, TOKEN_RE, spki_hash
+from accelnode.gce.metadata import Metadata, MetadataError, NotFound, Unreachable
+from accelnode.kube.bootstraptoken import ENDPOINT_RE, HASH_RE, METADATA_KEYS, TOKEN_RE, spki_hash
 from accelnode.log import kv
 
 log = logging.getLogger("accelnode.bootstrap")
 
 TOKEN_KEY, ENDPOINT_KEY, HASH_KEY = METADATA_KEYS
-ENDPOINT_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?$")
 DEFAULT_PORT = 6443
 CLUSTER_INFO = "/api/v1/namespaces/kube-public/configmaps/cluster-info"
 JWS_PREFIX = "jws-kubeconfig-"
@@ -150,6 +149,8 @@ def wait_for_join_values(md: Metadata, *, timeout: float | None, poll_s: int = 6
             time.sleep(backoff if left is None else min(backoff, max(left, 0)))
             backoff = min(backoff * 2, 5.0)
             continue
+        except NotFound:  # no attributes directory (yet): nothing to long-poll on
+            attrs, etag = {}, None
         except MetadataError as e:
             raise BadMetadata(str(e)) from None
         backoff = 0.2
@@ -164,6 +165,8 @@ def wait_for_join_values(md: Metadata, *, timeout: float | None, poll_s: int = 6
             announced = True
         if on_wait is not None:
             on_wait()
+        if etag is None:  # an answer without ETag cannot be long-polled: plain polling, once a second
+            time.sleep(1.0 if left is None else min(1.0, max(left, 0)))
 
 
 # -- token discovery -------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from accelnode.kube.bootstraptoken import METADATA_KEYS, TOKEN_RE, ca_cert_hash
+from accelnode.kube.bootstraptoken import ENDPOINT_RE, METADATA_KEYS, TOKEN_RE, ca_cert_hash
 from accelnode.kube.client import Client, KubeError
 from accelnode.log import kv
 
@@ -51,7 +51,6 @@ GROUP_ANNOTATION = "accelnode.io/join-group"  # the group's full name
 CLUSTER_INFO = "/api/v1/namespaces/kube-public/configmaps/cluster-info"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
-_ENDPOINT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?$")
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ def group_label_value(group: str) -> str:
 
 
 def check_control_plane(control_plane: str) -> str:
-    if not _ENDPOINT.match(control_plane or ""):
+    if not ENDPOINT_RE.match(control_plane or ""):
         raise ValueError(f"control plane endpoint {control_plane!r} is not host[:port]")
     return control_plane
 

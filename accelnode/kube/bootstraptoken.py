@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives import serialization
 METADATA_KEYS = ("kubeadm-join-token", "kubeadm-control-plane-ip", "kubeadm-ca-hash")
 TOKEN_RE = re.compile(r"^([a-z0-9]{6})\.([a-z0-9]{16})$")
 HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+# kubeadm-control-plane-ip: host[:port], an IPv6 address in brackets
+ENDPOINT_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?$")
 
 
 def spki_hash(cert: x509.Certificate) -> str:

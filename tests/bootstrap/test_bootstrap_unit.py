@@ -102,3 +102,40 @@ def test_the_systemd_unit_is_valid(tmp_path):
     path.write_text(unit.replace("/usr/local/bin/accelnode", shutil.which("true")))
     out = subprocess.run([exe, "verify", str(path)], capture_output=True, text=True)
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+
+
+def test_waiting_survives_a_metadata_server_that_is_not_up_yet():
+    import threading
+    import time
+
+    from accelnode.gce.metadata import Metadata
+    from accelnode.testing.devcluster import free_port
+    from accelnode.testing.metadata import MetadataServer
+    from agent.bootstrap import wait_for_join_values
+
+    port = free_port()
+    servers = []
+
+    def later():
+        time.sleep(0.5)  # ordering only: the poller has met a refused connection first
+        servers.append(MetadataServer(port=port, attributes=attrs()).start())
+
+    t = threading.Thread(target=later)
+    t.start()
+    try:
+        v = wait_for_join_values(Metadata(f"127.0.0.1:{port}"), timeout=60)
+        assert v.token_id == "abcdef"
+    finally:
+        t.join()
+        for s in servers:
+            s.stop()
+
+
+def test_waiting_ends_with_a_clear_error_after_the_timeout():
+    from accelnode.gce.metadata import Metadata
+    from accelnode.testing.metadata import MetadataServer
+    from agent.bootstrap import ServerUnreachable, wait_for_join_values
+
+    with MetadataServer(attributes={"kubeadm-join-token": "abcdef.0123456789abcdef"}) as md:
+        with pytest.raises(ServerUnreachable, match="did not appear in the instance metadata"):
+            wait_for_join_values(Metadata(md.host), timeout=1)
