@@ -124,6 +124,22 @@ class JoinValues:
         return cls(token, endpoint, ca_hash)
 
 
+def read_retrying(md: Metadata, path: str, timeout: float) -> str:
+    """One metadata value, retried with backoff while the server is unreachable (a VM's network
+    may still be coming up); Unreachable after ``timeout``, NotFound at once."""
+    deadline = time.monotonic() + timeout
+    delay = 0.2
+    while True:
+        try:
+            return md.get(path).body.strip()
+        except Unreachable as e:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("metadata server unreachable; retrying", extra=kv(error=str(e), retry_in_s=delay))
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
 def wait_for_join_values(md: Metadata, *, timeout: float | None, poll_s: int = 60,
                          skip_token: str | None = None, clock: Callable[[], float] = time.monotonic,
                          on_wait: Callable[[], None] | None = None) -> JoinValues:

@@ -48,6 +48,9 @@ def register(sub) -> None:
     p.add_argument("--wait-timeout", type=_positive, default=None, metavar="SECONDS",
                    help="give up when no (new) token appears in the metadata within this long (default: wait "
                         "forever)")
+    p.add_argument("--metadata-timeout", type=_positive, default=120.0, metavar="SECONDS",
+                   help="how long the metadata server may be unreachable at start (the VM's network coming up) "
+                        "before giving up (default: %(default)s)")
     p.add_argument("--discovery-timeout", type=_positive, default=60.0, metavar="SECONDS",
                    help="how long cluster-info may lack the token's signature before the token counts as unknown "
                         "(default: %(default)s)")
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.log import kv
 
     from .bootstrap import (BadMetadata, BootstrapError, CAMismatch, Joiner, ServerUnreachable, TokenNotSigned,
-                            discover, join_configuration, provider_id, wait_for_join_values)
+                            discover, join_configuration, provider_id, read_retrying, wait_for_join_values)
 
     log = logging.getLogger("accelnode.bootstrap")
 
@@ -92,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise exitcodes.CLIError(str(e), exitcodes.USAGE) from None
     try:
-        name = args.node_name or md.get("instance/name").body.strip()
-        provider = args.provider_id or provider_id(md.get("project/project-id").body.strip(),
-                                                   md.get("instance/zone").body.strip(), name)
+        name = args.node_name or read_retrying(md, "instance/name", args.metadata_timeout)
+        provider = args.provider_id or provider_id(read_retrying(md, "project/project-id", args.metadata_timeout),
+                                                   read_retrying(md, "instance/zone", args.metadata_timeout), name)
     except MetadataError as e:
         raise exitcodes.CLIError(f"reading this instance's name, zone and project from the metadata server: {e}",
                                  exitcodes.UNAVAILABLE) from None

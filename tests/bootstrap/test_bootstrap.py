@@ -153,3 +153,21 @@ def test_stopping_bootstrap_mid_join_stops_kubeadm_and_removes_the_token_file(
     assert b.wait(30) == 130, b.output()
     assert not os.path.exists(config) and not os.path.exists(os.path.dirname(config))
     assert not os.path.exists(f"/proc/{pid}")  # kubeadm stopped (and reaped) with it
+
+
+def test_prerequisites_and_an_absent_metadata_server_are_clear_exits(tmp_path):
+    import os
+    import subprocess
+
+    from accelnode.testing.devcluster import free_port
+    from tests.conftest import accelnode_cmd
+
+    env = dict(os.environ, GCE_METADATA_HOST=f"127.0.0.1:{free_port()}")
+    out = subprocess.run(accelnode_cmd() + ["bootstrap", "--kubeadm", str(tmp_path / "nope")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "kubeadm not found" in out.stderr
+    out = subprocess.run(accelnode_cmd() + ["bootstrap", "--kubeadm", tool("kubeadm"), "--metadata-timeout", "1",
+                                            "--log-format", "text"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 4, out.stderr
+    assert "reading this instance's name, zone and project from the metadata server" in out.stderr
