@@ -174,3 +174,17 @@ def test_the_controller_may_not_read_other_namespaces_secrets(me):
     with pytest.raises(KubeError) as err:
         me.request("GET", f"{SECRETS}/bootstrap-token-abcdef")  # list, not get
     assert err.value.code == 403
+
+
+def test_an_expired_token_is_refused_and_cleaned_up_by_the_cluster(control_plane, me, admin, group):
+    """A token whose expiration passed: the API server's authenticator refuses it and
+    kube-controller-manager's token cleaner deletes its Secret."""
+    made_long_ago = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes(), clock=lambda: time.time() - 4000)
+    info = made_long_ago.ensure(group, "10.0.0.2")
+    with pytest.raises(KubeError) as err:
+        whoami(control_plane, info.token)
+    assert err.value.code == 401
+    deadline = time.monotonic() + 60
+    while tokens(made_long_ago, admin, group) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tokens(made_long_ago, admin, group) == {}
