@@ -23,6 +23,7 @@ COMPONENTS = [
     "csi_driver.cli",
     "agent.cli",
     "agent.cache_cli",
+    "agent.bootstrap_cli",
     "controller.cli",
 ]
 

@@ -15,6 +15,11 @@
   new connection; when they change, new handshakes use the new pair without a restart (a
   Secret volume swaps its files by renaming a symlink). A pair that fails to load (a half
   written file, a key that does not match) is logged and the previous pair kept.
+* Metrics (:class:`AdmissionMetrics`, made once per process so they exist before the server
+  starts): ``accelnode_controller_admission_requests_total{path, answer}``
+  (``answer``: allowed, patched, denied, error — the handler raised —, malformed, too_large,
+  no_route) and ``accelnode_controller_admission_seconds{path}`` (body read to answer written,
+  the part of the API server's wait this process controls).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -118,6 +124,7 @@ class CertReloader:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.load_cert_chain(self.cert_file, self.key_file)
         ctx.set_alpn_protocols(["http/1.1"])
+        self.not_after = _not_after(self.cert_file)
         return ctx
 
     def context(self) -> ssl.SSLContext:
@@ -164,10 +171,28 @@ class _Server(ThreadingHTTPServer):
         log.debug("connection failed", exc_info=True, extra=kv(client=f"{client_address[0]}:{client_address[1]}"))
 
 
+class AdmissionMetrics:
+    def __init__(self, registry):
+        from prometheus_client import Counter, Histogram
+
+        self.requests = Counter("accelnode_controller_admission_requests", "Admission requests answered, by webhook "
+                                "path and answer (allowed, patched, denied, error, malformed, too_large, no_route)",
+                                ["path", "answer"], registry=registry)
+        self.seconds = Histogram("accelnode_controller_admission_seconds", "Time from a request's body read to its "
+                                 "answer written, by webhook path", ["path"], registry=registry,
+                                 buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5))
+
+    def answered(self, path: str, answer: str, started: float | None = None) -> None:
+        self.requests.labels(path, answer).inc()
+        if started is not None:
+            self.seconds.labels(path).observe(time.monotonic() - started)
+
+
 class AdmissionServer:
     def __init__(self, address: str, cert_file: str, key_file: str, routes: dict[str, Handler], *,
-                 max_body: int = MAX_BODY):
+                 max_body: int = MAX_BODY, metrics: AdmissionMetrics | None = None):
         self.routes = dict(routes)
+        self.metrics = metrics
         self.certs = CertReloader(cert_file, key_file)
         self.max_body = max_body
         outer = self
@@ -225,26 +250,37 @@ class AdmissionServer:
             conn.close_connection = True
             self._send(conn, 413, f"body of {length} bytes is over the limit of {self.max_body}\n".encode(),
                        "text/plain; charset=utf-8")
+            self._count(path, "too_large")
             return
         body = conn.rfile.read(int(length))
+        started = time.monotonic()
         handler = self.routes.get(path)
         if handler is None:
             self._send(conn, 404, f"no webhook at {path}\n".encode(), "text/plain; charset=utf-8")
+            self._count("other", "no_route")  # never a label per unknown path a client makes up
             return
         try:
             request = parse_review(body)
         except BadReview as e:
             self._send(conn, 400, f"malformed AdmissionReview: {e}\n".encode(), "text/plain; charset=utf-8")
+            self._count(path, "malformed", started)
             return
+        answer = "error"
         try:
             resp = handler(request)
             if not isinstance(resp, Response):
                 raise TypeError(f"handler returned {type(resp).__name__}, not an admission Response")
+            answer = "denied" if not resp.allowed else "patched" if resp.patch else "allowed"
         except Exception as e:
             log.error("admission handler failed", exc_info=True,
                       extra=kv(path=path, uid=request["uid"], error=f"{type(e).__name__}: {e}"))
             resp = Response(False, message=f"internal error in webhook {path}: {type(e).__name__}", code=500)
         self._send(conn, 200, json.dumps(review_response(request["uid"], resp)).encode(), "application/json")
+        self._count(path, answer, started)
+
+    def _count(self, path: str, answer: str, started: float | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.answered(path if path in self.routes else "other", answer, started)
 
     @staticmethod
     def _send(conn: BaseHTTPRequestHandler, code: int, body: bytes, ctype: str) -> None:
@@ -255,6 +291,17 @@ class AdmissionServer:
             conn.send_header("Connection", "close")
         conn.end_headers()
         conn.wfile.write(body)
+
+
+def _not_after(cert_file: str) -> float:
+    """Unix time the first certificate of a PEM file expires (0 if it cannot be read)."""
+    from cryptography import x509
+
+    try:
+        with open(cert_file, "rb") as f:
+            return x509.load_pem_x509_certificate(f.read()).not_valid_after_utc.timestamp()
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _discard(stream, n: int) -> None:

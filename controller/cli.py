@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.log import kv
     from accelnode.oci.flags import registry_options
 
-    from .admission import AdmissionServer
+    from .admission import AdmissionMetrics, AdmissionServer
     from .cabundle import CABundleReconciler
     from .cachehooks import ControllerIdentity
     from .cachehooks import routes as cache_routes
@@ -178,6 +178,11 @@ def run(args: argparse.Namespace) -> int:
     if self_managed:
         certs = ServingCerts(client, namespace, args.webhook_secret,
                              service_names(args.webhook_service, service_namespace), policy=policy, registry=registry)
+    elif not args.disable_webhooks:  # certificates from files (cert-manager): the one served, as soon as served
+        Gauge("accelnode_controller_webhook_cert_expiry_timestamp_seconds",
+              "Unix time the served webhook certificate expires (0 before the webhooks are served)",
+              registry=registry).set_function(lambda: webhooks.certs.not_after if webhooks is not None else 0)
+    admission_metrics = AdmissionMetrics(registry)
 
     def ready() -> tuple[bool, str]:
         problems = []
@@ -202,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
     def serve(cert_file: str, key_file: str) -> None:
         nonlocal webhooks
         try:
-            webhooks = AdmissionServer(args.webhook_address, cert_file, key_file, routes).start()
+            webhooks = AdmissionServer(args.webhook_address, cert_file, key_file, routes,
+                                       metrics=admission_metrics).start()
         except OSError as e:  # the address is taken, a file is missing or not a certificate
             failed.append(f"cannot serve the admission webhooks on {args.webhook_address}: {e}")
             stop.set()

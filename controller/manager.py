@@ -21,6 +21,7 @@ from accelnode.log import kv
 
 from .caches import clustergkmcache_reconciler, gkmcache_reconciler
 from .claims import clustergkmcache_claims_reconciler, gkmcache_claims_reconciler
+from .conditionmetrics import ConditionsCollector
 from .core import Controller, Metrics
 from .pinning import Resolver
 from .reconciler import Reconciler
@@ -43,6 +44,7 @@ class Manager:
             raise ValueError(f"reconciler names must be unique: {names}")
         self.metrics = Metrics(registry)
         self.controllers = [Controller(client, r, self.metrics, workers=workers, resync=resync) for r in reconcilers]
+        registry.register(ConditionsCollector(self.controllers))
         self._lock = threading.Lock()
         self.started = False
 

@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 COMPONENTS = ("device_plugin", "csi_driver", "agent", "controller")
 CORE = ("accelnode", "accelnode.cli", "accelnode.exitcodes", "accelnode.log", "accelnode.health",
         "accelnode.httpserve", "accelnode.grpcutil")
-LIBRARIES = ("accelnode.oci", "accelnode.kube", "accelnode.hw")
+LIBRARIES = ("accelnode.oci", "accelnode.kube", "accelnode.hw", "accelnode.gce")
 # Modules outside the runtime: the test rigs and the stub generator (a build tool, `make proto`).
 NOT_RUNTIME = ("accelnode.testing", "accelnode.protogen", "accelnode.pb")
 # Imported only where present, inside a try (NVML on GPU nodes).

@@ -15,5 +15,11 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 echo "installing Debian packages: ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
+# Packages such as prometheus and containerd would start their service on install: nothing we
+# install may leave a daemon running, so invoke-rc.d is told no (policy-rc.d, exit 101) meanwhile.
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
+  trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 apt-get update -q
 apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -20,7 +20,11 @@ What one :class:`ControlPlane` sets up in its work directory:
   ``kubelets=True``: then also kube-scheduler, the Node controllers, the Node authorizer and
   ServiceAccount admission, for real kubelets (``accelnode/testing/node.py``);
 - one client certificate and kubeconfig per identity in :data:`IDENTITIES` (and one for the
-  controller-manager, :data:`CONTROLLER_MANAGER`).
+  controller-manager, :data:`CONTROLLER_MANAGER`);
+- what ``kubeadm init`` leaves in the cluster for ``kubeadm join`` (:func:`kubeadm_objects`): the
+  ``kube-public/cluster-info`` ConfigMap the bootstrap signer signs for token discovery (readable
+  anonymously), ``kube-system/kubeadm-config`` and ``kubelet-config``, and the RBAC that lets
+  bootstrap-token holders read them, file CSRs and get them approved.
 
 The component identities carry the user name and groups a pod running as the component's
 ServiceAccount gets, so the ClusterRoleBindings in ``daemonsets/`` apply to them unchanged.
@@ -29,9 +33,11 @@ ServiceAccount gets, so the ClusterRoleBindings in ``daemonsets/`` apply to them
 from __future__ import annotations
 
 import argparse
+import base64
 import ctypes
 import datetime as dt
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -198,6 +204,86 @@ class _PKI:
 
 
 # ---------------------------------------------------------------------------------------------
+# what `kubeadm init` creates for joining nodes (its bootstrap-token and upload-config phases)
+
+BOOTSTRAPPERS = "system:bootstrappers:kubeadm:default-node-token"
+
+
+def _rbac(kind: str, name: str, namespace: str | None, **body) -> dict:
+    meta = {"name": name, **({"namespace": namespace} if namespace else {})}
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": kind, "metadata": meta, **body}
+
+
+def _binding(kind: str, name: str, namespace: str | None, role_kind: str, role: str, subjects: list[dict]) -> dict:
+    return _rbac(kind, name, namespace, roleRef={"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind,
+                                                 "name": role}, subjects=subjects)
+
+
+def _group(name: str) -> dict:
+    return {"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": name}
+
+
+def kubeadm_objects(server: str, ca_pem: bytes, kubernetes_version: str) -> list[tuple[str, dict]]:
+    """(collection path, object) for what ``kubeadm init`` creates so that ``kubeadm join``
+    with a bootstrap token works: the same names, contents and rights."""
+    cluster_info = yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "", "cluster": {"server": server,
+                                              "certificate-authority-data": base64.b64encode(ca_pem).decode()}}],
+        "contexts": None, "current-context": "", "preferences": {}, "users": None}, sort_keys=False)
+    host, _, port = server.removeprefix("https://").rpartition(":")
+    cluster_config = yaml.safe_dump({
+        "apiVersion": "kubeadm.k8s.io/v1beta4", "kind": "ClusterConfiguration", "clusterName": "kubernetes",
+        "kubernetesVersion": kubernetes_version, "controlPlaneEndpoint": f"{host}:{port}",
+        "certificatesDir": "/etc/kubernetes/pki", "imageRepository": "registry.k8s.io",
+        "networking": {"dnsDomain": "cluster.local", "serviceSubnet": SERVICE_CIDR}}, sort_keys=False)
+    kubelet_config = yaml.safe_dump({
+        "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+        "cgroupDriver": "systemd", "clusterDNS": ["10.96.0.10"], "clusterDomain": "cluster.local",
+        "rotateCertificates": True, "staticPodPath": "/etc/kubernetes/manifests",
+        "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
+                           "x509": {"clientCAFile": "/etc/kubernetes/pki/ca.crt"}},
+        "authorization": {"mode": "Webhook"}}, sort_keys=False)
+    cm = lambda ns, name, data: (f"/api/v1/namespaces/{ns}/configmaps",  # noqa: E731
+                                 {"apiVersion": "v1", "kind": "ConfigMap",
+                                  "metadata": {"name": name, "namespace": ns}, "data": data})
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    kube_system, kube_public = f"{rbac}/namespaces/kube-system", f"{rbac}/namespaces/kube-public"
+    readers = [_group(BOOTSTRAPPERS), _group("system:nodes")]
+    return [
+        cm("kube-public", "cluster-info", {"kubeconfig": cluster_info}),
+        (f"{kube_public}/roles", _rbac("Role", "kubeadm:bootstrap-signer-clusterinfo", "kube-public", rules=[
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["cluster-info"], "verbs": ["get"]}])),
+        (f"{kube_public}/rolebindings", _binding("RoleBinding", "kubeadm:bootstrap-signer-clusterinfo", "kube-public",
+                                                 "Role", "kubeadm:bootstrap-signer-clusterinfo",
+                                                 [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                                                   "name": "system:anonymous"}])),
+        cm("kube-system", "kubeadm-config", {"ClusterConfiguration": cluster_config}),
+        cm("kube-system", "kubelet-config", {"kubelet": kubelet_config}),
+        (f"{kube_system}/roles", _rbac("Role", "kubeadm:nodes-kubeadm-config", "kube-system", rules=[
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["kubeadm-config"], "verbs": ["get"]}])),
+        (f"{kube_system}/rolebindings", _binding("RoleBinding", "kubeadm:nodes-kubeadm-config", "kube-system", "Role",
+                                                 "kubeadm:nodes-kubeadm-config", readers)),
+        (f"{kube_system}/roles", _rbac("Role", "kubeadm:kubelet-config", "kube-system", rules=[
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["kubelet-config"], "verbs": ["get"]}])),
+        (f"{kube_system}/rolebindings", _binding("RoleBinding", "kubeadm:kubelet-config", "kube-system", "Role",
+                                                 "kubeadm:kubelet-config", readers)),
+        (f"{rbac}/clusterroles", _rbac("ClusterRole", "kubeadm:get-nodes", None, rules=[
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}])),
+        (f"{rbac}/clusterrolebindings", _binding("ClusterRoleBinding", "kubeadm:get-nodes", None, "ClusterRole",
+                                                 "kubeadm:get-nodes", [_group(BOOTSTRAPPERS)])),
+        (f"{rbac}/clusterrolebindings", _binding("ClusterRoleBinding", "kubeadm:kubelet-bootstrap", None,
+                                                 "ClusterRole", "system:node-bootstrapper", [_group(BOOTSTRAPPERS)])),
+        (f"{rbac}/clusterrolebindings", _binding(
+            "ClusterRoleBinding", "kubeadm:node-autoapprove-bootstrap", None, "ClusterRole",
+            "system:certificates.k8s.io:certificatesigningrequests:nodeclient", [_group(BOOTSTRAPPERS)])),
+        (f"{rbac}/clusterrolebindings", _binding(
+            "ClusterRoleBinding", "kubeadm:node-autoapprove-certificate-rotation", None, "ClusterRole",
+            "system:certificates.k8s.io:certificatesigningrequests:selfnodeclient", [_group("system:nodes")])),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
 # processes
 
 _AUDIT_POLICY = {
@@ -339,7 +425,10 @@ class ControlPlane:
             f"--tls-cert-file={self._pki.serving[0]}", f"--tls-private-key-file={self._pki.serving[1]}",
             f"--client-ca-file={self._pki.ca}",
             "--authorization-mode=Node,RBAC" if self.kubelets else "--authorization-mode=RBAC",
-            "--anonymous-auth=false",
+            # kubeadm's token discovery: a joining node reads kube-public/cluster-info anonymously
+            # (RBAC lets system:anonymous read only that and the public /healthz, /version) and
+            # then authenticates with its bootstrap token
+            "--anonymous-auth=true", "--enable-bootstrap-token-auth=true",
             f"--service-account-issuer={ISSUER}", f"--service-account-key-file={self._pki.sa_pub}",
             f"--service-account-signing-key-file={self._pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -384,6 +473,7 @@ class ControlPlane:
             self._etcd.start()
             self._wait(self._etcd, f"http://127.0.0.1:{client}/readyz", None)
             self.start_apiserver()
+            self._create_kubeadm_objects()
         except BaseException:
             self.stop()
             raise
@@ -442,6 +532,21 @@ class ControlPlane:
         return [f"--kubelet-client-certificate={crt}", f"--kubelet-client-key={key}",
                 # kubelets here are named with --hostname-override: reach them by their node IP
                 "--kubelet-preferred-address-types=InternalIP", "--enable-admission-plugins=NodeRestriction"]
+
+    def _create_kubeadm_objects(self) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        ctx.load_cert_chain(*self._clients["admin"])
+        version = subprocess.run([self._binary("kube-apiserver"), "--version"], capture_output=True, text=True,
+                                 check=True).stdout.split()[-1].lstrip("v")
+        for path, obj in kubeadm_objects(self.url, self.ca_file.read_bytes(), version):
+            req = urllib.request.Request(self.url + path, data=json.dumps(obj).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, context=ctx, timeout=10).close()
+            except urllib.error.HTTPError as e:
+                if e.code != 409:
+                    raise ControlPlaneError(f"creating {obj['kind']} {obj['metadata']['name']}: HTTP {e.code}: "
+                                            f"{e.read(300).decode(errors='replace')}") from None
 
     def _binary(self, name: str) -> str:
         path = self.tools_bin / name

@@ -188,3 +188,32 @@ def test_a_new_certificate_is_served_to_new_handshakes_without_restart(server, t
     (tmp_path / "key.pem").write_text("not a key")
     assert peer_cert(server, ca) == second
     assert server.certs.reloads == 1
+
+
+def test_answers_are_counted_by_path_and_kind_and_timed(tls):
+    from prometheus_client import CollectorRegistry
+
+    from controller.admission import AdmissionMetrics
+
+    ca, cert, key, der = tls
+    registry = CollectorRegistry()
+    s = AdmissionServer("127.0.0.1:0", cert, key, {"/mutate": add_label, "/boom": boom},
+                        max_body=1024, metrics=AdmissionMetrics(registry)).start()
+    try:
+        post(s, ca, "/mutate", json.dumps(review()).encode())
+        post(s, ca, "/mutate", json.dumps(review(obj={"metadata": {"labels": {"deny": "1"}}})).encode())
+        post(s, ca, "/boom", json.dumps(review()).encode())
+        post(s, ca, "/mutate", b"{not json")
+        post(s, ca, "/made-up-path", json.dumps(review()).encode())
+        post(s, ca, "/mutate", b"x" * 2048)
+    finally:
+        s.stop()
+
+    def count(path, answer):
+        return registry.get_sample_value("accelnode_controller_admission_requests_total",
+                                         {"path": path, "answer": answer})
+    assert [count("/mutate", a) for a in ("patched", "denied", "malformed", "too_large")] == [1, 1, 1, 1]
+    assert count("/boom", "error") == 1 and count("other", "no_route") == 1
+    assert registry.get_sample_value("accelnode_controller_admission_seconds_count", {"path": "/mutate"}) == 3
+    want = x509.load_der_x509_certificate(der).not_valid_after_utc.timestamp()
+    assert s.certs.not_after == want  # what the expiry gauge of certificates from files reads

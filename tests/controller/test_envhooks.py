@@ -47,14 +47,14 @@ def env(control_plane, kube_api, tmp_path_factory):
     cert, key, _ = ca.serving(tmp_path_factory.mktemp("tpuenv"), "accelnode-controller")
     server = AdmissionServer("127.0.0.1:0", cert, key, routes()).start()
     core, reg = client.CoreV1Api(admin), client.AdmissionregistrationV1Api(admin)
-    core.create_namespace(body={"metadata": {"name": ns}})
+    core.create_namespace(body={"metadata": {"name": ns, "labels": {"accelnode.io/tpuenv-test": run}}})
     [config] = yaml.safe_load_all((ROOT / "daemonsets" / "webhooks-tpu-env.yaml").read_text())
     config["metadata"]["name"] = f"test-tpu-env-{run}"
     for hook in config["webhooks"]:
         path = hook["clientConfig"]["service"]["path"]
         hook["clientConfig"] = {"url": f"https://127.0.0.1:{server.port}{path}",
                                 "caBundle": base64.b64encode(ca.pem).decode()}
-        hook["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": ns}}
+        hook["namespaceSelector"] = {"matchLabels": {"accelnode.io/tpuenv-test": run}}
     reg.create_mutating_webhook_configuration(body=config)
     apps, batch = client.AppsV1Api(admin), client.BatchV1Api(admin)
     try:
@@ -63,7 +63,7 @@ def env(control_plane, kube_api, tmp_path_factory):
             sts = apps.create_namespaced_stateful_set(ns, statefulset("probe", "probe", 1), dry_run="All")
             return any(e.name == "TPU_WORKER_HOSTNAMES" for e in sts.spec.template.spec.containers[0].env or [])
         eventually(active, "the StatefulSet webhook is called by the API server", timeout=60)
-        yield {"ns": ns, "core": core, "apps": apps, "batch": batch, "server": server}
+        yield {"ns": ns, "core": core, "apps": apps, "batch": batch, "server": server, "run": run}
     finally:
         try:
             reg.delete_mutating_webhook_configuration(config["metadata"]["name"])
@@ -216,6 +216,35 @@ def test_indexed_job_gke_example(env):
         processes.append(got)
     assert [(v["process_id"], v["process_count"], v["coordinator"]) for v in jax_view(processes)] == [
         (i, 4, "tpu-job-podslice-0.headless-svc:8482") for i in range(4)]
+
+
+@pytest.mark.parametrize("example", ["injector-readme-statefulset.yaml", "gke-indexed-job.yaml"])
+def test_the_shipped_examples_unchanged(env, kubectl, example):
+    """examples/tpu-env/ as users have them (the injector's README, GKE's Indexed Job), created
+    as they are with kubectl in a namespace of their own: the API server's answer carries our
+    variables, and so do the pods the controllers make."""
+    e = env
+    ns = f"{e['ns']}-{example.split('-')[0]}"
+    e["core"].create_namespace(body={"metadata": {"name": ns, "labels": {"accelnode.io/tpuenv-test": e["run"]}}})
+    out = kubectl("admin", "create", "-n", ns, "-o", "json", "-f", f"examples/tpu-env/{example}")
+    assert out.returncode == 0, out.stderr
+    made, text, at = {}, out.stdout, 0
+    while text[at:].strip():  # one JSON object per created object
+        obj, at = json.JSONDecoder().raw_decode(text, at + len(text[at:]) - len(text[at:].lstrip()))
+        made[obj["kind"]] = obj
+    if "StatefulSet" in made:
+        [c] = made["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+        assert [v["name"] for v in c["env"]][:2] == ["FOO", "TPU_WORKER_HOSTNAMES"]
+        assert c["env"][1]["value"] == "web-0.nginx,web-1.nginx,web-2.nginx"
+        web0 = eventually(lambda: next((p for p in e["core"].list_namespaced_pod(ns, label_selector="app=nginx").items
+                                        if p.metadata.name == "web-0"), None), "web-0")
+        got = env_of(web0.spec.containers[0])
+        assert got["TPU_WORKER_ID"] == "0" and got["FOO"] == "bar"
+    else:
+        got = {v["name"]: v.get("value") for v in made["Job"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert got["TPU_WORKER_HOSTNAMES"] == ",".join(f"tpu-job-podslice-{i}.headless-svc" for i in range(4))
+        pods = pods_of({**e, "ns": ns}, "batch.kubernetes.io/job-name=tpu-job-podslice", 4)
+        assert sorted(env_of(p.spec.containers[0])["TPU_WORKER_ID"] for p in pods) == ["0", "1", "2", "3"]
 
 
 def test_jobs_outside_gkes_rule_pass_untouched(env):

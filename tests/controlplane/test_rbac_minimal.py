@@ -14,7 +14,8 @@ from kubernetes import client
 NS = "accelnode-system"
 RBAC = ["daemonsets/namespace.yaml", "daemonsets/rbac-agent.yaml", "daemonsets/rbac-csi.yaml",
         "daemonsets/rbac-controller.yaml", "daemonsets/rbac-controller-caches.yaml",
-        "daemonsets/rbac-controller-claims.yaml", "daemonsets/rbac-controller-tpuenv.yaml",
+        "daemonsets/rbac-controller-claims.yaml", "daemonsets/rbac-controller-jointokens.yaml",
+        "daemonsets/rbac-controller-tpuenv.yaml",
         "daemonsets/rbac-controller-webhooks.yaml"]
 ACCOUNTS = ("accelnode-agent", "accelnode-csi", "accelnode-controller", "default")
 
@@ -43,7 +44,10 @@ NEEDS = {
         ("update", "", "secrets", NS, "accelnode-controller-webhook-tls"),
         ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-gkm-caches"),
         ("update", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),
-        ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-tpu-env")],
+        ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-tpu-env"),
+        # node groups' join tokens: bootstrap-token Secrets live in kube-system (docs/bootstrap.md)
+        ("create", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-x"),
+        ("list", "", "secrets", "kube-system", ""), ("get", "", "configmaps", "kube-public", "cluster-info")],
     "default": [],
 }
 DANGEROUS = [
@@ -64,7 +68,7 @@ DANGEROUS = [
     ("create", "", "serviceaccounts/token", NS, "accelnode-controller"),
     ("update", "certificates.k8s.io", "certificatesigningrequests/approval", "", "x"),
     ("delete", "gkm.io", "gkmcaches", "team-a", "c"), ("create", "gkm.io", "gkmcaches", "team-a", ""),
-    ("create", "", "secrets", "kube-system", ""),
+    ("update", "", "secrets", "kube-system", "any"), ("create", "", "secrets", "default", ""),
     ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "someone-elses"),
     ("delete", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),
     ("create", "apps", "daemonsets", NS, ""), ("update", "apps", "daemonsets", NS, "accelnode-csi-node"),

@@ -1,0 +1,227 @@
+"""kubeadm bootstrap tokens for node groups: the controller side of the pull-model join
+(docs/bootstrap.md).
+
+A node group's fresh VMs join with ``kubeadm join`` and a bootstrap token the controller puts
+into their metadata (``kubeadm-join-token``, ``kubeadm-control-plane-ip``, ``kubeadm-ca-hash``).
+:class:`JoinTokens` keeps one token per group as the API server wants it:
+
+* a Secret ``kube-system/bootstrap-token-<token-id>`` of type ``bootstrap.kubernetes.io/token``
+  with ``token-id``, ``token-secret``, ``expiration`` (RFC 3339, ``ttl_s`` from creation),
+  ``usage-bootstrap-authentication`` and ``usage-bootstrap-signing`` (the bootstrap signer then
+  signs ``kube-public/cluster-info`` with it: token discovery) and ``auth-extra-groups``
+  ``system:bootstrappers:kubeadm:default-node-token`` (kubeadm's RBAC for joining nodes);
+* labelled :data:`GROUP_LABEL` (and annotated with the full group name) so the group's tokens
+  can be found, reused and revoked.
+
+:meth:`JoinTokens.ensure` reuses the group's token with the most time left when at least
+``ttl_s / 6`` (10 minutes of an hour) remains, so a VM that reads it has time to join, and
+creates a new one otherwise; expired ones of the group are deleted on the way (the API
+server's token cleaner would too, later). :meth:`JoinTokens.revoke` deletes every token of
+the group (once its nodes have joined, or when the group goes).
+
+The CA hash is what ``kubeadm join --discovery-token-ca-cert-hash`` checks: ``sha256:`` and the
+hex SHA-256 of the cluster CA certificate's DER SubjectPublicKeyInfo.
+
+A token's secret half is never logged: :class:`JoinInfo`'s repr leaves it out and the log lines
+carry the token id only (which is public: it names the Secret).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import logging
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from accelnode.kube.bootstraptoken import ENDPOINT_RE, METADATA_KEYS, TOKEN_RE, ca_cert_hash
+from accelnode.kube.client import Client, KubeError
+from accelnode.log import kv
+
+log = logging.getLogger("accelnode.controller.jointoken")
+
+SECRET_TYPE = "bootstrap.kubernetes.io/token"
+NODE_GROUP = "system:bootstrappers:kubeadm:default-node-token"
+GROUP_LABEL = "accelnode.io/join-group"  # the group's name, or a hash of it when not a label value
+GROUP_ANNOTATION = "accelnode.io/join-group"  # the group's full name
+CLUSTER_INFO = "/api/v1/namespaces/kube-public/configmaps/cluster-info"
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    """What a VM needs to join: its three metadata values."""
+
+    token: str = field(repr=False)  # "<id>.<secret>": never logged
+    ca_hash: str  # "sha256:<hex>"
+    control_plane: str  # host[:port]
+
+    @property
+    def token_id(self) -> str:
+        return self.token.split(".", 1)[0]
+
+    def metadata_items(self) -> dict[str, str]:
+        return dict(zip(METADATA_KEYS, (self.token, self.control_plane, self.ca_hash)))
+
+
+def new_token() -> str:
+    pick = lambda n: "".join(secrets.choice(_ALPHABET) for _ in range(n))  # noqa: E731
+    return f"{pick(6)}.{pick(16)}"
+
+
+def rfc3339(t: float) -> str:
+    return dt.datetime.fromtimestamp(int(t), dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_rfc3339(s: str) -> float:
+    """Seconds since the epoch; ValueError when ``s`` is not an RFC 3339 time."""
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
+def group_label_value(group: str) -> str:
+    if _LABEL_VALUE.match(group):
+        return group
+    return "h-" + hashlib.sha256(group.encode()).hexdigest()[:40]
+
+
+def check_control_plane(control_plane: str) -> str:
+    if not ENDPOINT_RE.match(control_plane or ""):
+        raise ValueError(f"control plane endpoint {control_plane!r} is not host[:port]")
+    return control_plane
+
+
+def _b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+def _unb64(s: str) -> str:
+    return base64.b64decode(s).decode()
+
+
+@dataclass
+class _Token:
+    name: str
+    token: str
+    expires: float
+
+
+class JoinTokens:
+    """Bootstrap-token Secrets of node groups in ``namespace`` (``kube-system``: where the API
+    server's bootstrap authenticator looks)."""
+
+    def __init__(self, kube: Client, *, ca_pem: bytes, namespace: str = "kube-system", ttl_s: int = 3600,
+                 clock: Callable[[], float] = time.time):
+        if ttl_s < 60:
+            raise ValueError(f"a join token must live at least 60 s (ttl_s={ttl_s})")
+        self.kube = kube
+        self.namespace = namespace
+        self.ttl_s = ttl_s
+        self.min_left_s = ttl_s / 6  # reuse a token only with this much time left
+        self.ca_hash = ca_cert_hash(ca_pem)
+        self.clock = clock
+        self._path = f"/api/v1/namespaces/{namespace}/secrets"
+
+    # -- public surface ------------------------------------------------------------------------
+
+    def ensure(self, group: str, control_plane: str) -> JoinInfo:
+        """The group's join values: a token with comfortable time left (reused or new), the CA
+        hash and ``control_plane``. KubeError/Unreachable from the API pass through."""
+        check_control_plane(control_plane)
+        if not group:
+            raise ValueError("a join token needs a node group name")
+        now = self.clock()
+        usable: list[_Token] = []
+        for tok in self._list(group):
+            if tok.expires <= now:
+                self._delete(tok.name, group, "expired")
+            elif tok.expires - now >= self.min_left_s:
+                usable.append(tok)
+        if usable:
+            best = max(usable, key=lambda t: t.expires)
+            return JoinInfo(best.token, self.ca_hash, control_plane)
+        return JoinInfo(self._create(group, now), self.ca_hash, control_plane)
+
+    def signed(self, info: JoinInfo) -> bool:
+        """Whether the bootstrap signer has signed ``kube-public/cluster-info`` for the token yet
+        (it does so a few seconds after the Secret appears). A VM given a token before that
+        waits for the signature in its discovery; writing the metadata once this is true makes
+        the join start the moment the VM sees it."""
+        try:
+            cm = self.kube.request("GET", CLUSTER_INFO)
+        except KubeError as e:
+            if e.code == 404:
+                return False
+            raise
+        return f"jws-kubeconfig-{info.token_id}" in (cm.get("data") or {})
+
+    def revoke(self, group: str) -> None:
+        """Delete every token Secret of ``group`` (none: nothing to do)."""
+        for tok in self._list(group):
+            self._delete(tok.name, group, "revoked")
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _list(self, group: str) -> list[_Token]:
+        """The group's well-formed token Secrets (one that is not is skipped with a warning:
+        the API server would not accept it as a token either)."""
+        out = self.kube.request("GET", self._path, query={"labelSelector": f"{GROUP_LABEL}={group_label_value(group)}"})
+        tokens = []
+        for s in out.get("items") or []:
+            meta = s.get("metadata") or {}
+            if s.get("type") != SECRET_TYPE or (meta.get("annotations") or {}).get(GROUP_ANNOTATION) != group:
+                continue
+            data = s.get("data") or {}
+            try:
+                tid, tsecret = _unb64(data["token-id"]), _unb64(data["token-secret"])
+                expires = parse_rfc3339(_unb64(data["expiration"]))
+            except (KeyError, ValueError) as e:
+                log.warning("join token secret is malformed; ignored",
+                            extra=kv(secret=meta.get("name"), group=group, error=type(e).__name__))
+                continue
+            token = f"{tid}.{tsecret}"
+            if not TOKEN_RE.match(token) or meta.get("name") != f"bootstrap-token-{tid}":
+                log.warning("join token secret is malformed; ignored", extra=kv(secret=meta.get("name"), group=group))
+                continue
+            tokens.append(_Token(meta["name"], token, expires))
+        return tokens
+
+    def _create(self, group: str, now: float) -> str:
+        for _ in range(5):  # a clash of random ids: draw again
+            token = new_token()
+            tid, tsecret = token.split(".")
+            expiration = rfc3339(now + self.ttl_s)
+            body = {
+                "apiVersion": "v1", "kind": "Secret", "type": SECRET_TYPE,
+                "metadata": {"name": f"bootstrap-token-{tid}", "namespace": self.namespace,
+                             "labels": {GROUP_LABEL: group_label_value(group),
+                                        "app.kubernetes.io/managed-by": "accelnode-controller"},
+                             "annotations": {GROUP_ANNOTATION: group}},
+                "data": {k: _b64(v) for k, v in {
+                    "description": f"accelnode: joins the nodes of node group {group}",
+                    "token-id": tid, "token-secret": tsecret, "expiration": expiration,
+                    "usage-bootstrap-authentication": "true", "usage-bootstrap-signing": "true",
+                    "auth-extra-groups": NODE_GROUP}.items()},
+            }
+            try:
+                self.kube.request("POST", self._path, body=body)
+            except KubeError as e:
+                if e.code == 409:
+                    continue
+                raise
+            log.info("join token created", extra=kv(group=group, bootstrap_id=tid, expiration=expiration))
+            return token
+        raise RuntimeError("could not create a join token: five random token ids were all taken")
+
+    def _delete(self, name: str, group: str, why: str) -> None:
+        try:
+            self.kube.request("DELETE", f"{self._path}/{name}")
+        except KubeError as e:
+            if e.code != 404:
+                raise
+            return
+        log.info(f"join token {why}", extra=kv(group=group, bootstrap_id=name.removeprefix("bootstrap-token-")))

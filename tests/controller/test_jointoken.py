@@ -1,0 +1,190 @@
+"""Join tokens of node groups (controller/jointoken.py) against the real API server: the Secret
+the bootstrap-token authenticator accepts (a request with the token is the bootstrapper user in
+kubeadm's node group), reuse, renewal, revocation, and the CA hash kubeadm pins."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from accelnode.kube.client import Client, Config, KubeError
+from controller.jointoken import (GROUP_LABEL, METADATA_KEYS, NODE_GROUP, SECRET_TYPE, TOKEN_RE, JoinInfo, JoinTokens,
+                                  ca_cert_hash)
+
+SECRETS = "/api/v1/namespaces/kube-system/secrets"
+
+
+@pytest.fixture(scope="module")
+def jointokens_rbac(kubectl):
+    out = kubectl("admin", "apply", "-f", "daemonsets/namespace.yaml", "-f", "daemonsets/rbac-controller-jointokens.yaml")
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.fixture
+def me(control_plane, jointokens_rbac) -> Client:
+    return Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), user_agent="accelnode-controller")
+
+
+@pytest.fixture
+def admin(control_plane) -> Client:
+    return Client(Config.from_kubeconfig(control_plane.kubeconfig("admin")))
+
+
+@pytest.fixture
+def group() -> str:
+    return f"ns-{uuid.uuid4().hex[:8]}-v6e"
+
+
+def tokens(me: JoinTokens, admin: Client, group: str) -> dict:
+    out = admin.request("GET", SECRETS, query={"labelSelector": f"{GROUP_LABEL}={group}"})
+    return {s["metadata"]["name"]: s for s in out["items"]}
+
+
+def whoami(control_plane, token: str) -> dict:
+    c = Client(Config(control_plane.url, str(control_plane.ca_file), token=token))
+    review = c.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                       body={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+    return review["status"]["userInfo"]
+
+
+def test_a_new_token_is_a_kubeadm_node_bootstrap_token(control_plane, me, admin, group):
+    jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
+    info = jt.ensure(group, "10.0.0.2")
+    assert TOKEN_RE.match(info.token)
+    tid, tsecret = info.token.split(".")
+    secret = admin.request("GET", f"{SECRETS}/bootstrap-token-{tid}")
+    assert secret["type"] == SECRET_TYPE
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert data["token-id"] == tid and data["token-secret"] == tsecret
+    assert data["usage-bootstrap-authentication"] == "true" and data["usage-bootstrap-signing"] == "true"
+    assert data["auth-extra-groups"] == NODE_GROUP
+    left = time.mktime(time.strptime(data["expiration"], "%Y-%m-%dT%H:%M:%SZ")) - time.mktime(time.gmtime())
+    assert 3500 < left <= 3600
+    # the API server's bootstrap-token authenticator takes it: kubeadm's joining-node identity
+    user = whoami(control_plane, info.token)
+    assert user["username"] == f"system:bootstrap:{tid}"
+    assert {"system:bootstrappers", NODE_GROUP} <= set(user["groups"])
+    assert info.metadata_items() == {"kubeadm-join-token": info.token, "kubeadm-control-plane-ip": "10.0.0.2",
+                                     "kubeadm-ca-hash": info.ca_hash}
+    assert tuple(info.metadata_items()) == METADATA_KEYS
+
+
+def test_the_bootstrap_signer_signs_cluster_info_for_a_new_token(control_plane, me, group):
+    jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
+    info = jt.ensure(group, "10.0.0.2")
+    deadline = time.monotonic() + 60
+    while not jt.signed(info) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert jt.signed(info), "kube-controller-manager's bootstrap signer did not sign cluster-info in 60s"
+    jt.revoke(group)
+    deadline = time.monotonic() + 60
+    while jt.signed(info) and time.monotonic() < deadline:  # the signer drops a deleted token's signature
+        time.sleep(0.2)
+    assert not jt.signed(info)
+
+
+def test_the_token_is_reused_per_group_and_renewed_near_expiry(control_plane, me, admin, group):
+    ca = control_plane.ca_file.read_bytes()
+    jt = JoinTokens(me, ca_pem=ca)
+    first = jt.ensure(group, "10.0.0.2:6443")
+    assert jt.ensure(group, "10.0.0.2:6443") == first
+    other = jt.ensure(group + "-b", "10.0.0.2:6443")
+    assert other.token != first.token
+    assert len(tokens(jt, admin, group)) == 1
+    # 55 minutes later: 5 minutes left is too little for a VM to join with; a new token
+    later = JoinTokens(me, ca_pem=ca, clock=lambda: time.time() + 3300)
+    second = later.ensure(group, "10.0.0.2:6443")
+    assert second.token != first.token
+    assert len(tokens(jt, admin, group)) == 2
+    assert later.ensure(group, "10.0.0.2:6443") == second  # the newer one is reused
+    # after the first expired: it is deleted on the way
+    much_later = JoinTokens(me, ca_pem=ca, clock=lambda: time.time() + 3700)
+    assert much_later.ensure(group, "10.0.0.2:6443") == second
+    assert set(tokens(jt, admin, group)) == {f"bootstrap-token-{second.token_id}"}
+
+
+def test_revoke_deletes_the_groups_tokens_only(control_plane, me, admin, group):
+    jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
+    info = jt.ensure(group, "cp.example:6443")
+    kept = jt.ensure(group + "-b", "cp.example:6443")
+    jt.revoke(group)
+    assert tokens(jt, admin, group) == {}
+    assert len(tokens(jt, admin, group + "-b")) == 1
+    with pytest.raises(KubeError) as err:
+        whoami(control_plane, info.token)
+    assert err.value.code == 401
+    assert whoami(control_plane, kept.token)["username"] == f"system:bootstrap:{kept.token_id}"
+    jt.revoke(group)  # nothing left: nothing to do
+    jt.revoke(group + "-b")
+
+
+def test_a_group_name_that_is_no_label_value_still_works(control_plane, me, admin):
+    jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
+    group = f"team-{uuid.uuid4().hex[:6]}/v6e pool"
+    info = jt.ensure(group, "10.0.0.2")
+    assert jt.ensure(group, "10.0.0.2") == info
+    jt.revoke(group)
+    with pytest.raises(KubeError):
+        admin.request("GET", f"{SECRETS}/bootstrap-token-{info.token_id}")
+
+
+def test_bad_input_is_refused_and_creates_nothing(control_plane, me, admin, group):
+    jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
+    for bad in ("", "https://10.0.0.2:6443", "10.0.0.2 6443", "10.0.0.2/x"):
+        with pytest.raises(ValueError, match="host\\[:port\\]"):
+            jt.ensure(group, bad)
+    with pytest.raises(ValueError, match="node group name"):
+        jt.ensure("", "10.0.0.2")
+    assert tokens(jt, admin, group) == {}
+    with pytest.raises(ValueError, match="not a PEM certificate"):
+        JoinTokens(me, ca_pem=b"-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ValueError, match="at least 60 s"):
+        JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes(), ttl_s=10)
+
+
+def test_the_ca_hash_is_kubeadms(control_plane):
+    """kubeadm's documented recipe: the DER public key of the CA certificate, SHA-256."""
+    pub = subprocess.run(["openssl", "x509", "-pubkey", "-noout", "-in", str(control_plane.ca_file)],
+                         capture_output=True, check=True).stdout
+    der = subprocess.run(["openssl", "pkey", "-pubin", "-outform", "der"], input=pub, capture_output=True,
+                         check=True).stdout
+    digest = subprocess.run(["openssl", "dgst", "-sha256", "-hex"], input=der, capture_output=True,
+                            check=True).stdout.decode().split()[-1]
+    assert ca_cert_hash(control_plane.ca_file.read_bytes()) == f"sha256:{digest}"
+
+
+def test_the_token_never_shows_in_repr_or_logs(control_plane, me, group, caplog):
+    caplog.set_level("DEBUG")
+    info = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes()).ensure(group, "10.0.0.2")
+    secret = info.token.split(".")[1]
+    assert secret not in repr(info) and secret not in str(info)
+    logged = " ".join(str(r.__dict__) for r in caplog.records)  # messages and their kv fields
+    assert info.token_id in logged and secret not in logged
+    assert isinstance(info, JoinInfo)
+
+
+def test_the_controller_may_not_read_other_namespaces_secrets(me):
+    with pytest.raises(KubeError) as err:
+        me.request("GET", "/api/v1/namespaces/default/secrets")
+    assert err.value.code == 403
+    with pytest.raises(KubeError) as err:
+        me.request("GET", f"{SECRETS}/bootstrap-token-abcdef")  # list, not get
+    assert err.value.code == 403
+
+
+def test_an_expired_token_is_refused_and_cleaned_up_by_the_cluster(control_plane, me, admin, group):
+    """A token whose expiration passed: the API server's authenticator refuses it and
+    kube-controller-manager's token cleaner deletes its Secret."""
+    made_long_ago = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes(), clock=lambda: time.time() - 4000)
+    info = made_long_ago.ensure(group, "10.0.0.2")
+    with pytest.raises(KubeError) as err:
+        whoami(control_plane, info.token)
+    assert err.value.code == 401
+    deadline = time.monotonic() + 60
+    while tokens(made_long_ago, admin, group) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tokens(made_long_ago, admin, group) == {}
