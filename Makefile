@@ -3,7 +3,10 @@
 #   make deps     Python virtualenv in .venv with accelnode installed (editable)
 #   make tools    external test peers built from their Go modules into .tools/bin (cached)
 #   make proto    regenerate accelnode/pb from proto/*.proto
-#   make demo     run the device plugin on a simulated TPU host and show what kubelet sees
+#   make demo     the whole node path, step by step: image, control plane, containerd + kubelet,
+#                 kubectl apply -k daemonsets/, a pod with google.com/tpu and a cache (root)
+#   make demo-plugin  quick: the device plugin alone on a simulated TPU host, as kubelet sees it
+#   make image    the accelnode image as an OCI archive without a container engine (docs/image.md)
 #   make cluster  local etcd + kube-apiserver in the foreground (docs/local-cluster.md)
 #   make test     every test (unit + integration against real peers)
 #   make bench    every benchmark; `make bench GROUP=device_plugin` for one group; fails when a printed
@@ -25,7 +28,7 @@ TOOLS :=
 # Each tools/mk/*.mk adds its binaries to TOOLS and says how to build them.
 include $(wildcard tools/mk/*.mk)
 
-.PHONY: system-deps deps tools proto demo test bench clean
+.PHONY: system-deps deps tools proto demo demo-plugin image test bench clean
 
 system-deps:
 	@tools/install-system-deps.sh
@@ -44,8 +47,14 @@ PROTOS := $(wildcard proto/*.proto)
 proto: deps
 	$(PY) -m accelnode.protogen --out accelnode/pb $(PROTOS)
 
-demo: deps
+demo: deps tools
+	$(PY) -m accelnode.testing.nodedemo --tools-bin $(TOOLS_BIN)
+
+demo-plugin: deps
 	$(PY) -m accelnode.testing.demo
+
+image: deps system-deps
+	$(PY) -m accelnode.testing.image
 
 test: deps tools
 	@echo "tests: $(TESTS)"

@@ -15,7 +15,8 @@ from controller.certs import service_names
 from tests.conftest import tool
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = sorted(p for p in (ROOT / "daemonsets").glob("*.yaml")) + sorted((ROOT / "examples").glob("*.yaml"))
+SHIPPED = sorted(p for p in (ROOT / "daemonsets").glob("*.yaml") if p.name != "kustomization.yaml") + sorted(
+    (ROOT / "examples").glob("*.yaml"))
 
 
 def namespaces_used(path: Path) -> set[str]:
@@ -82,7 +83,7 @@ def test_probes_reach_the_daemon(name, pod, container):
             assert "host" not in get and host == "0.0.0.0", (name, container["name"])
 
 
-CERT_MANAGER = ROOT / "daemonsets/overlays/cert-manager"
+CERT_MANAGER = ROOT / "overlays/cert-manager"
 
 
 def test_the_cert_manager_overlay_builds_and_wires_the_ca_into_our_webhooks(kubectl, shipped_namespaces):
@@ -91,8 +92,7 @@ def test_the_cert_manager_overlay_builds_and_wires_the_ca_into_our_webhooks(kube
     configuration takes caBundle from the CA Certificate it defines. cert-manager's CRDs are not
     installable here (no cert-manager), so only the webhook configurations are dry-run on the
     API server; the cert-manager objects are checked for shape."""
-    out = subprocess.run([tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(CERT_MANAGER)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([tool("kubectl"), "kustomize", str(CERT_MANAGER)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     by_kind: dict[str, list[dict]] = {}
@@ -114,3 +114,94 @@ def test_the_cert_manager_overlay_builds_and_wires_the_ca_into_our_webhooks(kube
     dry = kubectl("admin", "apply", "--dry-run=server", "--validate=strict", "-f", "-",
                   stdin=yaml.safe_dump_all(webhooks))
     assert dry.returncode == 0 and "Warning" not in dry.stderr, dry.stderr
+
+
+BASE = ROOT / "daemonsets"
+
+
+def build(path: Path) -> list[dict]:
+    out = subprocess.run([tool("kubectl"), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_the_kustomize_base_is_every_shipped_manifest():
+    """`kubectl apply -k daemonsets/` deploys everything daemonsets/ ships: a new manifest that is
+    not in the base fails here."""
+    listed = set(yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"])
+    files = {str(p.relative_to(BASE)) for p in [*BASE.glob("*.yaml"), *BASE.glob("crds/*.yaml")]}
+    assert listed == files - {"kustomization.yaml"}
+
+
+def test_the_base_is_accepted_by_the_apiserver_as_one_apply(kubectl, shipped_namespaces):
+    out = kubectl("admin", "apply", "--dry-run=server", "--validate=strict", "-k", str(BASE))
+    assert out.returncode == 0, out.stderr
+    # the session's CRDs were created by the `crds` fixture, not by apply: kubectl says so
+    warnings = [w for w in out.stderr.splitlines() if "last-applied-configuration annotation" not in w]
+    assert not any("Warning" in w for w in warnings), out.stderr
+    kinds = {line.split("/")[0] for line in out.stdout.splitlines()}
+    assert {"deployment.apps", "daemonset.apps", "service", "csidriver.storage.k8s.io", "namespace",
+            "customresourcedefinition.apiextensions.k8s.io"} <= kinds, out.stdout
+
+
+def workloads(docs: list[dict]):
+    for d in docs:
+        if d["kind"] in ("DaemonSet", "Deployment"):
+            yield d["metadata"]["name"], d["spec"]["template"]["spec"]
+
+
+def test_every_workload_is_bounded_prioritised_probed_and_confined():
+    """What an operator expects of a node or cluster daemon: requests and a memory limit, a
+    priority class, probes on /healthz and /readyz, a read-only root filesystem and no privilege
+    escalation; every container that is not privileged (mounts) drops all capabilities, and only
+    what must be root runs as root."""
+    seen = []
+    for name, pod in workloads(build(BASE)):
+        assert pod["priorityClassName"] in ("system-node-critical", "system-cluster-critical"), name
+        for c in pod["containers"]:
+            seen.append(f"{name}/{c['name']}")
+            res = c["resources"]
+            assert {"cpu", "memory"} <= set(res["requests"]) and "memory" in res["limits"], (name, c["name"])
+            assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+            assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, (name, c["name"])
+            if sc.get("privileged"):
+                assert (name, c["name"]) == ("accelnode-csi-node", "csi")  # mount(2), Bidirectional propagation
+                continue
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
+            uid = sc.get("runAsUser", pod.get("securityContext", {}).get("runAsUser"))
+            if name == "accelnode-controller":
+                assert uid == 65532 and pod["securityContext"]["runAsNonRoot"] is True
+    assert sorted(seen) == ["accelnode-controller/controller", "accelnode-csi-node/agent", "accelnode-csi-node/csi",
+                            "accelnode-tpu-device-plugin/device-plugin"]
+
+
+def test_the_controller_service_reaches_the_webhook_port():
+    docs = build(BASE)
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}[svc["spec"]["ports"][0]["targetPort"]]
+    assert env["ACCELNODE_WEBHOOK_ADDRESS"] == f"0.0.0.0:{port}" and svc["spec"]["ports"][0]["port"] == 443
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    hooks = [h for d in docs if d["kind"].endswith("WebhookConfiguration") for h in d["webhooks"]]
+    assert hooks and all(h["clientConfig"]["service"] | {"path": None} == {
+        "name": svc["metadata"]["name"], "namespace": svc["metadata"]["namespace"], "port": 443, "path": None}
+        for h in hooks if "port" in h["clientConfig"]["service"])
+    assert all(h["clientConfig"]["service"]["name"] == svc["metadata"]["name"] for h in hooks)
+
+
+def test_the_cert_manager_overlay_mounts_its_certificate_and_drops_the_self_managed_rights():
+    docs = build(CERT_MANAGER)
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    mount = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}["webhook-tls"]
+    assert env["ACCELNODE_TLS_CERT_FILE"] == f"{mount}/tls.crt" and env["ACCELNODE_TLS_KEY_FILE"] == f"{mount}/tls.key"
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
+    leaf = [d for d in docs if d["kind"] == "Certificate" and d["metadata"]["name"] == "accelnode-controller-webhook"]
+    assert vol["secret"]["secretName"] == leaf[0]["spec"]["secretName"]
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert not any(n.startswith("accelnode-controller-webhook-") and k in ("Role", "ClusterRole") for k, n in names)

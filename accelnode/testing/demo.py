@@ -1,4 +1,4 @@
-"""``make demo``: the device plugin on a simulated TPU host, and what kubelet sees of it.
+"""``make demo-plugin``: the device plugin on a simulated TPU host, and what kubelet sees of it.
 
 Builds a simulated host (v5e-4 unless ``--preset`` says otherwise) in a temporary directory,
 starts the real ``accelnode device-plugin`` against it with a kubelet harness in a temporary

@@ -16,7 +16,9 @@ What one :class:`ControlPlane` sets up in its work directory:
 - kube-controller-manager on a free loopback port as ``system:kube-controller-manager``, each
   controller with its own ServiceAccount credentials: garbage collection, namespace deletion,
   PV/PVC binding, Deployments, StatefulSets, Jobs, CSR signing with the CA, bootstrap tokens;
-  nothing that needs a kubelet or acts on Nodes (see :data:`CONTROLLERS`);
+  nothing that needs a kubelet or acts on Nodes (see :data:`CONTROLLERS`) - unless
+  ``kubelets=True``: then also kube-scheduler, the Node controllers, the Node authorizer and
+  ServiceAccount admission, for real kubelets (``accelnode/testing/node.py``);
 - one client certificate and kubeconfig per identity in :data:`IDENTITIES` (and one for the
   controller-manager, :data:`CONTROLLER_MANAGER`);
 - what ``kubeadm init`` leaves in the cluster for ``kubeadm join`` (:func:`kubeadm_objects`): the
@@ -87,6 +89,9 @@ IDENTITIES = (
 
 # The user the apiserver's bootstrap RBAC policy grants the controller-manager's rights to.
 CONTROLLER_MANAGER = Identity("kube-controller-manager", "system:kube-controller-manager", ())
+
+# The user the bootstrap RBAC policy grants the scheduler's rights to (kubelets=True only).
+SCHEDULER = Identity("kube-scheduler", "system:kube-scheduler", ())
 
 # Every default controller, the two token controllers that are off by default (so bootstrap
 # tokens work), and none of those that act on Nodes as if kubelets ran them: our Nodes are bare
@@ -351,7 +356,11 @@ class ControlPlane:
     (SIGTERM, then SIGKILL), waits for them and removes the etcd data. Safe to call twice.
     """
 
-    def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0):
+    def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0, kubelets: bool = False):
+        """``kubelets=True``: ready for real kubelets (accelnode/testing/node.py): the Node
+        authorizer beside RBAC, ServiceAccount admission (pods get their token volume), a
+        client certificate the apiserver shows kubelets (logs, exec), and kube-scheduler."""
+        self.kubelets = kubelets
         self.workdir = Path(workdir)
         self.tools_bin = Path(tools_bin)
         self.start_timeout = start_timeout
@@ -362,6 +371,8 @@ class ControlPlane:
         self._etcd: _Proc | None = None
         self._apiserver: _Proc | None = None
         self._controller_manager: _Proc | None = None
+        self._scheduler: _Proc | None = None
+        self.scheduler_port = free_port()
         self._kubeconfigs: dict[str, Path] = {}
         self._clients: dict[str, tuple[Path, Path]] = {}
         self._pki: _PKI | None = None
@@ -380,12 +391,21 @@ class ControlPlane:
         except KeyError:
             raise KeyError(f"no identity {identity!r}; known: {sorted(self._kubeconfigs)}") from None
 
+    def node_kubeconfig(self, node: str) -> Path:
+        """A kubeconfig for kubelet on ``node``: user ``system:node:<node>`` in ``system:nodes``."""
+        assert self._pki is not None, "start() first"
+        ident = Identity(f"node-{node}", f"system:node:{node}", ("system:nodes",))
+        if ident.name not in self._kubeconfigs:
+            self._clients[ident.name] = self._pki.client(ident)
+            self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
+        return self._kubeconfigs[ident.name]
+
     def start(self) -> None:
         etcd, apiserver = self._binary("etcd"), self._binary("kube-apiserver")
         controller_manager = self._binary("kube-controller-manager")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._pki = _PKI(self.workdir / "pki")
-        for ident in (*IDENTITIES, CONTROLLER_MANAGER):
+        for ident in (*IDENTITIES, CONTROLLER_MANAGER, *((SCHEDULER,) if self.kubelets else ())):
             self._clients[ident.name] = self._pki.client(ident)
             self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
         policy = self.workdir / "audit-policy.yaml"
@@ -404,7 +424,7 @@ class ControlPlane:
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={self._pki.serving[0]}", f"--tls-private-key-file={self._pki.serving[1]}",
             f"--client-ca-file={self._pki.ca}",
-            "--authorization-mode=RBAC",
+            "--authorization-mode=Node,RBAC" if self.kubelets else "--authorization-mode=RBAC",
             # kubeadm's token discovery: a joining node reads kube-public/cluster-info anonymously
             # (RBAC lets system:anonymous read only that and the public /healthz, /version) and
             # then authenticates with its bootstrap token
@@ -415,7 +435,7 @@ class ControlPlane:
             # The controller-manager creates each namespace's `default` ServiceAccount, which
             # this admission plugin insists on for every pod, but only a moment after the
             # namespace: tests create pods right after their namespace.
-            "--disable-admission-plugins=ServiceAccount",
+            *(self._kubelet_flags() if self.kubelets else ["--disable-admission-plugins=ServiceAccount"]),
             "--allow-privileged=true", "--profiling=false",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
         ], self.workdir / "kube-apiserver.log")
@@ -429,7 +449,9 @@ class ControlPlane:
             # is no front proxy, so no request-header CA to look up in kube-system
             f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
             f"--client-ca-file={self._pki.ca}", "--authentication-skip-lookup=true",
-            f"--controllers={','.join(CONTROLLERS)}",
+            # with real kubelets the Node controllers have real Nodes to act on (the node
+            # lifecycle controller lifts the not-ready taint kubelet registers with)
+            f"--controllers={','.join(CONTROLLERS[:3] if self.kubelets else CONTROLLERS)}",
             # each controller acts as its own ServiceAccount in kube-system, with the rights the
             # bootstrap policy gives it, as in a real cluster
             "--use-service-account-credentials=true",
@@ -437,6 +459,16 @@ class ControlPlane:
             f"--cluster-signing-cert-file={self._pki.ca}", f"--cluster-signing-key-file={self._pki.ca_key}",
             "--leader-elect=false", "--profiling=false",
         ], self.workdir / "kube-controller-manager.log")
+        if self.kubelets:  # pods for a real kubelet need binding to its Node
+            kubeconfig = self.kubeconfig(SCHEDULER.name)
+            self._scheduler = _Proc("kube-scheduler", [
+                self._binary("kube-scheduler"), "--bind-address=127.0.0.1", f"--secure-port={self.scheduler_port}",
+                f"--tls-cert-file={self._pki.controller_manager_serving[0]}",
+                f"--tls-private-key-file={self._pki.controller_manager_serving[1]}",
+                f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}", "--authentication-skip-lookup=true",
+                "--leader-elect=false", "--profiling=false",
+            ], self.workdir / "kube-scheduler.log")
         try:
             self._etcd.start()
             self._wait(self._etcd, f"http://127.0.0.1:{client}/readyz", None)
@@ -458,6 +490,10 @@ class ControlPlane:
         self._controller_manager.start()
         self._wait(self._controller_manager, f"https://127.0.0.1:{self.controller_manager_port}/healthz",
                    ssl.create_default_context(cafile=str(self.ca_file)))
+        if self._scheduler is not None:
+            self._scheduler.start()
+            self._wait(self._scheduler, f"https://127.0.0.1:{self.scheduler_port}/healthz",
+                       ssl.create_default_context(cafile=str(self.ca_file)))
 
     def stop_apiserver(self) -> None:
         """Stop kube-apiserver (etcd keeps the data): clients see the API go away.
@@ -466,19 +502,19 @@ class ControlPlane:
         it exits when it loses the API while it is still starting its controllers, and its
         requests in flight can hold the apiserver's shutdown up until the kill.
         """
-        for proc in (self._controller_manager, self._apiserver):
+        for proc in (self._scheduler, self._controller_manager, self._apiserver):
             if proc is not None:
                 proc.stop()
 
     def stop(self) -> None:
-        for proc in (self._controller_manager, self._apiserver, self._etcd):
+        for proc in (self._scheduler, self._controller_manager, self._apiserver, self._etcd):
             if proc is not None:
                 proc.stop()
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
 
     def check_running(self) -> None:
         """Raise :class:`ControlPlaneError` if one of the servers has exited."""
-        for proc in (self._etcd, self._apiserver, self._controller_manager):
+        for proc in (self._etcd, self._apiserver, self._controller_manager, self._scheduler):
             if proc is not None and proc.exited():
                 raise proc.failure("exited")
 
@@ -490,6 +526,12 @@ class ControlPlane:
         self.stop()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _kubelet_flags(self) -> list[str]:
+        crt, key = self._pki.client(Identity("kubelet-client", "kube-apiserver-kubelet-client", ("system:masters",)))
+        return [f"--kubelet-client-certificate={crt}", f"--kubelet-client-key={key}",
+                # kubelets here are named with --hostname-override: reach them by their node IP
+                "--kubelet-preferred-address-types=InternalIP", "--enable-admission-plugins=NodeRestriction"]
 
     def _create_kubeadm_objects(self) -> None:
         ctx = ssl.create_default_context(cafile=str(self.ca_file))

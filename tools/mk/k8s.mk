@@ -3,11 +3,11 @@
 # built from the Go modules pinned in tools/k8s/go.mod (Kubernetes 1.35, etcd 3.6). Rebuilt only
 # when one is missing or when that go.mod/go.sum change. `make cluster` runs one in the foreground
 # for a person (accelnode/testing/devcluster.py, docs/local-cluster.md).
-K8S_NAMES := etcd kube-apiserver kube-controller-manager kubectl kubelet kubeadm
+K8S_NAMES := etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kubeadm
 K8S_TOOLS := $(addprefix $(TOOLS_BIN)/,$(K8S_NAMES))
 TOOLS += $(K8S_TOOLS)
 
-K8S_PKGS := go.etcd.io/etcd/server/v3 $(addprefix k8s.io/kubernetes/cmd/,kube-apiserver kube-controller-manager kubectl kubelet kubeadm)
+K8S_PKGS := go.etcd.io/etcd/server/v3 $(addprefix k8s.io/kubernetes/cmd/,kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kubeadm)
 
 # Stamp the release into /version and `kubectl version` as the release build does (a plain
 # `go build` reports v0.0.0-master).
@@ -23,6 +23,7 @@ K8S_LDFLAGS := -s -w $(foreach p,k8s.io/component-base/version k8s.io/client-go/
 K8S_BUILD := $(TOOLS_DIR)/build/k8s
 
 $(K8S_TOOLS) &: tools/k8s/go.mod tools/k8s/go.sum
+	@echo "tools: building $(K8S_NAMES) from tools/k8s/go.mod (once; about 7 minutes on 2 cores)"
 	rm -rf $(K8S_BUILD) && mkdir -p $(K8S_BUILD) $(TOOLS_BIN)
 	cd tools/k8s && CGO_ENABLED=0 nice go build -trimpath -ldflags='$(K8S_LDFLAGS)' -o $(K8S_BUILD)/ $(K8S_PKGS)
 	mv $(K8S_BUILD)/server $(K8S_BUILD)/etcd

@@ -1,0 +1,119 @@
+"""Every ServiceAccount of the kustomize base, asked of the real API server with
+SubjectAccessReviews (the authorizer's own answer, groups included): each verb its component
+needs is allowed, and a list of dangerous ones is denied to all of them.
+
+The device plugin runs with no token (automountServiceAccountToken: false) as the namespace's
+``default`` ServiceAccount: it must be allowed nothing. What each component does with its rights
+is tested beside it (tests/agent, tests/controller, tests/csi); this is the whole table."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client
+
+NS = "accelnode-system"
+RBAC = ["daemonsets/namespace.yaml", "daemonsets/rbac-agent.yaml", "daemonsets/rbac-csi.yaml",
+        "daemonsets/rbac-controller.yaml", "daemonsets/rbac-controller-caches.yaml",
+        "daemonsets/rbac-controller-claims.yaml", "daemonsets/rbac-controller-jointokens.yaml",
+        "daemonsets/rbac-controller-tpuenv.yaml",
+        "daemonsets/rbac-controller-webhooks.yaml"]
+ACCOUNTS = ("accelnode-agent", "accelnode-csi", "accelnode-controller", "default")
+
+# (verb, group, resource, namespace, name); "" namespace: cluster-wide
+CACHES_READ = [(v, "gkm.io", r, "", "") for r in ("gkmcaches", "clustergkmcaches") for v in ("get", "list", "watch")]
+NEEDS = {
+    "accelnode-csi": CACHES_READ,
+    "accelnode-agent": CACHES_READ + [
+        ("create", "gkm.io", "gkmcachenodes", "team-a", ""), ("get", "gkm.io", "gkmcachenodes", "team-a", "n1"),
+        ("list", "gkm.io", "gkmcachenodes", "", ""), ("list", "gkm.io", "clustergkmcachenodes", "", ""),
+        ("create", "gkm.io", "clustergkmcachenodes", "", ""),
+        ("update", "gkm.io", "gkmcachenodes/status", "team-a", "n1"),
+        ("update", "gkm.io", "clustergkmcachenodes/status", "", "n1"),
+        ("get", "", "nodes", "", "n1"), ("watch", "", "nodes", "", "n1"), ("list", "", "pods", "", ""),
+        ("watch", "", "pods", "", "")],
+    "accelnode-controller": [
+        ("create", "coordination.k8s.io", "leases", NS, ""),
+        ("get", "coordination.k8s.io", "leases", NS, "accelnode-controller"),
+        ("update", "coordination.k8s.io", "leases", NS, "accelnode-controller"),
+        ("list", "gkm.io", "gkmcaches", "", ""), ("update", "gkm.io", "gkmcaches/status", "team-a", "c"),
+        ("update", "gkm.io", "clustergkmcaches/status", "", "c"), ("list", "gkm.io", "gkmcachenodes", "", ""),
+        ("create", "", "persistentvolumeclaims", "team-a", ""), ("delete", "", "persistentvolumeclaims", "team-a", "c"),
+        ("create", "", "persistentvolumes", "", ""), ("list", "", "namespaces", "", ""),
+        ("update", "apps", "statefulsets", "team-a", "s"),
+        ("create", "", "secrets", NS, ""), ("get", "", "secrets", NS, "accelnode-controller-webhook-tls"),
+        ("update", "", "secrets", NS, "accelnode-controller-webhook-tls"),
+        ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-gkm-caches"),
+        ("update", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),
+        ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-tpu-env"),
+        # node groups' join tokens: bootstrap-token Secrets live in kube-system (docs/bootstrap.md)
+        ("create", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-x"),
+        ("list", "", "secrets", "kube-system", ""), ("get", "", "configmaps", "kube-public", "cluster-info")],
+    "default": [],
+}
+DANGEROUS = [
+    ("get", "", "secrets", "kube-system", "any"), ("list", "", "secrets", "", ""),
+    ("list", "", "secrets", NS, ""), ("watch", "", "secrets", "", ""),
+    ("get", "", "secrets", NS, "accelnode-registry-credentials"),
+    ("create", "", "pods/exec", "team-a", "p"), ("create", "", "pods/attach", "team-a", "p"),
+    ("create", "", "pods", "team-a", ""), ("delete", "", "pods", "team-a", "p"),
+    ("create", "", "pods/eviction", "team-a", "p"),
+    ("update", "", "nodes", "", "n1"), ("patch", "", "nodes", "", "n1"), ("delete", "", "nodes", "", "n1"),
+    ("update", "", "nodes/status", "", "n1"), ("patch", "", "nodes/status", "", "n1"),
+    ("get", "", "nodes/proxy", "", "n1"),
+    ("escalate", "rbac.authorization.k8s.io", "clusterroles", "", "cluster-admin"),
+    ("bind", "rbac.authorization.k8s.io", "clusterroles", "", "cluster-admin"),
+    ("create", "rbac.authorization.k8s.io", "clusterrolebindings", "", ""),
+    ("create", "rbac.authorization.k8s.io", "rolebindings", NS, ""),
+    ("impersonate", "", "users", "", "admin"), ("impersonate", "", "serviceaccounts", NS, "accelnode-controller"),
+    ("create", "", "serviceaccounts/token", NS, "accelnode-controller"),
+    ("update", "certificates.k8s.io", "certificatesigningrequests/approval", "", "x"),
+    ("delete", "gkm.io", "gkmcaches", "team-a", "c"), ("create", "gkm.io", "gkmcaches", "team-a", ""),
+    ("update", "", "secrets", "kube-system", "any"), ("create", "", "secrets", "default", ""),
+    ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "someone-elses"),
+    ("delete", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),
+    ("create", "apps", "daemonsets", NS, ""), ("update", "apps", "daemonsets", NS, "accelnode-csi-node"),
+    ("delete", "coordination.k8s.io", "leases", NS, "accelnode-controller"),
+    ("update", "coordination.k8s.io", "leases", "kube-node-lease", "n1"),
+]
+
+
+@pytest.fixture(scope="module")
+def authz(kubectl, crds, kube_api):
+    out = kubectl("admin", "apply", *(a for f in RBAC for a in ("-f", f)))
+    assert out.returncode == 0, out.stderr
+    return client.AuthorizationV1Api(kube_api("admin"))
+
+
+def allowed(api, account: str, verb: str, group: str, resource: str, namespace: str, name: str) -> bool:
+    resource, _, sub = resource.partition("/")
+    review = api.create_subject_access_review({
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": f"system:serviceaccount:{NS}:{account}",
+                 "groups": ["system:serviceaccounts", f"system:serviceaccounts:{NS}", "system:authenticated"],
+                 "resourceAttributes": {"verb": verb, "group": group, "resource": resource, "subresource": sub,
+                                        "namespace": namespace, "name": name}}})
+    return bool(review.status.allowed)
+
+
+@pytest.mark.parametrize("account", ACCOUNTS)
+def test_every_verb_the_component_needs_is_allowed(authz, account):
+    denied = [need for need in NEEDS[account] if not allowed(authz, account, *need)]
+    assert denied == [], f"{account} lacks {denied}"
+
+
+@pytest.mark.parametrize("account", ACCOUNTS)
+def test_dangerous_verbs_are_denied(authz, account):
+    granted = [d for d in DANGEROUS if allowed(authz, account, *d)]
+    assert granted == [], f"{account} may {granted}"
+
+
+def test_what_one_component_needs_is_not_granted_to_the_others(authz):
+    """Each account's rights are its own: the CSI driver cannot write node status, the agent cannot
+    touch PVs or Leases, the device plugin's account nothing at all."""
+    for account, others in (("accelnode-csi", ("accelnode-agent", "accelnode-controller")),
+                            ("accelnode-agent", ("accelnode-controller",)),
+                            ("default", ("accelnode-csi", "accelnode-agent", "accelnode-controller"))):
+        for other in others:
+            extra = [n for n in NEEDS[other] if n not in NEEDS[account] and allowed(authz, account, *n)]
+            # the CSI ClusterRole is bound to the agent's account too (both run in one pod)
+            assert extra == [], f"{account} may do what only {other} needs: {extra}"

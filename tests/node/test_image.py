@@ -1,0 +1,53 @@
+"""The accelnode image built without a container engine (accelnode/testing/image.py): the same
+inputs give the same layer, the archive is an OCI image layout containerd names correctly, and
+the Containerfile copies what the wheel is made of."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+
+from accelnode.testing import image as images
+from tests.conftest import ROOT
+
+
+def test_the_app_layer_is_reproducible_and_holds_the_command(tmp_path):
+    a, b = tmp_path / "a.tar", tmp_path / "b.tar"
+    images.build_app(a, log=lambda m: None)
+    images.build_app(b, log=lambda m: None)
+    assert hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest()
+    with tarfile.open(a) as t:
+        names = set(t.getnames())
+        script = t.extractfile("opt/accelnode/bin/accelnode").read().decode()
+        assert {m.uid for m in t.getmembers()} == {0} and {m.mtime for m in t.getmembers()} == {images.EPOCH}
+    assert script.startswith("#!/opt/accelnode/bin/python\n") and "from accelnode.cli import main" in script
+    site = images.SITE.lstrip("/")
+    for pkg in images.SOURCE_DIRS:
+        assert f"{site}/{pkg}/__init__.py" in names, pkg
+    assert any(n.endswith(".pyc") for n in names)  # byte code compiled in: roots are read-only
+
+
+def test_the_archive_is_an_oci_layout_named_for_containerd(tmp_path):
+    layer = tmp_path / "layer.tar"
+    images.pause_layer(layer)
+    out = tmp_path / "img.oci.tar"
+    images.write_oci_archive(out, "docker.io/library/x:1", [layer], entrypoint=["/pause"], user="1:1")
+    with tarfile.open(out) as t:
+        index = json.loads(t.extractfile("index.json").read())
+        (desc,) = index["manifests"]
+        assert desc["annotations"]["io.containerd.image.name"] == "docker.io/library/x:1"
+        manifest = json.loads(t.extractfile(f"blobs/sha256/{desc['digest'][7:]}").read())
+        config = json.loads(t.extractfile(f"blobs/sha256/{manifest['config']['digest'][7:]}").read())
+        (ldesc,) = manifest["layers"]
+        blob = t.extractfile(f"blobs/sha256/{ldesc['digest'][7:]}").read()
+    assert "sha256:" + hashlib.sha256(blob).hexdigest() == ldesc["digest"] == config["rootfs"]["diff_ids"][0]
+    assert config["config"]["Entrypoint"] == ["/pause"] and config["config"]["User"] == "1:1"
+
+
+def test_the_containerfile_copies_every_package_of_the_wheel():
+    text = (ROOT / "Containerfile").read_text()
+    copied = set(re.findall(r"^COPY (\w+) /src/\1$", text, re.M))
+    assert copied == set(images.SOURCE_DIRS)
+    assert "USER 65532:65532" in text and f"{images.UID}" == "65532"
