@@ -37,7 +37,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from .errors import ImageError, ImageNotFound, IntegrityError
+from .errors import ImageNotFound, IntegrityError, RegistryUnavailable
 from .reference import Reference, check_digest
 from .registry import Deadline, Registry, RegistryOptions
 
@@ -87,6 +87,12 @@ class TrustedKey:
             raise KeyError_(f"key {name!r}: {type(key).__name__} is not a key type cosign signs with")
         return cls(name, key)
 
+    @property
+    def hint(self) -> str:
+        """The key hint cosign v3 writes into a bundle: base64(SHA-256(SubjectPublicKeyInfo DER))."""
+        der = self.key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return base64.b64encode(hashlib.sha256(der).digest()).decode()
+
     def verifies(self, signature: bytes, message: bytes) -> bool:
         k = self.key
         try:
@@ -127,6 +133,7 @@ class _Found:
     signature: bytes
     names: str | None  # the digest the signed payload names (None: unreadable payload)
     keyless: bool = False
+    hint: str | None = None  # v3: base64 SHA-256 of the signer's public key (DER), as cosign writes it
 
 
 def _b64(text) -> bytes:
@@ -213,8 +220,8 @@ def _referrers(reg: Registry, ref: Reference, digest: str, image: str) -> list[d
                 return [m for m in doc.get("manifests") or () if isinstance(m, dict)]
     except (ImageNotFound, ValueError):
         pass  # no referrers API (404): the fallback tag
-    except ImageError as e:
-        if "HTTP 404" not in str(e) and "HTTP 400" not in str(e):
+    except RegistryUnavailable as e:
+        if "unexpected HTTP 4" not in str(e):  # 400/405...: no referrers API either; else a real outage
             raise
     doc = _manifest(reg, ref, image, _sig_tag(digest))
     return [m for m in (doc or {}).get("manifests") or () if isinstance(m, dict)]
@@ -242,12 +249,13 @@ def fetch_v3(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Fo
 def _bundle(bundle: dict) -> _Found:
     material = bundle.get("verificationMaterial") or {}
     keyless = bool(material.get("certificate") or material.get("x509CertificateChain"))
+    hint = (material.get("publicKey") or {}).get("hint") if isinstance(material.get("publicKey"), dict) else None
     env = bundle.get("dsseEnvelope")
     if isinstance(env, dict):
         payload = _b64(env.get("payload"))
         sigs = env.get("signatures") or [{}]
         return _Found(V3, _pae(str(env.get("payloadType", "")), payload), _b64(sigs[0].get("sig")),
-                      _statement_digest(payload), keyless)
+                      _statement_digest(payload), keyless, hint)
     ms = bundle.get("messageSignature") or {}
     md = ms.get("messageDigest") or {}
     hexd = _b64(md.get("digest")).hex()
@@ -271,9 +279,12 @@ def judge(found: list[_Found], digest: str, keys: list[TrustedKey]) -> Verdict:
             if f.keyless:
                 worst.append((KEYLESS_UNSUPPORTED, f"a {f.format} keyless signature (certificate) of {digest}; "
                                                    "keyless signatures are not verified by this controller"))
-            elif f.names == digest and f.signature:
+            elif f.names == digest and f.signature and not any(f.hint == k.hint for k in keys):
+                # v2 names no key: a signature by another key and one whose payload was altered
+                # look alike; v3's key hint tells them apart (a trusted key's hint: altered)
                 worst.append((WRONG_KEY, f"a {f.format} signature of {digest} that none of the trusted keys "
-                                         f"({', '.join(k.name for k in keys) or 'none'}) verifies"))
+                                         f"({', '.join(k.name for k in keys) or 'none'}) verifies"
+                                         + ("" if f.hint else " (signed by another key, or its payload altered)")))
             else:
                 worst.append((BAD_SIGNATURE, f"a {f.format} signature whose payload does not verify under any "
                                              "trusted key (altered payload or signature)"))
