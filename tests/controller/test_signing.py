@@ -6,6 +6,8 @@ agent's and the CSI driver's rule refusing what failed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry
@@ -135,12 +137,12 @@ def test_labelled_cache_verified_once_and_refused_when_wrong(world, policies, si
     # steady state: resyncs and our own status writes verify nothing again
     n = signed[False].verifications
     assert n == 2
-    world.objs.patch_namespaced_custom_object("gkm.io", "v1alpha1", kube_namespace, "good",
+    world.objs.patch_namespaced_custom_object("gkm.io", "v1alpha1", kube_namespace, "gkmcaches", "good",
                                               body={"metadata": {"finalizers": ["example.com/keep"]}})
     eventually(lambda: world.get("good", kube_namespace)["metadata"].get("finalizers"), timeout=10)
-    world.objs.patch_namespaced_custom_object("gkm.io", "v1alpha1", kube_namespace, "good",
+    world.objs.patch_namespaced_custom_object("gkm.io", "v1alpha1", kube_namespace, "gkmcaches", "good",
                                               body={"metadata": {"finalizers": None}})
-    import time
+
     time.sleep(2)  # several resyncs (0.5 s)
     assert signed[False].verifications == n
     # policy change: trust the other key too -> "bad" verifies now; "good" is verified again once
