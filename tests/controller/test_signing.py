@@ -192,3 +192,20 @@ def test_registry_down_keeps_the_last_verdict(world, policies, signed, own_regis
     assert (stale["status"], stale["reason"]) == ("True", "VerificationStale"), stale
     assert "keeping the last verdict" in stale["message"]
     assert Cache.from_object(world.get("kept", kube_namespace)).refused is None  # still usable, not flapping
+
+
+def test_rbac_the_controller_reads_policies_and_never_writes_them(control_plane, policies, cosign):
+    """daemonsets/rbac-controller-caches.yaml: list and watch the trust policies, nothing more."""
+    from tests.controller.test_rbac import forbidden
+
+    _, pub = cosign.keypair("trusted")
+    policies.put("rbac", {"trusted": pub}, namespaces=["default"])
+    me = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")))
+    path = f"/apis/{POLICY_GROUP}/{POLICY_VERSION}/{POLICY_PLURAL}"
+    assert any(p["metadata"]["name"] == "rbac" for p in me.request("GET", path)["items"])
+    body = {"apiVersion": f"{POLICY_GROUP}/{POLICY_VERSION}", "kind": "ClusterCacheTrustPolicy",
+            "metadata": {"name": "mine"}, "spec": {"keys": [{"name": "k", "publicKey": pub}]}}
+    forbidden(me, "POST", path, body)
+    forbidden(me, "PUT", f"{path}/rbac", body={**body, "metadata": {"name": "rbac"}})
+    forbidden(me, "DELETE", f"{path}/rbac")
+    forbidden(me, "GET", f"{path}/rbac")  # reads come from its watch only
