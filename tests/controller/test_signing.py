@@ -209,3 +209,14 @@ def test_rbac_the_controller_reads_policies_and_never_writes_them(control_plane,
     forbidden(me, "PUT", f"{path}/rbac", body={**body, "metadata": {"name": "rbac"}})
     forbidden(me, "DELETE", f"{path}/rbac")
     forbidden(me, "GET", f"{path}/rbac")  # reads come from its watch only
+
+
+def test_the_crd_refuses_a_policy_without_keys(kube_api, caches_rbac):  # noqa: F811
+    objs = client.CustomObjectsApi(kube_api("admin"))
+    for spec in ({"keys": []}, {"namespaces": ["Not_A_Namespace"], "keys": [{"name": "k", "publicKey": "x"}]},
+                 {"keys": [{"name": "k"}]}):
+        with pytest.raises(client.ApiException) as e:
+            objs.create_cluster_custom_object(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL, body={
+                "apiVersion": f"{POLICY_GROUP}/{POLICY_VERSION}", "kind": "ClusterCacheTrustPolicy",
+                "metadata": {"name": "invalid"}, "spec": spec})
+        assert e.value.status == 422, spec
