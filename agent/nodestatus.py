@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from accelnode.oci.reference import Reference
+from accelnode.oci.signatures import pull_refusal
 
 from . import fit
 
@@ -26,6 +27,11 @@ QUEUED = "queued: waiting for a free pull slot on this node"
 # inputs
 
 
+def _refused(labels: dict, conditions: list) -> str | None:
+    refused = pull_refusal(labels, conditions)
+    return None if refused is None else refused[1]
+
+
 @dataclass(frozen=True)
 class Cache:
     """What the reporter reads from one GKMCache (``namespace`` set) or ClusterGKMCache."""
@@ -37,6 +43,7 @@ class Cache:
     node_selector: dict
     prefetch: bool
     workload_namespaces: tuple[str, ...]
+    refused: str | None = None  # why it must not be pulled (signature refused or not verified yet)
 
     @classmethod
     def from_object(cls, obj: dict) -> "Cache":
@@ -47,7 +54,8 @@ class Cache:
         return cls(md.get("namespace", CLUSTER), md.get("name", ""), image, digest,
                    dict(tmpl.get("nodeSelector") or {}),
                    (md.get("annotations") or {}).get(PREFETCH_ANNOTATION, "").lower() == "true",
-                   tuple(spec.get("workloadNamespaces") or ()))
+                   tuple(spec.get("workloadNamespaces") or ()),
+                   _refused(md.get("labels") or {}, st.get("conditions") or []))
 
     @property
     def key(self) -> tuple[str, str]:

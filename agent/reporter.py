@@ -183,7 +183,7 @@ class Reporter:
             self._written = self._read_back()
         caches = [Cache.from_object(o) for r in (self.caches, self.cluster_caches) for o in r.snapshot()]
         node = next(iter(self.node_obj.snapshot()), {}).get("metadata", {})
-        want = [c for c in caches if c.digest and wanted(c, node.get("labels", {}))]
+        want = [c for c in caches if c.digest and c.refused is None and wanted(c, node.get("labels", {}))]
         local = self.view()
         self.prefetcher.want(want, local)
         local.failed.update(self.prefetcher.failed())
@@ -310,8 +310,11 @@ def _plural(ns: str) -> str:
 
 def _trim_cache(obj: dict) -> dict:
     md = obj.get("metadata") or {}
-    return {"metadata": {k: md[k] for k in ("name", "namespace", "annotations") if k in md},
-            "spec": obj.get("spec") or {}, "status": {"resolvedDigest": (obj.get("status") or {}).get("resolvedDigest")}}
+    st = obj.get("status") or {}
+    return {"metadata": {k: md[k] for k in ("name", "namespace", "annotations", "labels") if k in md},
+            "spec": obj.get("spec") or {}, "status": {"resolvedDigest": st.get("resolvedDigest"),
+                                                      "conditions": [c for c in st.get("conditions") or ()
+                                                                     if isinstance(c, dict) and c.get("type") == "Verified"]}}
 
 
 def _trim_node(obj: dict) -> dict:

@@ -33,6 +33,14 @@ Metrics, each printed as soon as it is known:
    ``max_writes_in_1s``), its CPU seconds, its reconciles of the kind and their mean time, ``lag_s`` from the last node write to the final
    aggregate in a watch, ``aggregate_correct``, and ``node_lists_during_roll`` (list calls on the
    node kinds: the reconciler must read its local copies, never list per event).
+5. Signatures (docs/signatures.md): the 10 idle images are signed by the real cosign (even ones
+   ``cosign-v3`` bundles, odd ones ``cosign-v2`` ``.sig``) and a ClusterCacheTrustPolicy covers
+   the ClusterGKMCaches and namespace bench-a (``requireSignature``): 40 of the 100 idle caches
+   are verified before the idle window, and ``idle_verifications`` counts the controller's
+   verifications during it (target 0: once per digest and policy); the policy is deleted after the
+   window (it would cover the unsigned fleet cache of 4.). ``verify_<format>_p50_ms`` /
+   ``_p99_ms``: one cache's verification (fetch the signatures from the local registry, verify,
+   check the digest), 20 images per format, each verified 3 times without a cached verdict.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ from accelnode.kube.client import Client, Config, KubeError
 from accelnode.kube.reflector import Reflector
 from accelnode.testing import devcluster
 from accelnode.testing.devcluster import ControlPlane
+from accelnode.oci import signatures as sg
+from tests.cache.cosign import Cosign
 from tests.cache.test_store import triton_tree
 from tests.conftest import ROOT, TOOLS_BIN, accelnode_cmd, tool
 from tests.controller.test_admission import CA
@@ -82,7 +92,8 @@ WAVE_S = 20.0  # one state change of the whole fleet
 MUTATING_HOOK = "mgkmcache.accelnode.gkm.io"  # daemonsets/webhooks-gkm.yaml
 WRITES = {"create", "update", "patch", "delete", "deletecollection"}
 NODE_KINDS = {"gkmcachenodes", "clustergkmcachenodes"}
-TARGETS = {"idle_writes": "==0", "mutating_admission_p99_ms": "<=50", "writes_per_cache_per_s": "<=1",
+SIGNED_PER_FORMAT = 20
+TARGETS = {"idle_writes": "==0", "idle_verifications": "==0", "mutating_admission_p99_ms": "<=50", "writes_per_cache_per_s": "<=1",
            "node_lists_during_roll": "==0", "aggregate_correct": "==1"}  # bench/run.py's format
 
 
@@ -301,8 +312,16 @@ def run(tmp: Path) -> None:
         caches.wait(lambda: all(r.synced.is_set() for r in caches.reflectors.values()), "the cache watches", 60)
         nodes = Nodes(agent)
 
-        # -- 1. idle writes ---------------------------------------------------------------------
+        # -- 1. idle writes (and 5. idle verifications) -------------------------------------------
         idle_images = [push(f"bench/idle-{i}") for i in range(10)]
+        cosign = Cosign(tmp)
+        sign_key, pub = cosign.keypair("bench")
+        for i, image in enumerate(idle_images):
+            cosign.sign(f"{image.rsplit(':', 1)[0]}@{resolve_digest(reg, image)}", sign_key, sg.V3 if i % 2 == 0 else sg.V2)
+        admin.request("POST", "/apis/accelnode.io/v1alpha1/clustercachetrustpolicies", body={
+            "apiVersion": "accelnode.io/v1alpha1", "kind": "ClusterCacheTrustPolicy", "metadata": {"name": "bench"},
+            "spec": {"clusterCaches": True, "namespaces": ["bench-a"], "requireSignature": True,
+                     "keys": [{"name": "bench", "publicKey": pub}]}})
         keys = []
         for i in range(100):
             image = idle_images[i % 10]
@@ -314,6 +333,10 @@ def run(tmp: Path) -> None:
                 create_cache(admin, None, f"cluster-c{i}", image)
                 keys.append(("clustergkmcaches", None, f"cluster-c{i}"))
         caches.wait(lambda: all(k in caches.resolved_at for k in keys), "100 caches resolved")
+        signed = [k for k in keys if k[1] in (None, "bench-a")]
+        caches.wait(lambda: all(any(c.get("type") == "Verified" and c.get("status") == "True"
+                                    for c in ((caches.get(k) or {}).get("status") or {}).get("conditions") or ())
+                                for k in signed), f"{len(signed)} signed caches verified")
         scopes = defaultdict(dict)  # node object namespace (None: cluster) -> cache name -> digest
         for k in keys:
             scopes[k[1]][k[2]] = caches.get(k)["status"]["resolvedDigest"]
@@ -336,8 +359,11 @@ def run(tmp: Path) -> None:
                                 == IDLE_NODES for k in keys), "100 caches counting 5 nodes")
         quiet(audit)
         start = audit.mark()
+        verified_before = verifications(tmp / "controller.log")
         time.sleep(IDLE_S)
         events = audit.events(start)
+        emit("idle_verified_caches", len(signed), "d")
+        emit("idle_verifications", verifications(tmp / "controller.log") - verified_before, "d")
         writes = by_controller(events, WRITES)
         lease = [e for e in writes if resource(e) == "leases"]
         others = [e for e in writes if resource(e) != "leases"]
@@ -351,6 +377,8 @@ def run(tmp: Path) -> None:
         emit("idle_watches", len(by_controller(events, {"watch"}, stage="ResponseStarted")), "d")
         emit("rss_mb", controller.memory_info().rss / 2**20)
         emit("pss_mb", controller.memory_full_info().pss / 2**20)
+        # the policy covers every ClusterGKMCache: gone before the unsigned fleet cache of 4. exists
+        admin.request("DELETE", "/apis/accelnode.io/v1alpha1/clustercachetrustpolicies/bench")
 
         # -- 2. created by tag -> status.resolvedDigest -----------------------------------------
         for label, ns in (("resolve", "bench-resolve"), ("resolve_nowebhook", "kube-system")):
@@ -453,6 +481,9 @@ def run(tmp: Path) -> None:
         emit("rss_mb_after_roll", controller.memory_info().rss / 2**20)
         if proc.poll() is not None:
             raise RuntimeError(f"the controller exited with {proc.returncode}; see its log")
+
+        # -- 5. verification time per cache and format ----------------------------------------------
+        verify_times(tmp, reg)
     finally:
         if caches is not None:
             caches.close()
@@ -469,6 +500,41 @@ def run(tmp: Path) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def resolve_digest(reg: RunningRegistry, image: str) -> str:
+    from accelnode.oci.manifest import resolve
+
+    return resolve(image, reg.options())[0]
+
+
+def verifications(log: Path) -> int:
+    """The controller's signature verifications so far (its "cache signature verified" lines)."""
+    return sum(1 for line in log.read_text(errors="replace").splitlines() if "cache signature verified" in line)
+
+
+def verify_times(tmp: Path, reg: RunningRegistry) -> None:
+    """5. one cache's verification per format, in-process as the controller does it."""
+    cosign = Cosign(tmp)
+    sign_key, pub = cosign.keypair("bench-times")
+    keys = [sg.TrustedKey.from_pem("bench", pub)]
+    for fmt in sg.FORMATS:
+        images = []
+        for i in range(SIGNED_PER_FORMAT):
+            pinned = reg.push_raw(f"bench/signed-{fmt}-{i}", "v1",
+                                  layers=[("application/vnd.oci.image.layer.v1.tar", f"{fmt} {i}".encode())])
+            cosign.sign(pinned, sign_key, fmt)
+            images.append(pinned)
+        samples = []
+        for _ in range(3):
+            for pinned in images:
+                t0 = time.perf_counter()
+                verdict = sg.verify(pinned, pinned.rsplit("@", 1)[1], keys, reg.options(), formats=(fmt,))
+                samples.append(time.perf_counter() - t0)
+                assert verdict.ok, verdict
+        label = fmt.replace("-", "_")
+        emit(f"verify_{label}_p50_ms", statistics.median(samples) * 1000)
+        emit(f"verify_{label}_p99_ms", pct(samples, 0.99) * 1000)
 
 
 def wait_for(check, what: str, proc=None, timeout: float = 120.0):

@@ -26,6 +26,7 @@ from accelnode.oci.errors import ImageError
 from . import cachestatus as cs
 from .pinning import GROUP, VERSION, Pin, Resolver
 from .reconciler import Reconciler, Result, Watch, object_key, split_key
+from .signing import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Signer, keep_policy, parse_policy
 from .status import ReadYourWrites, update_if_changed, update_status
 
 log = logging.getLogger("accelnode.controller")
@@ -95,15 +96,18 @@ class CacheReconciler(Reconciler):
     for ClusterGKMCache (keys ``name``, node objects ClusterGKMCacheNode)."""
 
     def __init__(self, client: Client, resolver: Resolver, *, cluster: bool,
-                 min_write_interval: float = MIN_WRITE_INTERVAL):
+                 min_write_interval: float = MIN_WRITE_INTERVAL, signer: Signer | None = None):
         self.client, self.resolver, self.cluster = client, resolver, cluster
+        self.signer = signer or Signer(resolver.options)  # signatures (docs/signatures.md)
         self.plural = "clustergkmcaches" if cluster else "gkmcaches"
         self.name = "clustergkmcache" if cluster else "gkmcache"
         self.min_write_interval = min_write_interval
         self.caches_path = custom_path(GROUP, VERSION, self.plural)
         self.nodes_path = custom_path(GROUP, VERSION, "clustergkmcachenodes" if cluster else "gkmcachenodes")
+        self.policies_path = custom_path(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)
         self.watches = [Watch(self.caches_path, keep=keep_cache),
-                        Watch(self.nodes_path, keys=self._node_changed, keep=keep_node)]
+                        Watch(self.nodes_path, keys=self._node_changed, keep=keep_node),
+                        Watch(self.policies_path, keys=self._policy_changed, keep=keep_policy)]
         self.mentions = Mentions()
         self._mentions_lock = threading.Lock()  # a reflector event and a resync may map at once
         self._lock = threading.Lock()
@@ -128,6 +132,11 @@ class CacheReconciler(Reconciler):
             current = self.cache.get(self.nodes_path, key)
             return self.mentions.set(key, self._named(current)) | self._named(obj)
 
+    def _policy_changed(self, obj: dict) -> list[str]:
+        """A trust policy changed: every cache is looked at again; only those whose covering
+        policies changed are verified again (the verdict is keyed by their generations)."""
+        return [object_key(o) for o in self.cache.list(self.caches_path)]
+
     # -- reconcile -------------------------------------------------------------------------------
 
     def reconcile(self, key: str) -> Result | None:
@@ -144,10 +153,12 @@ class CacheReconciler(Reconciler):
         if wait > 0:  # coalesce: one write carries what changed meanwhile; no recount of every
             return Result(requeue_after=wait)  # node per event until then (O(nodes), not O(nodes x events))
         pin, resolved = self._pin(key, obj)
+        verified = self._verified(key, obj, pin)
         agg = cs.aggregate(self._reports(key))
-        status = cs.cache_status(obj, pin, resolved, agg, now_rfc3339())
+        status = cs.cache_status(obj, pin, resolved, agg, now_rfc3339(),
+                                 verified=verified and (verified.status, verified.reason, verified.message))
         annotations = cs.wanted_annotations((obj.get("metadata") or {}).get("annotations") or {}, pin)
-        retry = Result(requeue=True) if resolved[0] in cs.RETRYABLE else None
+        retry = Result(requeue=True) if resolved[0] in cs.RETRYABLE or (verified and verified.retry) else None
         if obj.get("status") == status and ((obj.get("metadata") or {}).get("annotations") or {}) == annotations:
             return retry
         self._write(key, obj, status, annotations, pin)
@@ -171,6 +182,15 @@ class CacheReconciler(Reconciler):
                                                              reason=reason, error=str(e)))
             return None, (reason, str(e))
         return pin, (cs.REASON_RESOLVED, cs.pinned_message(image, pin.digest))
+
+    def _verified(self, key: str, obj: dict, pin: Pin | None):
+        """The Verified condition's outcome for the pinned digest (None: no signature needed or
+        nothing pinned yet)."""
+        if pin is None:
+            return None
+        policies = [parse_policy(p) for p in self.cache.list(self.policies_path)]
+        ns, _ = split_key(key)
+        return self.signer.outcome(key, obj, pin, ns, policies, cs.condition(obj, cs.VERIFIED))
 
     def _reports(self, key: str) -> dict[str, dict]:
         """Node name -> this cache's entries on that node, from the local copies."""

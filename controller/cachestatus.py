@@ -23,7 +23,8 @@ from .pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
 
 READY = "Ready"  # the summary condition's type (always first: STATUS reads its reason)
 RESOLVED = "Resolved"  # the pin condition's type
-OURS = (READY, RESOLVED)  # conditions of other types (Verified, ...) are kept as they are
+VERIFIED = "Verified"  # the signature condition (controller/signing.py); only when a signature is required
+OURS = (READY, RESOLVED, VERIFIED)  # conditions of other types are kept as they are
 
 # Resolved reasons (the shared contract)
 REASON_RESOLVED = "Resolved"
@@ -42,6 +43,7 @@ EXTRACTED = "Extracted"  # some node holds the current digest, no pod uses it
 DOWNLOADING = "Downloading"  # some node is pulling it
 PENDING = "Pending"  # some node should prefetch it and has not started
 PINNED = "Resolved"  # pinned; no node reports it (pulled when a pod first asks)
+UNVERIFIED = "Unverified"  # pinned, but its signature is not verified (the Verified condition says why)
 READY_REASONS = (OUTDATED, RUNNING, EXTRACTED, PINNED)  # Ready=True; the others Ready=False
 
 COUNTS = ("nodeCnt", "nodeInUseCnt", "nodeNotInUseCnt", "nodeErrorCnt", "podRunningCnt", "podOutdatedCnt",
@@ -231,19 +233,25 @@ def _condition(old: dict | None, kind: str, status: str, reason: str, message: s
     return cond
 
 
-def cache_status(obj: dict, pin: Pin | None, resolved: tuple[str, str], agg: Aggregate, now: str) -> dict:
+def cache_status(obj: dict, pin: Pin | None, resolved: tuple[str, str], agg: Aggregate, now: str, *,
+                 verified: tuple[str, str, str] | None = None) -> dict:
     """The wanted ``status`` of the cache ``obj``: ``resolvedDigest`` (absent without a pin),
-    ``counts``, ``conditions`` (Ready first, then Resolved, then any other type as it was) and
+    ``counts``, ``conditions`` (Ready first, then Resolved, then Verified when ``verified`` (status,
+    reason, message) is given, then any other type as it was) and
     ``lastUpdated`` (``now`` when anything else changed, else as it was). Fields written by
     others (``pvcStatus``, ``pvcOwner``) are kept."""
     old = obj.get("status") or {}
     generation = (obj.get("metadata") or {}).get("generation")
     reason, message = summary(pin, resolved[1], agg)
+    if verified is not None and verified[0] != "True":  # never pulled: the signature is the story
+        reason, message = UNVERIFIED, f"signature not verified ({verified[1]}): {verified[2]}"
     ready = _condition(condition(obj, READY), READY, "True" if reason in READY_REASONS else "False", reason,
                        message, generation, now)
     res = _condition(condition(obj, RESOLVED), RESOLVED, "True" if resolved[0] == REASON_RESOLVED else "False",
                      resolved[0], resolved[1], generation, now)
     others = [c for c in old.get("conditions") or () if c.get("type") not in OURS]
+    if verified is not None:
+        others.insert(0, _condition(condition(obj, VERIFIED), VERIFIED, *verified, generation, now))
     status = {k: v for k, v in old.items() if k not in ("resolvedDigest", "counts", "conditions", "lastUpdated")}
     if pin is not None:
         status["resolvedDigest"] = pin.digest

@@ -1,7 +1,7 @@
 """The driver's local copy of the cache objects (GKMCache in every namespace, ClusterGKMCache),
 kept current by two watches, so that a publish never waits on the API server.
 
-Objects are trimmed to what a publish reads: name, namespace, ``spec.image``,
+Objects are trimmed to what a publish reads: name, namespace, labels, ``spec.image``,
 ``spec.workloadNamespaces``, ``status.resolvedDigest`` and the conditions. A kind is usable once
 its first list has arrived (:meth:`CacheView.synced`); until then a publish that needs it is
 answered UNAVAILABLE and ``/readyz`` says which kind is missing. A missing CRD, an unreachable
@@ -26,7 +26,7 @@ GROUP, VERSION = "gkm.io", "v1alpha1"
 def trim(obj: dict) -> dict:
     """What the driver keeps of a cache object."""
     md, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
-    return {"metadata": {k: md[k] for k in ("name", "namespace") if k in md},
+    return {"metadata": {k: md[k] for k in ("name", "namespace", "labels") if k in md},
             "spec": {k: spec[k] for k in ("image", "workloadNamespaces") if k in spec},
             "status": {"resolvedDigest": status.get("resolvedDigest"),
                        "conditions": [{k: c.get(k) for k in ("type", "status", "reason", "message")}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from accelnode.oci.errors import InvalidReference
+from accelnode.oci.signatures import pull_refusal
 from accelnode.oci.reference import Reference
 
 CACHE_KEY = "csi.gkm.io/GKMCache"
@@ -116,7 +117,7 @@ class ApiResolver:
         spec, status = obj.get("spec") or {}, obj.get("status") or {}
         if cache.namespace is None:
             check_workload_namespaces(cache, pod, spec.get("workloadNamespaces") or [])
-        check_verified(cache, status.get("conditions") or [])
+        check_verified(cache, (obj.get("metadata") or {}).get("labels") or {}, status.get("conditions") or [])
         return Image(pinned(cache, spec.get("image", ""), status))
 
 
@@ -181,12 +182,17 @@ def check_workload_namespaces(cache: CacheRef, pod: Pod, namespaces: list[str]) 
                                                 f"{pod.namespace}/{pod.name} is not")
 
 
-def check_verified(cache: CacheRef, conditions: list[dict]) -> None:
-    """A cache whose signature check failed (condition ``Verified`` False) is not mounted."""
-    failed = next((c for c in conditions if c.get("type") == "Verified" and c.get("status") == "False"), None)
-    if failed is not None:
-        raise ResolveError("FAILED_PRECONDITION", f"{cache} failed verification: {failed.get('reason')}: "
-                                                  f"{failed.get('message', '')}")
+def check_verified(cache: CacheRef, labels: dict, conditions: list[dict]) -> None:
+    """A cache whose signature check failed (condition ``Verified`` False) is not mounted
+    (FAILED_PRECONDITION naming the reason); one that needs a signature and has no verdict yet is
+    UNAVAILABLE (kubelet retries). docs/signatures.md."""
+    refused = pull_refusal(labels, conditions)
+    if refused is None:
+        return
+    status, why = refused
+    if status == "False":
+        raise ResolveError("FAILED_PRECONDITION", f"{cache} failed verification: {why}")
+    raise ResolveError("UNAVAILABLE", f"{cache}: {why}; retry once the controller has verified it")
 
 
 def pinned(cache: CacheRef, image: str, status: dict) -> str:

@@ -143,11 +143,12 @@ def test_the_summary_message_says_how_many_nodes_hold_what():
 
 
 def test_status_keeps_what_others_wrote_and_puts_the_summary_first():
-    verified = {"type": "Verified", "status": "True", "reason": "Signed", "message": "ok",
-                "lastTransitionTime": EARLIER}
+    verified = {"type": "Verified", "status": "True", "reason": "Verified", "message": "ok",
+                "lastTransitionTime": EARLIER, "observedGeneration": 1}
     obj = cache(status={"pvcStatus": {"ns": {"pvcName": "c"}}, "conditions": [verified]})
     pin = Pin(IMAGE, D1, None)
-    st = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW)
+    v = ("True", "Verified", "ok")
+    st = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW, verified=v)
     assert st["resolvedDigest"] == D1
     assert st["pvcStatus"] == {"ns": {"pvcName": "c"}}
     assert [c["type"] for c in st["conditions"]] == ["Ready", "Resolved", "Verified"]
@@ -158,8 +159,16 @@ def test_status_keeps_what_others_wrote_and_puts_the_summary_first():
 
     # the same world a moment later: exactly the same status (no write)
     again = cs.cache_status({**obj, "status": st}, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"),
-                            "2030-01-01T00:05:00Z")
+                            "2030-01-01T00:05:00Z", verified=v)
     assert again == st
+    # no signature needed any more (label removed, policy gone): the controller's Verified goes
+    plain = cs.cache_status({**obj, "status": st}, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW)
+    assert [c["type"] for c in plain["conditions"]] == ["Ready", "Resolved"]
+    # a refused signature: Ready=False, Unverified, the reason in the STATUS message
+    refused = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW,
+                              verified=("False", "WrongKey", "not ours"))
+    assert refused["conditions"][0]["reason"] == "Unverified" and refused["conditions"][0]["status"] == "False"
+    assert "WrongKey" in refused["conditions"][0]["message"]
 
 
 def test_times_move_only_with_what_they_describe():

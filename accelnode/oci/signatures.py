@@ -1,0 +1,342 @@
+"""Cosign signatures of an image digest, fetched from the registry and verified against public keys
+(docs/signatures.md). Library layer: no component imports.
+
+Two formats, as cosign writes them:
+
+* ``cosign-v2`` (simple signing): an OCI manifest under the tag ``sha256-<hex>.sig`` of the same
+  repository; each layer is a JSON payload (``application/vnd.dev.cosign.simplesigning.v1+json``)
+  whose ``critical.image.docker-manifest-digest`` names the signed digest, and its annotation
+  ``dev.cosignproject.cosign/signature`` holds the base64 signature over the payload bytes.
+* ``cosign-v3`` (Sigstore bundle v0.3): an OCI artifact whose ``subject`` is the signed manifest
+  and whose layer is the bundle JSON; found through the referrers API
+  (``/v2/<repo>/referrers/<digest>``) or, where the registry lacks it (Debian's
+  ``docker-registry``), through the fallback tag ``sha256-<hex>`` (an index listing referrers).
+  The bundle carries a DSSE envelope (an in-toto statement whose subject names the digest;
+  signature over the DSSE pre-authentication encoding) or a plain message signature.
+
+:func:`verify` answers a :class:`Verdict`: accepted when one signature verifies under one of the
+trusted keys *and* its signed payload names exactly the digest asked about. Reasons of a refusal:
+``Unsigned``, ``BadSignature`` (no trusted key verifies it, the payload was altered),
+``WrongKey`` (a signature exists but only for keys not trusted), ``DigestMismatch`` (a valid
+signature of another digest), ``KeylessUnsupported``. A registry that cannot be reached raises
+:class:`~accelnode.oci.errors.RegistryUnavailable` (the caller keeps its last verdict).
+
+Keyless (certificate) signatures are not verified here: that needs a Fulcio root, SCTs and
+transparency-log entries; such signatures are refused, never accepted.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+
+from .errors import ImageNotFound, IntegrityError, RegistryUnavailable
+from .reference import Reference, check_digest
+from .registry import Deadline, Registry, RegistryOptions
+
+V2, V3 = "cosign-v2", "cosign-v3"
+FORMATS = (V2, V3)
+SIMPLESIGNING = "application/vnd.dev.cosign.simplesigning.v1+json"
+SIG_ANNOTATION = "dev.cosignproject.cosign/signature"
+CERT_ANNOTATION = "dev.sigstore.cosign/certificate"
+BUNDLE_TYPES = ("application/vnd.dev.sigstore.bundle.v0.3+json", "application/vnd.dev.sigstore.bundle+json;version=0.3")
+INDEX_TYPE = "application/vnd.oci.image.index.v1+json"
+MAX_SIG_BYTES = 1 << 20  # a payload or bundle; cosign's are a few KiB
+MAX_SIGNATURES = 32  # layers / referrers looked at per digest
+
+# reasons
+VERIFIED = "Verified"
+UNSIGNED = "Unsigned"
+BAD_SIGNATURE = "BadSignature"
+WRONG_KEY = "WrongKey"
+DIGEST_MISMATCH = "DigestMismatch"
+KEYLESS_UNSUPPORTED = "KeylessUnsupported"
+# most telling first: the refusal reported when several signatures fail differently
+_RANK = (DIGEST_MISMATCH, BAD_SIGNATURE, WRONG_KEY, KEYLESS_UNSUPPORTED, UNSIGNED)
+
+
+class KeyError_(ValueError):
+    """A trusted key that cannot be loaded (bad PEM, unsupported algorithm)."""
+
+
+@dataclass(frozen=True)
+class TrustedKey:
+    name: str
+    key: object  # a cryptography public key
+
+    @classmethod
+    def from_pem(cls, name: str, pem: str) -> "TrustedKey":
+        try:
+            key = serialization.load_pem_public_key(pem.encode())
+        except (ValueError, UnsupportedAlgorithm, TypeError) as e:
+            raise KeyError_(f"key {name!r}: not a PEM public key: {e}") from None
+        if isinstance(key, ec.EllipticCurvePublicKey):
+            if not isinstance(key.curve, (ec.SECP256R1, ec.SECP384R1, ec.SECP521R1)):
+                raise KeyError_(f"key {name!r}: curve {key.curve.name} is not one cosign uses")
+        elif isinstance(key, rsa.RSAPublicKey):
+            if key.key_size < 2048:
+                raise KeyError_(f"key {name!r}: RSA keys under 2048 bits are refused")
+        elif not isinstance(key, ed25519.Ed25519PublicKey):
+            raise KeyError_(f"key {name!r}: {type(key).__name__} is not a key type cosign signs with")
+        return cls(name, key)
+
+    @property
+    def hint(self) -> str:
+        """The key hint cosign v3 writes into a bundle: base64(SHA-256(SubjectPublicKeyInfo DER))."""
+        der = self.key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return base64.b64encode(hashlib.sha256(der).digest()).decode()
+
+    def verifies(self, signature: bytes, message: bytes) -> bool:
+        k = self.key
+        try:
+            if isinstance(k, ed25519.Ed25519PublicKey):
+                k.verify(signature, message)
+                return True
+            if isinstance(k, ec.EllipticCurvePublicKey):
+                # cosign hashes with SHA-256 whatever the curve; the curve's own hash is accepted too
+                own = {"secp384r1": hashes.SHA384(), "secp521r1": hashes.SHA512()}.get(k.curve.name)
+                for h in (hashes.SHA256(), *([own] if own else [])):
+                    try:
+                        k.verify(signature, message, ec.ECDSA(h))
+                        return True
+                    except InvalidSignature:
+                        continue
+                return False
+            k.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
+            return True
+        except InvalidSignature:
+            return False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str
+    message: str
+    format: str | None = None  # the format of the accepted signature
+    key: str | None = None  # the name of the key that verified it
+
+
+@dataclass(frozen=True)
+class _Found:
+    """One signature as fetched: what was signed, the signature, and the digest the payload names."""
+
+    format: str
+    message: bytes  # the bytes the signature is over
+    signature: bytes
+    names: str | None  # the digest the signed payload names (None: unreadable payload)
+    keyless: bool = False
+    hint: str | None = None  # v3: base64 SHA-256 of the signer's public key (DER), as cosign writes it
+
+
+def _b64(text) -> bytes:
+    try:
+        return base64.b64decode(text or "", validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        return b""
+
+
+def _sig_tag(digest: str) -> str:
+    return digest.replace(":", "-")
+
+
+def _payload_digest(payload: bytes) -> str | None:
+    try:
+        doc = json.loads(payload)
+        return doc["critical"]["image"]["docker-manifest-digest"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _statement_digest(payload: bytes) -> str | None:
+    """The digest an in-toto statement's subject names (the first sha256 subject)."""
+    try:
+        doc = json.loads(payload)
+        for s in doc.get("subject") or ():
+            hexd = (s.get("digest") or {}).get("sha256")
+            if isinstance(hexd, str):
+                return f"sha256:{hexd}"
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE pre-authentication encoding (what a DSSE signature is over)."""
+    t = payload_type.encode()
+    return b"DSSEv1 %d %s %d %s" % (len(t), t, len(payload), payload)
+
+
+def _manifest(reg: Registry, ref: Reference, image: str, tag: str) -> dict | None:
+    """A manifest by tag or digest as JSON, or None when there is none (404)."""
+    try:
+        body, _, _ = reg.get_manifest(Reference(ref.host, ref.repository, tag if not tag.startswith("sha256:") else None,
+                                                tag if tag.startswith("sha256:") else None), image)
+    except ImageNotFound:
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise IntegrityError(f"signature manifest {tag} is not JSON", image) from None
+    return doc if isinstance(doc, dict) else None
+
+
+def _blob(reg: Registry, ref: Reference, desc: dict, image: str) -> bytes:
+    if not isinstance(desc, dict) or int(desc.get("size") or 0) > MAX_SIG_BYTES:
+        raise IntegrityError("signature layer missing or over the size limit", image)
+    return reg.read_blob(ref.repository, desc, image, limit=MAX_SIG_BYTES)
+
+
+def fetch_v2(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Found]:
+    """The simple-signing signatures under ``sha256-<hex>.sig``."""
+    doc = _manifest(reg, ref, image, _sig_tag(digest) + ".sig")
+    out = []
+    for layer in (doc or {}).get("layers", [])[:MAX_SIGNATURES]:
+        if not isinstance(layer, dict) or layer.get("mediaType") != SIMPLESIGNING:
+            continue
+        ann = layer.get("annotations") or {}
+        payload = _blob(reg, ref, layer, image)
+        out.append(_Found(V2, payload, _b64(ann.get(SIG_ANNOTATION)), _payload_digest(payload),
+                          keyless=bool(ann.get(CERT_ANNOTATION))))
+    return out
+
+
+def _referrers(reg: Registry, ref: Reference, digest: str, image: str) -> list[dict]:
+    """Descriptors of the artifacts referring to ``digest``: the referrers API, else the
+    fallback tag ``sha256-<hex>``."""
+    try:
+        resp = reg.request("GET", f"{ref.repository}/referrers/{digest}", image, "listing referrers",
+                           headers={"Accept": INDEX_TYPE}, ok=(200,))
+        with resp:
+            if resp.headers.get("Content-Type", "").split(";")[0].strip() == INDEX_TYPE:
+                doc = json.loads(resp.content[:MAX_SIG_BYTES])
+                return [m for m in doc.get("manifests") or () if isinstance(m, dict)]
+    except (ImageNotFound, ValueError):
+        pass  # no referrers API (404): the fallback tag
+    except RegistryUnavailable as e:
+        if "unexpected HTTP 4" not in str(e):  # 400/405...: no referrers API either; else a real outage
+            raise
+    doc = _manifest(reg, ref, image, _sig_tag(digest))
+    return [m for m in (doc or {}).get("manifests") or () if isinstance(m, dict)]
+
+
+def fetch_v3(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Found]:
+    """The Sigstore bundles that refer to ``digest``."""
+    out = []
+    for desc in _referrers(reg, ref, digest, image)[:MAX_SIGNATURES]:
+        if desc.get("artifactType") not in BUNDLE_TYPES:
+            continue
+        art = _manifest(reg, ref, image, check_digest(desc.get("digest", ""), image))
+        if not art or (art.get("subject") or {}).get("digest") != digest:
+            continue  # listed under this digest but not about it: not a signature of it
+        for layer in (art.get("layers") or [])[:1]:
+            try:
+                bundle = json.loads(_blob(reg, ref, layer, image))
+            except ValueError:
+                out.append(_Found(V3, b"", b"", None))
+                continue
+            out.append(_bundle(bundle))
+    return out
+
+
+def _bundle(bundle: dict) -> _Found:
+    material = bundle.get("verificationMaterial") or {}
+    keyless = bool(material.get("certificate") or material.get("x509CertificateChain"))
+    hint = (material.get("publicKey") or {}).get("hint") if isinstance(material.get("publicKey"), dict) else None
+    env = bundle.get("dsseEnvelope")
+    if isinstance(env, dict):
+        payload = _b64(env.get("payload"))
+        sigs = env.get("signatures") or [{}]
+        return _Found(V3, _pae(str(env.get("payloadType", "")), payload), _b64(sigs[0].get("sig")),
+                      _statement_digest(payload), keyless, hint)
+    ms = bundle.get("messageSignature") or {}
+    md = ms.get("messageDigest") or {}
+    hexd = _b64(md.get("digest")).hex()
+    # a message signature is over the artifact itself: here, the manifest; cosign signs the
+    # simple-signing payload, which we cannot rebuild byte for byte, so only the digest it names counts
+    return _Found(V3, b"", _b64(ms.get("signature")), f"sha256:{hexd}" if hexd else None, keyless)
+
+
+def judge(found: list[_Found], digest: str, keys: list[TrustedKey]) -> Verdict:
+    """The verdict on the signatures ``found`` for ``digest`` under ``keys`` (pure)."""
+    if not found:
+        return Verdict(False, UNSIGNED, f"no cosign signature of {digest} in the registry")
+    worst = []
+    for f in found:
+        if f.keyless and not f.signature:
+            worst.append((KEYLESS_UNSUPPORTED, f"a {f.format} keyless signature (certificate) of {digest}; "
+                                               "keyless signatures are not verified by this controller"))
+            continue
+        key = next((k for k in keys if f.message and f.signature and k.verifies(f.signature, f.message)), None)
+        if key is None:
+            if f.keyless:
+                worst.append((KEYLESS_UNSUPPORTED, f"a {f.format} keyless signature (certificate) of {digest}; "
+                                                   "keyless signatures are not verified by this controller"))
+            elif f.names == digest and f.signature and not any(f.hint == k.hint for k in keys):
+                # v2 names no key: a signature by another key and one whose payload was altered
+                # look alike; v3's key hint tells them apart (a trusted key's hint: altered)
+                worst.append((WRONG_KEY, f"a {f.format} signature of {digest} that none of the trusted keys "
+                                         f"({', '.join(k.name for k in keys) or 'none'}) verifies"
+                                         + ("" if f.hint else " (signed by another key, or its payload altered)")))
+            else:
+                worst.append((BAD_SIGNATURE, f"a {f.format} signature whose payload does not verify under any "
+                                             "trusted key (altered payload or signature)"))
+            continue
+        if f.names != digest:
+            worst.append((DIGEST_MISMATCH, f"a {f.format} signature by key {key.name} names "
+                                           f"{f.names or 'no digest'}, not {digest}"))
+            continue
+        return Verdict(True, VERIFIED, f"{digest} signed ({f.format}) by trusted key {key.name}", f.format, key.name)
+    reason, message = min(worst, key=lambda w: _RANK.index(w[0]))
+    return Verdict(False, reason, message)
+
+
+def verify(image: str, digest: str, keys: list[TrustedKey], options: RegistryOptions, *,
+           formats: tuple[str, ...] = FORMATS, timeout: float = 30.0) -> Verdict:
+    """Fetch the signatures of ``digest`` (an image of repository ``image``) in ``formats`` and
+    judge them. Raises :class:`~accelnode.oci.errors.RegistryUnavailable` / ``AuthError`` when
+    the registry cannot answer (the verdict is then unknown, not a refusal)."""
+    check_digest(digest, image)
+    ref = Reference.parse(image)
+    reg = Registry(ref.host, options, Deadline(min(timeout, options.timeout)))
+    found: list[_Found] = []
+    if V2 in formats:
+        found += fetch_v2(reg, ref, digest, image)
+    if V3 in formats:
+        found += fetch_v3(reg, ref, digest, image)
+    return judge(found, digest, keys)
+
+
+def fingerprint(keys: list[TrustedKey]) -> str:
+    """A short stable name of a key set (for caching verdicts)."""
+    h = hashlib.sha256()
+    for k in sorted(keys, key=lambda k: k.name):
+        h.update(k.name.encode() + b"\0" + k.key.public_bytes(serialization.Encoding.DER,
+                                                               serialization.PublicFormat.SubjectPublicKeyInfo))
+    return h.hexdigest()[:16]
+
+
+SIGNATURE_FORMAT_LABEL = "gkm.io/signature-format"
+
+
+def pull_refusal(labels: dict, conditions: list[dict]) -> tuple[str, str] | None:
+    """Why a node must not pull or mount a cache object now, or None: the rule the agent and the
+    CSI driver share. ``("False", ...)``: its signature was refused (condition ``Verified``
+    False, reason and message); ``("Unknown", ...)``: it needs a signature (a ``Verified``
+    condition that is not True, or the ``gkm.io/signature-format`` label) and has no verdict yet."""
+    cond = next((c for c in conditions or () if isinstance(c, dict) and c.get("type") == "Verified"), None)
+    if cond is not None and cond.get("status") == "False":
+        return "False", f"{cond.get('reason')}: {cond.get('message', '')}"
+    if cond is not None and cond.get("status") != "True":
+        return "Unknown", f"signature not verified yet ({cond.get('reason')}: {cond.get('message', '')})"
+    if cond is None and SIGNATURE_FORMAT_LABEL in (labels or {}):
+        return "Unknown", (f"label {SIGNATURE_FORMAT_LABEL} asks for a signature and the controller has not "
+                           "verified it yet")
+    return None

@@ -1,0 +1,31 @@
+"""The driver and signatures (docs/signatures.md): a cache labelled gkm.io/signature-format with
+no verdict yet is UNAVAILABLE at publish (kubelet retries), a refused one FAILED_PRECONDITION
+naming the reason, and once Verified=True it mounts. Real agent, driver and API server."""
+
+from __future__ import annotations
+
+from tests.csi.test_by_name import (GROUP, VERSION, Code, by_name, condition, csi_rbac, digest_of,  # noqa: F401
+                                    namespaces, objects, publish_until, repo_of, write_status)
+
+from .conftest import error_of
+
+
+def test_signature_required_until_verified(by_name, objects, namespaces, images):  # noqa: F811
+    a, _ = namespaces
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GKMCache",
+            "metadata": {"name": "signed", "labels": {"gkm.io/signature-format": "cosign-v2"}},
+            "spec": {"image": repo_of(images.tpu) + ":latest"}}
+    objects.create_namespaced_custom_object(GROUP, VERSION, a, "gkmcaches", body=body)
+    resolved = condition("Resolved", "True", "Resolved", "pinned")
+    write_status(objects, "signed", {"resolvedDigest": digest_of(images.tpu), "conditions": [resolved]}, a)
+    vol = by_name.volume("", pod_namespace=a, cache="signed", cache_namespace=a)
+    assert publish_until(by_name, vol, Code.UNAVAILABLE) == Code.UNAVAILABLE
+    assert "has not verified it yet" in error_of(by_name.node_stub().NodePublishVolume, vol.publish_request()).details()
+    write_status(objects, "signed", {"conditions": [
+        resolved, condition("Verified", "False", "DigestMismatch", "a signature of another digest")]}, a)
+    assert publish_until(by_name, vol, Code.FAILED_PRECONDITION) == Code.FAILED_PRECONDITION
+    err = error_of(by_name.node_stub().NodePublishVolume, vol.publish_request())
+    assert "failed verification: DigestMismatch" in err.details()
+    assert not vol.target.exists() and vol.volume_id not in by_name.references()
+    write_status(objects, "signed", {"conditions": [resolved, condition("Verified", "True", "Verified", "ok")]}, a)
+    assert publish_until(by_name, vol) == Code.OK
