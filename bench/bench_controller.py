@@ -357,6 +357,9 @@ def run(tmp: Path) -> None:
                 nodes.put(ns, node, by_name)
         caches.wait(lambda: all(((caches.get(k) or {}).get("status") or {}).get("counts", {}).get("nodeCnt")
                                 == IDLE_NODES for k in keys), "100 caches counting 5 nodes")
+        # the claims settle when kube-controller-manager binds the pairs (its PV sync runs every 15 s),
+        # not within the 3 s quiet() waits for: steady state means every claim Bound
+        caches.wait(lambda: all(claim_bound(caches.get(k), k[1]) for k in keys if k[1]), "90 claims Bound", 120)
         quiet(audit)
         start = audit.mark()
         verified_before = verifications(tmp / "controller.log")
@@ -586,6 +589,12 @@ def wait_webhooks(admin: Client, registry: str) -> None:
         return all("gkm.io/resolvedDigest" in (create_cache(admin, ns, "probe", image, dryRun="All")["metadata"]
                                                .get("annotations") or {}) for ns in ("bench-hooks", None))
     wait_for(pinned, "the webhooks to be called", timeout=60)
+
+
+def claim_bound(cache: dict | None, namespace: str) -> bool:
+    """The cache's claim in ``namespace`` is reported Bound (status.pvcStatus, docs/cache-claims.md)."""
+    entry = (((cache or {}).get("status") or {}).get("pvcStatus") or {}).get(namespace) or {}
+    return any(c.get("type") == "Bound" and c.get("status") == "True" for c in entry.get("conditions") or ())
 
 
 def quiet(audit: Audit, still: float = 3.0, timeout: float = 120.0) -> None:

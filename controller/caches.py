@@ -19,7 +19,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from accelnode.kube.client import Client, custom_path
+from accelnode.kube.client import Client, KubeError, custom_path
 from accelnode.log import kv
 from accelnode.oci.errors import ImageError
 
@@ -152,6 +152,20 @@ class CacheReconciler(Reconciler):
             wait = self._last_write.get(key, float("-inf")) + self.min_write_interval - time.monotonic()
         if wait > 0:  # coalesce: one write carries what changed meanwhile; no recount of every
             return Result(requeue_after=wait)  # node per event until then (O(nodes), not O(nodes x events))
+        try:
+            return self._sync(key, obj)
+        except KubeError as e:
+            if e.code != 409:
+                raise
+        # another writer got in first (the claims reconciler adds its finalizer as a new cache
+        # arrives): write again at once on the object as it is now, not after a backoff plus the
+        # write interval (a second conflict is an error, retried with backoff)
+        ns, name = split_key(key)
+        fresh = self.client.request("GET", custom_path(GROUP, VERSION, self.plural, ns, name))
+        return self._sync(key, keep_cache(fresh))
+
+    def _sync(self, key: str, obj: dict) -> Result | None:
+        """Pin, verify and count ``obj``; write what changed."""
         pin, resolved = self._pin(key, obj)
         verified = self._verified(key, obj, pin)
         agg = cs.aggregate(self._reports(key))
@@ -224,9 +238,9 @@ class CacheReconciler(Reconciler):
                 if written is not None:
                     current = keep_cache(written)
         finally:
-            with self._lock:
-                self._last_write[key] = time.monotonic()
-            if current is not obj:
+            if current is not obj:  # a refused write (409) is no write: it does not delay the next
+                with self._lock:
+                    self._last_write[key] = time.monotonic()
                 self._written.remember(key, obj, current)
         log.info("cache status written", extra=kv(reconciler=self.name, key=key,
                                                   reason=status["conditions"][0]["reason"],
