@@ -326,7 +326,7 @@ class Compute:
     def handle(self, method: str, path: str, query: dict, body) -> tuple[int, dict]:
         with self.lock:
             self.stats["requests"] += 1
-            if method in ("POST", "DELETE", "PUT", "PATCH"):
+            if method in ("POST", "DELETE", "PUT", "PATCH") and not path.endswith(("/listManagedInstances", "/wait")):
                 self.stats["writes"] += 1
             self.advance()
             if self.faults.unavailable > 0:
