@@ -103,7 +103,7 @@ def metadata(inst: dict) -> dict:
     return {i["key"]: i.get("value") for i in inst["metadata"].get("items") or []}
 
 
-def _register(admin: Client, inst: dict, project: str, zone: str, ready: bool) -> dict:
+def _register(admin: Client, inst: dict, project: str, zone: str, ready: bool = True) -> dict:
     admin.request("POST", "/api/v1/nodes", body={
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": inst["name"], "labels": {"kubernetes.io/hostname": inst["name"]}},
@@ -216,7 +216,9 @@ def test_drain_respects_pod_disruption_budgets_with_a_bounded_wait(control_plane
                                                                "labels": {"app": "w"}},
                "spec": {"nodeName": inst["name"], "containers": [{"name": "c", "image": "busybox"}],
                         "tolerations": [{"key": "google.com/tpu", "operator": "Exists"}]}}
-        admin.request("POST", f"/api/v1/namespaces/{ns}/pods", body=pod)
+        pod = admin.request("POST", f"/api/v1/namespaces/{ns}/pods", body=pod)
+        pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}  # as kubelet reports
+        admin.request("PUT", f"/api/v1/namespaces/{ns}/pods/worker/status", body=pod)  # (a Pending pod ignores PDBs)
         admin.request("POST", f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets", body={
             "metadata": {"name": "w"}, "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": "w"}}}})
         admin.request("DELETE", tng_path(ns, "v7x-single-host"))
@@ -245,9 +247,9 @@ def test_instance_creation_faults_are_reported_and_recover(control_plane, nodegr
     gce.compute.set_faults(**faults)
     with Running(control_plane, gce.endpoint):
         make_group(admin, ns)
-        g = wait(reason, lambda: (lambda o: o if cond(o, "ManagedInstanceGroupReady").get("reason") == reason else None)(
+        g = wait(reason, lambda: (lambda o: o if cond(o, "Ready").get("reason") == reason else None)(
             get(admin, tng_path(ns, "v6e-multi-host"))))
-        assert text in cond(g, "ManagedInstanceGroupReady")["message"]
+        assert text in cond(g, "Ready")["message"]
         assert gce.compute.instances("my-tpu-project") == []  # all or nothing: no VM at all
         gce.compute.set_faults(bulk_unplaceable=False, quota_exceeded=False)
         gce.compute.retry_creation()
@@ -314,10 +316,11 @@ def test_user_editing_an_immutable_field_is_refused(control_plane, nodegroup_rba
 
 def test_rbac_is_enough_and_no_more(nodegroup_rbac, kubectl):
     sa = "system:serviceaccount:accelnode-system:accelnode-controller"
-    allowed = [("update", "nodes"), ("create", "pods/eviction"), ("update", "tpunodegroups.tpu.google.com/finalizers"),
-               ("create", "secrets", "kube-system"), ("create", "daemonsets.apps", NS_CTRL)]
-    denied = [("create", "secrets", "default"), ("create", "daemonsets.apps", "default"), ("delete", "pods"),
-              ("patch", "nodes")]
-    for verb, res, *ns in allowed + denied:
-        out = kubectl("admin", "auth", "can-i", verb, res, f"--as={sa}", *(["-n", ns[0]] if ns else []))
-        assert (out.stdout.strip() == "yes") == ((verb, res, *ns) in allowed), (verb, res, ns, out.stdout)
+    allowed = [("update", "nodes"), ("create", "pods", "--subresource=eviction"),
+               ("update", "tpunodegroups.tpu.google.com", "--subresource=finalizers"),
+               ("create", "secrets", "-n", "kube-system"), ("create", "daemonsets.apps", "-n", NS_CTRL)]
+    denied = [("create", "secrets", "-n", "default"), ("create", "daemonsets.apps", "-n", "default"),
+              ("delete", "pods"), ("patch", "nodes"), ("get", "secrets", "-n", "kube-system")]
+    for args in allowed + denied:
+        out = kubectl("admin", "auth", "can-i", *args, f"--as={sa}")
+        assert (out.stdout.strip() == "yes") == (args in allowed), (args, out.stdout, out.stderr)
