@@ -94,6 +94,9 @@ def register(sub) -> None:
     g.add_argument("--drain-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="how long a deleted group waits for its pods' evictions before deleting the VMs "
                         "(default: %(default)s)")
+    g.add_argument("--join-api-server-port", type=int, default=6443, metavar="PORT",
+                   help="port of the API server at bootstrapKubernetes.controlPlaneIP that the VMs join; written into "
+                        "kubeadm-control-plane-ip when not 6443 (default: %(default)s)")
     g.add_argument("--device-plugin-image", default="accelnode:0.1.0", metavar="IMAGE",
                    help="image of the device-plugin DaemonSet the node groups deploy (default: %(default)s)")
     add_registry_flags(p.add_argument_group("registry (resolving kernel-cache images to digests)"),
@@ -184,11 +187,12 @@ def run(args: argparse.Namespace) -> int:
         from . import nodegroups
         from .gce import GCE
 
-        if args.node_group_poll <= 0 or args.drain_timeout < 0:
-            raise exitcodes.CLIError("--node-group-poll must be positive and --drain-timeout not negative",
-                                     exitcodes.USAGE)
+        if args.node_group_poll <= 0 or args.drain_timeout < 0 or not 0 < args.join_api_server_port < 65536:
+            raise exitcodes.CLIError("--node-group-poll must be positive, --drain-timeout not negative and "
+                                     "--join-api-server-port a port number", exitcodes.USAGE)
         settings = nodegroups.Settings(namespace=namespace, poll=args.node_group_poll,
-                                       drain_timeout=args.drain_timeout, device_plugin_image=args.device_plugin_image)
+                                       drain_timeout=args.drain_timeout, device_plugin_image=args.device_plugin_image,
+                                       api_server_port=args.join_api_server_port)
         reconcilers += nodegroups.reconcilers(client, settings, GCE(args.gce_endpoint))
     if self_managed:  # the leader copies the CA into our webhook configurations
         reconcilers.append(CABundleReconciler(client, secret_namespace=namespace, secret=args.webhook_secret,

@@ -68,6 +68,7 @@ class Settings:
     poll: float = 10.0  # operation polls, joining nodes
     drain_timeout: float = 300.0  # bounded wait for evictions at teardown
     device_plugin_image: str = "accelnode:0.1.0"
+    api_server_port: int = 6443  # with bootstrapKubernetes.controlPlaneIP: where the VMs join
 
 
 def now_rfc3339() -> str:
@@ -596,7 +597,9 @@ class TPUNodeGroupReconciler(Reconciler):
                 status = mi.instance_status or "PROVISIONING"
                 if boot and status == "RUNNING":
                     joining = True
-                    again = self._offer_join(key, project, zone, inst, boot["controlPlaneIP"]) or again
+                    ip, port = boot["controlPlaneIP"], self.settings.api_server_port
+                    endpoint = ip if port == 6443 else (f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+                    again = self._offer_join(key, project, zone, inst, endpoint) or again
                 elif status != "RUNNING":
                     problems.append(f"{inst} is {status}")
                 continue

@@ -43,9 +43,9 @@ def gce():
 class Running:
     """The four reconcilers in this process, as the controller identity."""
 
-    def __init__(self, control_plane, endpoint: str):
+    def __init__(self, control_plane, endpoint: str, **settings):
         self.client = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), max_connections=16)
-        settings = nodegroups.Settings(namespace=NS_CTRL, poll=0.2, drain_timeout=5.0)
+        settings = nodegroups.Settings(**{"namespace": NS_CTRL, "poll": 0.2, "drain_timeout": 5.0, **settings})
         self.gce = GCE(endpoint)
         self.manager = Manager(self.client, nodegroups.reconcilers(self.client, settings, self.gce),
                                CollectorRegistry(), workers=2, resync=30)
