@@ -193,7 +193,12 @@ def run(args: argparse.Namespace) -> int:
         settings = nodegroups.Settings(namespace=namespace, poll=args.node_group_poll,
                                        drain_timeout=args.drain_timeout, device_plugin_image=args.device_plugin_image,
                                        api_server_port=args.join_api_server_port)
-        reconcilers += nodegroups.reconcilers(client, settings, GCE(args.gce_endpoint))
+        from prometheus_client import Counter as _Counter
+
+        gce_calls = _Counter("accelnode_controller_gce_requests", "Compute API calls of the node-group reconcilers, "
+                             "by method and kind (read, write)", ["method", "kind"], registry=registry)
+        gce = GCE(args.gce_endpoint, counters=lambda kind, method: gce_calls.labels(method, kind).inc())
+        reconcilers += nodegroups.reconcilers(client, settings, gce)
     if self_managed:  # the leader copies the CA into our webhook configurations
         reconcilers.append(CABundleReconciler(client, secret_namespace=namespace, secret=args.webhook_secret,
                                               service=args.webhook_service, service_namespace=service_namespace))

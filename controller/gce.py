@@ -5,6 +5,9 @@
   status and poll it with :meth:`GCE.operation` on later reconciles (the client's own
   ``ExtendedOperation.result()`` would block a worker, and polls the public host whatever the
   endpoint).
+* Calls carry a deadline and no retry of the client's own (its default retries a 503 for up to
+  10 minutes inside one call, holding a worker): a failure comes back at once and the core
+  retries the key with its backoff.
 * Errors become :class:`GCEError`: ``terminal`` for 400/403/404/409/412 (the request itself is
   wrong: retrying cannot help; the message goes into a condition), transient otherwise
   (429, 5xx, no answer: the core retries the key with backoff).
@@ -56,8 +59,9 @@ def scope_of(url: str) -> tuple[str, str, str]:
 
 
 class GCE:
-    def __init__(self, endpoint: str | None = None, *, counters=None):
+    def __init__(self, endpoint: str | None = None, *, counters=None, timeout: float = 30.0):
         self.endpoint = endpoint
+        self.timeout = timeout  # one call; no retries inside it: the core's per-key backoff retries
         self._clients: dict[str, object] = {}
         self._lock = threading.Lock()
         self.writes = 0
@@ -95,7 +99,7 @@ class GCE:
         if self._counters is not None:
             self._counters("write" if write else "read", method)
         try:
-            return fn(*args, **kw)
+            return fn(*args, **{"retry": None, "timeout": self.timeout, **kw})
         except gexc.GoogleAPICallError as e:
             code = int(e.code) if isinstance(e.code, int) else 0
             raise GCEError(code, e.message or str(e)) from None
@@ -240,8 +244,9 @@ class GCE:
         req = self.compute.ListManagedInstancesInstanceGroupManagersRequest(
             project=project, zone=zone, instance_group_manager=mig)
 
-        def all_pages():
-            return list(self._client("InstanceGroupManagersClient").list_managed_instances(request=req))
+        def all_pages(retry, timeout):
+            return list(self._client("InstanceGroupManagersClient").list_managed_instances(
+                request=req, retry=retry, timeout=timeout))
         return self._call(False, "instanceGroupManagers.listManagedInstances", all_pages)
 
     # -- instances -----------------------------------------------------------------------------

@@ -362,8 +362,9 @@ def kube_labels(value: str) -> dict[str, str]:
 
 
 STARTUP_SCRIPT = """#!/bin/sh
-# accelnode TPU node group {group}: join the cluster with kubeadm (docs/bootstrap.md).
-exec /usr/local/bin/accelnode bootstrap --kubernetes-version {version}
+# accelnode TPU node group {group}: join the cluster with kubeadm, Kubernetes {version}
+# (the image carries kubeadm and kubelet of that version; docs/bootstrap.md).
+exec /usr/local/bin/accelnode bootstrap --log-format text
 """
 
 
