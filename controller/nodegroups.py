@@ -177,7 +177,7 @@ class ChildReconciler(Reconciler):
                 log.warning("GCE operation failed", extra=kv(kind=self.kind, key=key, code=op.error_code,
                                                               error=op.error_message))
                 return None
-            obj = self._write_status(key, obj, self._status(obj, ("False", "Provisioning", "operation done")))
+            # done: the status written below (with the resource's URI) drops the operation
         ready = get_condition(obj, "Ready")
         if ready.get("reason") in TERMINAL_REASONS and ready.get("observedGeneration") == md.get("generation"):
             return None  # GCE refused this spec: retrying cannot help until it changes
