@@ -81,6 +81,24 @@ def register(sub) -> None:
     g.add_argument("--cert-lifetime", type=parse_duration, default=parse_duration("8760h"), metavar="DURATION",
                    help="lifetime of a self-managed serving certificate, at most a third of --ca-lifetime; renewed "
                         "at two thirds of it (default: 1 year)")
+    g = p.add_argument_group("TPU node groups on GCE (docs/tpu-node-groups.md)")
+    g.add_argument("--tpu-node-groups", action="store_true",
+                   help="run the TPUNodeGroup, WorkloadPolicy, InstanceTemplate and ManagedInstanceGroup reconcilers "
+                        "(needs the tpu.google.com CRDs and daemonsets/rbac-controller-nodegroups.yaml)")
+    g.add_argument("--gce-endpoint", metavar="URL",
+                   help="Compute API endpoint with anonymous credentials, e.g. the emulator "
+                        "(python -m accelnode.testing.gce); default: compute.googleapis.com with Application "
+                        "Default Credentials")
+    g.add_argument("--node-group-poll", type=float, default=10.0, metavar="SECONDS",
+                   help="how often GCE operations and joining nodes are looked at (default: %(default)s)")
+    g.add_argument("--drain-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long a deleted group waits for its pods' evictions before deleting the VMs "
+                        "(default: %(default)s)")
+    g.add_argument("--join-api-server-port", type=int, default=6443, metavar="PORT",
+                   help="port of the API server at bootstrapKubernetes.controlPlaneIP that the VMs join; written into "
+                        "kubeadm-control-plane-ip when not 6443 (default: %(default)s)")
+    g.add_argument("--device-plugin-image", default="accelnode:0.1.0", metavar="IMAGE",
+                   help="image of the device-plugin DaemonSet the node groups deploy (default: %(default)s)")
     add_registry_flags(p.add_argument_group("registry (resolving kernel-cache images to digests)"),
                        timeout_flag="--registry-timeout", timeout=30.0,
                        timeout_help="deadline of resolving one image to its digest (manifests and configs, no layers)")
@@ -165,6 +183,22 @@ def run(args: argparse.Namespace) -> int:
     resolver = Resolver(registry_options(args))  # one per process: webhooks and reconcilers share its answers
     registry = CollectorRegistry()
     reconcilers = [factory(client, resolver) for factory in RECONCILERS]
+    if args.tpu_node_groups:
+        from . import nodegroups
+        from .gce import GCE
+
+        if args.node_group_poll <= 0 or args.drain_timeout < 0 or not 0 < args.join_api_server_port < 65536:
+            raise exitcodes.CLIError("--node-group-poll must be positive, --drain-timeout not negative and "
+                                     "--join-api-server-port a port number", exitcodes.USAGE)
+        settings = nodegroups.Settings(namespace=namespace, poll=args.node_group_poll,
+                                       drain_timeout=args.drain_timeout, device_plugin_image=args.device_plugin_image,
+                                       api_server_port=args.join_api_server_port)
+        from prometheus_client import Counter as _Counter
+
+        gce_calls = _Counter("accelnode_controller_gce_requests", "Compute API calls of the node-group reconcilers, "
+                             "by method and kind (read, write)", ["method", "kind"], registry=registry)
+        gce = GCE(args.gce_endpoint, counters=lambda kind, method: gce_calls.labels(method, kind).inc())
+        reconcilers += nodegroups.reconcilers(client, settings, gce)
     if self_managed:  # the leader copies the CA into our webhook configurations
         reconcilers.append(CABundleReconciler(client, secret_namespace=namespace, secret=args.webhook_secret,
                                               service=args.webhook_service, service_namespace=service_namespace))

@@ -27,7 +27,9 @@ NOT_RUNTIME = ("accelnode.testing", "accelnode.protogen", "accelnode.pb")
 # Imported only where present, inside a try (NVML on GPU nodes).
 OPTIONAL = {"pynvml"}
 # Third-party imports that are not runtime dependencies of their own (they come with one that is).
-PROVIDED_BY = {"google": "protobuf"}
+# The ``google`` namespace package is shared: its second level says which distribution it is.
+PROVIDED_BY = {"google.protobuf": "protobuf", "google.cloud": "google-cloud-compute",
+               "google.api_core": "google-cloud-compute", "google.auth": "google-cloud-compute"}
 
 
 def _module_name(path: Path) -> str:
@@ -138,6 +140,8 @@ def test_runtime_dependencies_are_what_runtime_code_imports():
             continue
         for name in _imports(path):
             top = name.split(".")[0]
+            if top == "google":
+                top = ".".join(name.split(".")[:2])
             if top not in sys.stdlib_module_names and not _ours(top) and top not in OPTIONAL and top != "__future__":
                 imported.add(top)
     dists = packages_distributions()
