@@ -29,7 +29,7 @@ class Verify:
     def __init__(self, verdict=sg.Verdict(True, sg.VERIFIED, "signed by k")):
         self.calls, self.verdict, self.down = 0, verdict, False
 
-    def __call__(self, image, digest, keys, options, *, formats, timeout):
+    def __call__(self, image, digest, keys, options, *, formats, timeout, keyless=()):
         self.calls += 1
         if self.down:
             raise RegistryUnavailable("connection refused", image)
