@@ -6,7 +6,9 @@ refuse (docs/signatures.md)."""
 
 from __future__ import annotations
 
+import base64
 import datetime
+import json
 from pathlib import Path
 
 import pytest
@@ -82,12 +84,32 @@ def _sign(cosign: Cosign, ca: CA, image: str, key: Path, crt: Path, fmt: str) ->
                "--new-bundle-format=" + ("true" if fmt == sg.V3 else "false"), image)
 
 
+def _trusted_root(ca: CA) -> Path:
+    """The CA as a Sigstore trusted root (what cosign v3 verifies bundles against)."""
+    path = ca.dir / f"{ca.root_path.stem}-trusted-root.json"
+    chain = [{"rawBytes": base64.b64encode(c.public_bytes(serialization.Encoding.DER)).decode()} for c in (ca.mid, ca.root)]
+    path.write_text(json.dumps({
+        "mediaType": "application/vnd.dev.sigstore.trustedroot+json;version=0.1",
+        "certificateAuthorities": [{"subject": {"organization": "t", "commonName": "ca"}, "uri": "https://ca.example.test",
+                                    "certChain": {"certificates": chain},
+                                    "validFor": {"start": "2000-01-01T00:00:00Z"}}]}))
+    return path
+
+
 def _cosign_accepts(cosign: Cosign, ca: CA, image: str, fmt: str, subject: str = EMAIL, issuer: str = ISSUER) -> bool:
+    roots = (["--trusted-root", str(_trusted_root(ca))] if fmt == sg.V3
+             else ["--certificate-chain", str(ca.chain_path)])
     out = cosign.run("verify", "--certificate-identity", subject, "--certificate-oidc-issuer", issuer,
-                     "--certificate-chain", str(ca.chain_path), "--insecure-ignore-tlog", "--insecure-ignore-sct",
+                     *roots, "--insecure-ignore-tlog", "--insecure-ignore-sct",
                      *REGISTRY_FLAGS, "--new-bundle-format=" + ("true" if fmt == sg.V3 else "false"), image,
                      check=False)
     return out.returncode == 0
+
+
+# cosign 3.1.3 verifies a keyless v3 bundle only with a transparency-log entry or a signed
+# timestamp: offline (--insecure-ignore-tlog, our mode) it answers "no signatures found" even for a
+# good one. Its refusals still hold as the reference; its acceptance is checked for v2 only.
+COSIGN_ACCEPTS_OFFLINE = {sg.V2: True, sg.V3: False}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +137,7 @@ def _signed(registry, cosign, ca, fmt: str, tag: str, signer: CA | None = None) 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_good_identity_accepted_like_cosign(registry, cosign, ca, fmt):
     image, digest = _signed(registry, cosign, ca, fmt, "good")
-    assert _cosign_accepts(cosign, ca, image, fmt)
+    assert _cosign_accepts(cosign, ca, image, fmt) == COSIGN_ACCEPTS_OFFLINE[fmt]
     verdict = _ours(registry, image, digest, ca.trust(sg.Identity(ISSUER, EMAIL)), fmt)
     assert (verdict.ok, verdict.reason, verdict.format) == (True, sg.VERIFIED, fmt), verdict
     assert EMAIL in verdict.message
@@ -139,7 +161,7 @@ def test_wrong_subject_and_issuer_refused_like_cosign(registry, cosign, ca, fmt)
 def test_certificate_of_another_ca_refused_like_cosign(registry, cosign, ca, fmt):
     other = CA(cosign.workdir, f"other-{fmt}")
     image, digest = _signed(registry, cosign, ca, fmt, "otherca", signer=other)
-    assert _cosign_accepts(cosign, other, image, fmt)  # valid under its own CA
+    assert _cosign_accepts(cosign, other, image, fmt) == COSIGN_ACCEPTS_OFFLINE[fmt]  # valid under its own CA
     assert not _cosign_accepts(cosign, ca, image, fmt)
     verdict = _ours(registry, image, digest, ca.trust(sg.Identity(ISSUER, EMAIL)), fmt)
     assert (verdict.ok, verdict.reason) == (False, sg.UNTRUSTED_CERT), verdict
