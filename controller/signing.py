@@ -1,7 +1,7 @@
 """Signature verification of kernel caches against the admin's trust policies (docs/signatures.md).
 
-A ``ClusterCacheTrustPolicy`` (accelnode.io/v1alpha1, cluster-scoped) names trusted public keys
-and which caches it covers (``spec.namespaces``, ``spec.clusterCaches``). A cache must be
+A ``ClusterCacheTrustPolicy`` (accelnode.io/v1alpha1, cluster-scoped) names trusted public keys,
+keyless identities (issuer + subject) with the CA certificates they chain to, and which caches it covers (``spec.namespaces``, ``spec.clusterCaches``). A cache must be
 verified when it carries the label ``gkm.io/signature-format`` (``cosign-v2`` / ``cosign-v3``:
 that format only), when it is a ClusterGKMCache covered by a policy (both formats looked for,
 as GKM does), or when a policy covering it says ``requireSignature: true``. A cache that must

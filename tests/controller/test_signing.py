@@ -7,6 +7,7 @@ agent's and the CSI driver's rule refusing what failed."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -255,3 +256,7 @@ def test_keyless_identity_without_subject_refused_by_the_api_server(policies):
         with pytest.raises(client.ApiException) as e:
             policies.put(f"bad-{i}", {}, extra=spec)
         assert e.value.status == 422 and field in e.value.body, e.value.body
+    # the example is valid as written
+    from tests.fixtures.cluster import load_manifests  # noqa: PLC0415
+    (example,) = load_manifests(Path(__file__).parents[2] / "examples/signatures/policy-keyless.yaml")
+    policies.put(example["metadata"]["name"], {}, extra=example["spec"])
