@@ -27,6 +27,7 @@ from tests.cache.cosign import Cosign
 from tests.cache.test_signatures_keyless import CA, EMAIL, ISSUER
 from tests.cache.test_signatures_keyless import _sign as keyless_sign
 from tests.controller.test_caches import World, caches_rbac, cond, uid  # noqa: F401 (fixture)
+from tests.fixtures.cluster import load_manifests
 from tests.fixtures.registry import RunningRegistry
 
 
@@ -181,6 +182,27 @@ def test_no_policy_unsigned_and_cluster_caches(world, policies, signed, own_regi
     assert (c["status"], c["reason"]) == ("True", sg.VERIFIED), c
 
 
+@pytest.mark.parametrize("fmt", (sg.V2, sg.V3))
+def test_keyless_identity_verified_and_wrong_identity_refused(world, policies, signed, own_registry, cosign,
+                                                              kube_namespace, fmt):
+    ca = CA(cosign.workdir, f"ctl-{fmt}")
+    tag, pinned = _push(own_registry, f"ctl/keyless-{fmt}-{uid()}", f"keyless {fmt}")
+    key, crt = ca.leaf(cosign, f"ctl-leaf-{fmt}")
+    keyless_sign(cosign, ca, pinned, key, crt, fmt)
+    roots = [{"name": "ca", "certificate": ca.root_pem, "intermediates": ca.mid_pem}]
+    policies.put(f"k-{fmt}", {}, namespaces=[kube_namespace],
+                 extra={"keyless": [{"issuer": ISSUER, "subject": EMAIL}], "trustRoots": roots})
+    labelled(world, "kl", tag, kube_namespace, fmt)
+    ok = verified(world, "kl", kube_namespace)
+    assert (ok["status"], ok["reason"]) == ("True", sg.VERIFIED), ok
+    # the same image under a policy trusting another subject: refused, the signer named
+    policies.put(f"k-{fmt}", {}, namespaces=[kube_namespace],
+                 extra={"keyless": [{"issuer": ISSUER, "subject": "someone@else.test"}], "trustRoots": roots})
+    no = verified(world, "kl", kube_namespace, not_reason=sg.VERIFIED)
+    assert (no["status"], no["reason"]) == ("False", sg.WRONG_IDENTITY), no
+    assert EMAIL in no["message"]
+
+
 def test_registry_down_keeps_the_last_verdict(world, policies, signed, own_registry, cosign, kube_namespace,
                                               ):
     key, pub = cosign.keypair("trusted")
@@ -226,27 +248,6 @@ def test_the_crd_refuses_a_policy_without_keys(kube_api, caches_rbac):  # noqa: 
         assert e.value.status == 422, spec
 
 
-@pytest.mark.parametrize("fmt", (sg.V2, sg.V3))
-def test_keyless_identity_verified_and_wrong_identity_refused(world, policies, signed, own_registry, cosign,
-                                                              kube_namespace, fmt):
-    ca = CA(cosign.workdir, f"ctl-{fmt}")
-    tag, pinned = _push(own_registry, f"ctl/keyless-{fmt}-{uid()}", f"keyless {fmt}")
-    key, crt = ca.leaf(cosign, f"ctl-leaf-{fmt}")
-    keyless_sign(cosign, ca, pinned, key, crt, fmt)
-    roots = [{"name": "ca", "certificate": ca.root_pem, "intermediates": ca.mid_pem}]
-    policies.put(f"k-{fmt}", {}, namespaces=[kube_namespace],
-                 extra={"keyless": [{"issuer": ISSUER, "subject": EMAIL}], "trustRoots": roots})
-    labelled(world, "kl", tag, kube_namespace, fmt)
-    ok = verified(world, "kl", kube_namespace)
-    assert (ok["status"], ok["reason"]) == ("True", sg.VERIFIED), ok
-    # the same image under a policy trusting another subject: refused, the signer named
-    policies.put(f"k-{fmt}", {}, namespaces=[kube_namespace],
-                 extra={"keyless": [{"issuer": ISSUER, "subject": "someone@else.test"}], "trustRoots": roots})
-    no = verified(world, "kl", kube_namespace, not_reason=sg.VERIFIED)
-    assert (no["status"], no["reason"]) == ("False", sg.WRONG_IDENTITY), no
-    assert EMAIL in no["message"]
-
-
 def test_keyless_identity_without_subject_refused_by_the_api_server(policies):
     bad = [({"keyless": [{"issuer": ISSUER}], "trustRoots": [{"name": "r", "certificate": "x"}]}, "subject"),
            ({"keyless": [{"subject": EMAIL}], "trustRoots": [{"name": "r", "certificate": "x"}]}, "issuer"),
@@ -257,6 +258,5 @@ def test_keyless_identity_without_subject_refused_by_the_api_server(policies):
             policies.put(f"bad-{i}", {}, extra=spec)
         assert e.value.status == 422 and field in e.value.body, e.value.body
     # the example is valid as written
-    from tests.fixtures.cluster import load_manifests  # noqa: PLC0415
     (example,) = load_manifests(Path(__file__).parents[2] / "examples/signatures/policy-keyless.yaml")
     policies.put(example["metadata"]["name"], {}, extra=example["spec"])
