@@ -1,7 +1,7 @@
 """Signature verification of kernel caches against the admin's trust policies (docs/signatures.md).
 
-A ``ClusterCacheTrustPolicy`` (accelnode.io/v1alpha1, cluster-scoped) names trusted public keys
-and which caches it covers (``spec.namespaces``, ``spec.clusterCaches``). A cache must be
+A ``ClusterCacheTrustPolicy`` (accelnode.io/v1alpha1, cluster-scoped) names trusted public keys,
+keyless identities (issuer + subject) with the CA certificates they chain to, and which caches it covers (``spec.namespaces``, ``spec.clusterCaches``). A cache must be
 verified when it carries the label ``gkm.io/signature-format`` (``cosign-v2`` / ``cosign-v3``:
 that format only), when it is a ClusterGKMCache covered by a policy (both formats looked for,
 as GKM does), or when a policy covering it says ``requireSignature: true``. A cache that must
@@ -49,6 +49,7 @@ class Policy:
     require: bool
     keys: tuple[sg.TrustedKey, ...]
     error: str | None = None
+    keyless: sg.KeylessTrust | None = None  # keyless identities and the trust roots they chain to
 
     @property
     def tag(self) -> str:
@@ -70,8 +71,24 @@ def parse_policy(obj: dict) -> Policy:
             keys.append(sg.TrustedKey.from_pem(str(k.get("name") or f"key{i}"), str(k.get("publicKey") or "")))
         except (sg.KeyError_, AttributeError) as e:
             error = str(e)
+    keyless = None
+    try:
+        idents = tuple(sg.Identity(str(i.get("issuer") or ""), str(i.get("subject") or ""),
+                                   str(i.get("subjectRegExp") or "")) for i in spec.get("keyless") or ())
+        roots, inter = [], []
+        for i, r in enumerate(spec.get("trustRoots") or ()):
+            name = str(r.get("name") or f"root{i}")
+            roots += sg.load_certs(f"trust root {name!r}", str(r.get("certificate") or ""))
+            if r.get("intermediates"):
+                inter += sg.load_certs(f"intermediates of {name!r}", str(r["intermediates"]))
+        if idents and not roots:
+            raise sg.KeyError_("keyless identities need at least one trust root (spec.trustRoots)")
+        if idents:
+            keyless = sg.KeylessTrust(idents, tuple(roots), tuple(inter))
+    except (sg.KeyError_, AttributeError) as e:
+        error = str(e)
     return Policy(md.get("name", ""), int(md.get("generation") or 0), tuple(spec.get("namespaces") or ()),
-                  bool(spec.get("clusterCaches")), bool(spec.get("requireSignature")), tuple(keys), error)
+                  bool(spec.get("clusterCaches")), bool(spec.get("requireSignature")), tuple(keys), error, keyless)
 
 
 def keep_policy(obj: dict) -> dict:
@@ -141,7 +158,8 @@ class Signer:
         try:
             with self._lock:
                 self.verifications += 1
-            verdict = self._verify(pin.image, pin.digest, keys, self.options, formats=formats, timeout=self.timeout)
+            verdict = self._verify(pin.image, pin.digest, keys, self.options, formats=formats, timeout=self.timeout,
+                                   keyless=tuple(p.keyless for p in covering if p.keyless))
         except (RegistryUnavailable, AuthError) as e:
             log.warning("cache signature not verified: registry did not answer",
                         extra=kv(key=key, digest=pin.digest, error=str(e)))

@@ -18,20 +18,30 @@ Two formats, as cosign writes them:
 trusted keys *and* its signed payload names exactly the digest asked about. Reasons of a refusal:
 ``Unsigned``, ``BadSignature`` (no trusted key verifies it, the payload was altered),
 ``WrongKey`` (a signature exists but only for keys not trusted), ``DigestMismatch`` (a valid
-signature of another digest), ``KeylessUnsupported``. A registry that cannot be reached raises
+signature of another digest), ``UntrustedCertificate`` (a keyless signature whose certificate
+chains to none of the admin's trust roots, or is expired / not for code signing),
+``WrongIdentity`` (the chain is fine, its issuer + subject are not in the policy),
+``KeylessUnsupported`` (a keyless signature and a policy with no keyless identities). A registry that cannot be reached raises
 :class:`~accelnode.oci.errors.RegistryUnavailable` (the caller keeps its last verdict).
 
-Keyless (certificate) signatures are not verified here: that needs a Fulcio root, SCTs and
-transparency-log entries; such signatures are refused, never accepted.
+Keyless (certificate) signatures are verified offline against the trust roots (PEM CA
+certificates) the admin puts in the policy: the chain, the leaf's code-signing EKU, its identity
+(SAN email / URI and Fulcio's OIDC-issuer extension) and the signature with the leaf's key. No
+transparency-log or SCT check: cosign's ``--insecure-ignore-tlog --insecure-ignore-sct`` mode.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import datetime
 import hashlib
 import json
+import re
 from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
@@ -46,6 +56,11 @@ FORMATS = (V2, V3)
 SIMPLESIGNING = "application/vnd.dev.cosign.simplesigning.v1+json"
 SIG_ANNOTATION = "dev.cosignproject.cosign/signature"
 CERT_ANNOTATION = "dev.sigstore.cosign/certificate"
+CHAIN_ANNOTATION = "dev.sigstore.cosign/chain"
+# Fulcio's OIDC issuer extensions: v2 (DER UTF8String) and the legacy v1 (raw string)
+ISSUER_V2_OID = x509.ObjectIdentifier("1.3.6.1.4.1.57264.1.8")
+ISSUER_V1_OID = x509.ObjectIdentifier("1.3.6.1.4.1.57264.1.1")
+MAX_CHAIN = 8
 BUNDLE_TYPES = ("application/vnd.dev.sigstore.bundle.v0.3+json", "application/vnd.dev.sigstore.bundle+json;version=0.3")
 INDEX_TYPE = "application/vnd.oci.image.index.v1+json"
 MAX_SIG_BYTES = 1 << 20  # a payload or bundle; cosign's are a few KiB
@@ -58,8 +73,10 @@ BAD_SIGNATURE = "BadSignature"
 WRONG_KEY = "WrongKey"
 DIGEST_MISMATCH = "DigestMismatch"
 KEYLESS_UNSUPPORTED = "KeylessUnsupported"
+UNTRUSTED_CERT = "UntrustedCertificate"
+WRONG_IDENTITY = "WrongIdentity"
 # most telling first: the refusal reported when several signatures fail differently
-_RANK = (DIGEST_MISMATCH, BAD_SIGNATURE, WRONG_KEY, KEYLESS_UNSUPPORTED, UNSIGNED)
+_RANK = (DIGEST_MISMATCH, BAD_SIGNATURE, WRONG_IDENTITY, UNTRUSTED_CERT, WRONG_KEY, KEYLESS_UNSUPPORTED, UNSIGNED)
 
 
 class KeyError_(ValueError):
@@ -116,6 +133,126 @@ class TrustedKey:
 
 
 @dataclass(frozen=True)
+class Identity:
+    """A keyless signer the admin trusts: the OIDC issuer and the subject (SAN email or URI),
+    both exact, or the subject as a regular expression matched in full (cosign's
+    ``--certificate-identity-regexp``). Never empty: no "any signer"."""
+
+    issuer: str
+    subject: str = ""
+    subject_regexp: str = ""
+
+    def __post_init__(self):
+        if not self.issuer or not (self.subject or self.subject_regexp):
+            raise KeyError_("a keyless identity needs an issuer and a subject (or subjectRegExp)")
+        if self.subject_regexp:
+            try:
+                re.compile(self.subject_regexp)
+            except re.error as e:
+                raise KeyError_(f"subjectRegExp {self.subject_regexp!r}: {e}") from None
+
+    def matches(self, issuer: str | None, subjects: list[str]) -> bool:
+        if issuer != self.issuer:
+            return False
+        if self.subject:
+            return self.subject in subjects
+        return any(re.fullmatch(self.subject_regexp, s) for s in subjects)
+
+    def __str__(self) -> str:
+        return f"{self.subject or '/' + self.subject_regexp + '/'} from {self.issuer}"
+
+
+def load_certs(name: str, pem: str) -> list[x509.Certificate]:
+    """The PEM certificates in ``pem`` (a trust root, a chain); at least one."""
+    try:
+        certs = x509.load_pem_x509_certificates(pem.encode())
+    except (ValueError, TypeError) as e:
+        raise KeyError_(f"{name}: not PEM certificates: {e}") from None
+    return certs
+
+
+@dataclass(frozen=True)
+class KeylessTrust:
+    """The keyless half of a policy: trusted identities and the CA certificates standing in for
+    Fulcio's roots (``roots``; ``intermediates`` optional, also taken from the signature)."""
+
+    identities: tuple[Identity, ...]
+    roots: tuple[x509.Certificate, ...]
+    intermediates: tuple[x509.Certificate, ...] = ()
+
+
+def _leaf_identity(leaf: x509.Certificate) -> tuple[str | None, list[str]]:
+    issuer = None
+    for oid, v2 in ((ISSUER_V2_OID, True), (ISSUER_V1_OID, False)):
+        try:
+            raw = leaf.extensions.get_extension_for_oid(oid).value.value
+        except x509.ExtensionNotFound:
+            continue
+        if v2:  # DER UTF8String: tag 0x0c, short or long length
+            if len(raw) >= 2 and raw[0] == 0x0C:
+                n, off = raw[1], 2
+                if n & 0x80:
+                    k = n & 0x7F
+                    n, off = int.from_bytes(raw[2:2 + k], "big"), 2 + k
+                issuer = raw[off:off + n].decode("utf-8", "replace")
+        else:
+            issuer = raw.decode("utf-8", "replace")
+        break
+    subjects: list[str] = []
+    try:
+        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        subjects = [*san.get_values_for_type(x509.RFC822Name), *san.get_values_for_type(x509.UniformResourceIdentifier)]
+    except x509.ExtensionNotFound:
+        pass
+    return issuer, subjects
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    if cert.issuer != ca.subject:
+        return False
+    try:
+        bc = ca.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        return False
+    if not bc.ca:
+        return False
+    try:
+        cert.verify_directly_issued_by(ca)
+        return True
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+
+
+def _valid_now(cert: x509.Certificate, now: datetime.datetime) -> bool:
+    return cert.not_valid_before_utc <= now <= cert.not_valid_after_utc
+
+
+def check_chain(leaf: x509.Certificate, given: list[x509.Certificate], trust: KeylessTrust) -> str | None:
+    """None when ``leaf`` chains (through ``given`` / the policy's intermediates) to one of the
+    trust roots, every certificate valid now and the leaf for code signing; else why not."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        eku = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return "the certificate has no extended key usage (code signing needed)"
+    if ExtendedKeyUsageOID.CODE_SIGNING not in eku:
+        return "the certificate is not for code signing"
+    pool = [*given, *trust.intermediates]
+    cert, seen = leaf, 0
+    while seen <= MAX_CHAIN:
+        if not _valid_now(cert, now):
+            return f"certificate {cert.subject.rfc4514_string()!r} is not valid now (expired or not yet valid)"
+        root = next((r for r in trust.roots if _issued_by(cert, r)), None)
+        if root is not None:
+            return None if _valid_now(root, now) else "the trust root is not valid now"
+        nxt = next((c for c in pool if c != cert and c not in trust.roots and _issued_by(cert, c)), None)
+        if nxt is None:
+            return "the certificate chains to none of the policy's trust roots"
+        cert, seen = nxt, seen + 1
+    return "certificate chain too long"
+
+
+@dataclass(frozen=True)
 class Verdict:
     ok: bool
     reason: str
@@ -134,6 +271,7 @@ class _Found:
     names: str | None  # the digest the signed payload names (None: unreadable payload)
     keyless: bool = False
     hint: str | None = None  # v3: base64 SHA-256 of the signer's public key (DER), as cosign writes it
+    certs: tuple[bytes, ...] = ()  # keyless: the leaf then the chain, each DER
 
 
 def _b64(text) -> bytes:
@@ -204,8 +342,22 @@ def fetch_v2(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Fo
         ann = layer.get("annotations") or {}
         payload = _blob(reg, ref, layer, image)
         out.append(_Found(V2, payload, _b64(ann.get(SIG_ANNOTATION)), _payload_digest(payload),
-                          keyless=bool(ann.get(CERT_ANNOTATION))))
+                          keyless=bool(ann.get(CERT_ANNOTATION)),
+                          certs=_pem_ders(ann.get(CERT_ANNOTATION), ann.get(CHAIN_ANNOTATION))))
     return out
+
+
+def _pem_ders(*pems) -> tuple[bytes, ...]:
+    """The certificates of PEM texts as DER, in order (unreadable ones left out)."""
+    out = []
+    for pem in pems:
+        if not isinstance(pem, str) or not pem.strip():
+            continue
+        try:
+            out += [c.public_bytes(serialization.Encoding.DER) for c in x509.load_pem_x509_certificates(pem.encode())]
+        except ValueError:
+            continue
+    return tuple(out[:MAX_CHAIN + 1])
 
 
 def _referrers(reg: Registry, ref: Reference, digest: str, image: str) -> list[dict]:
@@ -249,36 +401,63 @@ def fetch_v3(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Fo
 def _bundle(bundle: dict) -> _Found:
     material = bundle.get("verificationMaterial") or {}
     keyless = bool(material.get("certificate") or material.get("x509CertificateChain"))
+    raws = [material.get("certificate") or {}, *((material.get("x509CertificateChain") or {}).get("certificates") or ())]
+    certs = tuple(d for d in (_b64(r.get("rawBytes")) for r in raws if isinstance(r, dict)) if d)[:MAX_CHAIN + 1]
     hint = (material.get("publicKey") or {}).get("hint") if isinstance(material.get("publicKey"), dict) else None
     env = bundle.get("dsseEnvelope")
     if isinstance(env, dict):
         payload = _b64(env.get("payload"))
         sigs = env.get("signatures") or [{}]
         return _Found(V3, _pae(str(env.get("payloadType", "")), payload), _b64(sigs[0].get("sig")),
-                      _statement_digest(payload), keyless, hint)
+                      _statement_digest(payload), keyless, hint, certs)
     ms = bundle.get("messageSignature") or {}
     md = ms.get("messageDigest") or {}
     hexd = _b64(md.get("digest")).hex()
     # a message signature is over the artifact itself: here, the manifest; cosign signs the
     # simple-signing payload, which we cannot rebuild byte for byte, so only the digest it names counts
-    return _Found(V3, b"", _b64(ms.get("signature")), f"sha256:{hexd}" if hexd else None, keyless)
+    return _Found(V3, b"", _b64(ms.get("signature")), f"sha256:{hexd}" if hexd else None, keyless, certs=certs)
 
 
-def judge(found: list[_Found], digest: str, keys: list[TrustedKey]) -> Verdict:
-    """The verdict on the signatures ``found`` for ``digest`` under ``keys`` (pure)."""
+def _judge_keyless(f: _Found, digest: str, trust: KeylessTrust | None) -> tuple[str, str] | Verdict:
+    what = f"a {f.format} keyless signature (certificate) of {digest}"
+    if trust is None or not trust.identities or not trust.roots:
+        return KEYLESS_UNSUPPORTED, f"{what}; the policy names no keyless identities and trust roots"
+    try:
+        leaf, *given = [x509.load_der_x509_certificate(d) for d in f.certs]
+    except ValueError as e:
+        return UNTRUSTED_CERT, f"{what} whose certificate does not load: {e}"
+    why = check_chain(leaf, given, trust)
+    if why:
+        return UNTRUSTED_CERT, f"{what}: {why}"
+    issuer, subjects = _leaf_identity(leaf)
+    ident = next((i for i in trust.identities if i.matches(issuer, subjects)), None)
+    if ident is None:
+        return WRONG_IDENTITY, (f"{what} by {', '.join(subjects) or 'no subject'} from issuer {issuer or 'none'}; "
+                                f"the policy trusts {'; '.join(str(i) for i in trust.identities)}")
+    if not (f.message and f.signature and TrustedKey(str(ident), leaf.public_key()).verifies(f.signature, f.message)):
+        return BAD_SIGNATURE, f"{what} whose payload does not verify under its certificate (altered)"
+    if f.names != digest:
+        return DIGEST_MISMATCH, f"{what} by {ident} names {f.names or 'no digest'}, not {digest}"
+    return Verdict(True, VERIFIED, f"{digest} signed ({f.format}, keyless) by {ident}", f.format, str(ident))
+
+
+def judge(found: list[_Found], digest: str, keys: list[TrustedKey],
+          keyless: tuple[KeylessTrust, ...] = ()) -> Verdict:
+    """The verdict on the signatures ``found`` for ``digest`` under ``keys`` and the keyless
+    identities (pure)."""
     if not found:
         return Verdict(False, UNSIGNED, f"no cosign signature of {digest} in the registry")
     worst = []
     for f in found:
-        if f.keyless and not f.signature:
-            worst.append((KEYLESS_UNSUPPORTED, f"a {f.format} keyless signature (certificate) of {digest}; "
-                                               "keyless signatures are not verified by this controller"))
-            continue
         key = next((k for k in keys if f.message and f.signature and k.verifies(f.signature, f.message)), None)
         if key is None:
             if f.keyless:
-                worst.append((KEYLESS_UNSUPPORTED, f"a {f.format} keyless signature (certificate) of {digest}; "
-                                                   "keyless signatures are not verified by this controller"))
+                # each policy's identities against its own trust roots only
+                res = [_judge_keyless(f, digest, t) for t in (keyless or (None,))]
+                ok = next((r for r in res if isinstance(r, Verdict)), None)
+                if ok is not None:
+                    return ok
+                worst.append(min(res, key=lambda w: _RANK.index(w[0])))
             elif f.names == digest and f.signature and not any(f.hint == k.hint for k in keys):
                 # v2 names no key: a signature by another key and one whose payload was altered
                 # look alike; v3's key hint tells them apart (a trusted key's hint: altered)
@@ -299,7 +478,8 @@ def judge(found: list[_Found], digest: str, keys: list[TrustedKey]) -> Verdict:
 
 
 def verify(image: str, digest: str, keys: list[TrustedKey], options: RegistryOptions, *,
-           formats: tuple[str, ...] = FORMATS, timeout: float = 30.0) -> Verdict:
+           formats: tuple[str, ...] = FORMATS, timeout: float = 30.0,
+           keyless: tuple[KeylessTrust, ...] = ()) -> Verdict:
     """Fetch the signatures of ``digest`` (an image of repository ``image``) in ``formats`` and
     judge them. Raises :class:`~accelnode.oci.errors.RegistryUnavailable` / ``AuthError`` when
     the registry cannot answer (the verdict is then unknown, not a refusal)."""
@@ -311,7 +491,7 @@ def verify(image: str, digest: str, keys: list[TrustedKey], options: RegistryOpt
         found += fetch_v2(reg, ref, digest, image)
     if V3 in formats:
         found += fetch_v3(reg, ref, digest, image)
-    return judge(found, digest, keys)
+    return judge(found, digest, keys, keyless)
 
 
 def fingerprint(keys: list[TrustedKey]) -> str:

@@ -7,6 +7,7 @@ agent's and the CSI driver's rule refusing what failed."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -23,7 +24,10 @@ from controller.signing import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Sign
 from csi_driver.resolve import CacheRef, ResolveError, check_verified
 from tests.agent.conftest import eventually
 from tests.cache.cosign import Cosign
+from tests.cache.test_signatures_keyless import CA, EMAIL, ISSUER
+from tests.cache.test_signatures_keyless import _sign as keyless_sign
 from tests.controller.test_caches import World, caches_rbac, cond, uid  # noqa: F401 (fixture)
+from tests.fixtures.cluster import load_manifests
 from tests.fixtures.registry import RunningRegistry
 
 
@@ -52,11 +56,12 @@ class Policies:
         self.objs = client.CustomObjectsApi(kube_api("admin"))
         self.names: list[str] = []
 
-    def put(self, name: str, keys: dict[str, str], *, namespaces=(), cluster=False) -> None:
+    def put(self, name: str, keys: dict[str, str], *, namespaces=(), cluster=False, extra: dict | None = None) -> None:
         body = {"apiVersion": f"{POLICY_GROUP}/{POLICY_VERSION}", "kind": "ClusterCacheTrustPolicy",
                 "metadata": {"name": name},
-                "spec": {"namespaces": list(namespaces), "clusterCaches": cluster,
-                         "keys": [{"name": k, "publicKey": v} for k, v in keys.items()]}}
+                "spec": {"namespaces": list(namespaces), "clusterCaches": cluster, **(extra or {})}}
+        if keys:
+            body["spec"]["keys"] = [{"name": k, "publicKey": v} for k, v in keys.items()]
         if name in self.names:
             cur = self.objs.get_cluster_custom_object(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL, name)
             body["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"]
@@ -177,6 +182,27 @@ def test_no_policy_unsigned_and_cluster_caches(world, policies, signed, own_regi
     assert (c["status"], c["reason"]) == ("True", sg.VERIFIED), c
 
 
+@pytest.mark.parametrize("fmt", (sg.V2, sg.V3))
+def test_keyless_identity_verified_and_wrong_identity_refused(world, policies, signed, own_registry, cosign,
+                                                              kube_namespace, fmt):
+    ca = CA(cosign.workdir, f"ctl-{fmt}")
+    tag, pinned = _push(own_registry, f"ctl/keyless-{fmt}-{uid()}", f"keyless {fmt}")
+    key, crt = ca.leaf(cosign, f"ctl-leaf-{fmt}")
+    keyless_sign(cosign, ca, pinned, key, crt, fmt)
+    roots = [{"name": "ca", "certificate": ca.root_pem, "intermediates": ca.mid_pem}]
+    policies.put(f"k-{fmt}", {}, namespaces=[kube_namespace],
+                 extra={"keyless": [{"issuer": ISSUER, "subject": EMAIL}], "trustRoots": roots})
+    labelled(world, "kl", tag, kube_namespace, fmt)
+    ok = verified(world, "kl", kube_namespace)
+    assert (ok["status"], ok["reason"]) == ("True", sg.VERIFIED), ok
+    # the same image under a policy trusting another subject: refused, the signer named
+    policies.put(f"k-{fmt}", {}, namespaces=[kube_namespace],
+                 extra={"keyless": [{"issuer": ISSUER, "subject": "someone@else.test"}], "trustRoots": roots})
+    no = verified(world, "kl", kube_namespace, not_reason=sg.VERIFIED)
+    assert (no["status"], no["reason"]) == ("False", sg.WRONG_IDENTITY), no
+    assert EMAIL in no["message"]
+
+
 def test_registry_down_keeps_the_last_verdict(world, policies, signed, own_registry, cosign, kube_namespace,
                                               ):
     key, pub = cosign.keypair("trusted")
@@ -220,3 +246,17 @@ def test_the_crd_refuses_a_policy_without_keys(kube_api, caches_rbac):  # noqa: 
                 "apiVersion": f"{POLICY_GROUP}/{POLICY_VERSION}", "kind": "ClusterCacheTrustPolicy",
                 "metadata": {"name": "invalid"}, "spec": spec})
         assert e.value.status == 422, spec
+
+
+def test_keyless_identity_without_subject_refused_by_the_api_server(policies):
+    bad = [({"keyless": [{"issuer": ISSUER}], "trustRoots": [{"name": "r", "certificate": "x"}]}, "subject"),
+           ({"keyless": [{"subject": EMAIL}], "trustRoots": [{"name": "r", "certificate": "x"}]}, "issuer"),
+           ({"keyless": [{"issuer": ISSUER, "subject": EMAIL}]}, "trustRoots"),
+           ({}, "keys")]
+    for i, (spec, field) in enumerate(bad):
+        with pytest.raises(client.ApiException) as e:
+            policies.put(f"bad-{i}", {}, extra=spec)
+        assert e.value.status == 422 and field in e.value.body, e.value.body
+    # the example is valid as written
+    (example,) = load_manifests(Path(__file__).parents[2] / "examples/signatures/policy-keyless.yaml")
+    policies.put(example["metadata"]["name"], {}, extra=example["spec"])

@@ -29,7 +29,7 @@ class Verify:
     def __init__(self, verdict=sg.Verdict(True, sg.VERIFIED, "signed by k")):
         self.calls, self.verdict, self.down = 0, verdict, False
 
-    def __call__(self, image, digest, keys, options, *, formats, timeout):
+    def __call__(self, image, digest, keys, options, *, formats, timeout, keyless=()):
         self.calls += 1
         if self.down:
             raise RegistryUnavailable("connection refused", image)
@@ -115,3 +115,17 @@ def test_key_types_cosign_signs_with():
         others = [t for n, t in trusted.items() if n != name]
         assert sg.judge(found, D1, others).reason == sg.WRONG_KEY
         assert sg.judge(found, D2, [trusted[name]]).reason == sg.DIGEST_MISMATCH
+
+
+def test_keyless_policy_parsed_and_bad_roots_make_it_invalid():
+    from tests.cache.test_signatures_keyless import EMAIL, ISSUER, _cert  # noqa: PLC0415
+    from cryptography.hazmat.primitives import serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+    k = ec.generate_private_key(ec.SECP256R1())
+    root = _cert("r", k, None, k, ca=True).public_bytes(serialization.Encoding.PEM).decode()
+    spec = {"keyless": [{"issuer": ISSUER, "subject": EMAIL}], "trustRoots": [{"name": "r", "certificate": root}]}
+    p = parse_policy({"metadata": {"name": "k", "generation": 2}, "spec": spec})
+    assert p.error is None and p.keyless.identities == (sg.Identity(ISSUER, EMAIL),) and len(p.keyless.roots) == 1
+    for bad in ({**spec, "trustRoots": [{"name": "r", "certificate": "junk"}]}, {**spec, "trustRoots": []},
+                {**spec, "keyless": [{"issuer": ISSUER}]}, {**spec, "keyless": [{"issuer": ISSUER, "subjectRegExp": "("}]}):
+        assert parse_policy({"metadata": {"name": "k"}, "spec": bad}).error, bad
