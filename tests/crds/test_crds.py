@@ -96,6 +96,9 @@ def test_crds_have_names_short_names_and_status_subresources(crds, kube_api):
         "instancetemplates.tpu.google.com": [], "managedinstancegroups.tpu.google.com": [],
     }
     for crd in crds:
+        if crd["spec"]["group"] == "accelnode.io":  # trust policies are the admin's spec only: verdicts live on caches
+            assert "status" not in (crd["spec"]["versions"][0].get("subresources") or {}), crd["metadata"]["name"]
+            continue
         assert crd["spec"]["versions"][0]["subresources"] == {"status": {}}, crd["metadata"]["name"]
 
 
