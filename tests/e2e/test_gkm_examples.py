@@ -13,8 +13,8 @@ The journey, in order (the tests share one module-scoped world and run top to bo
 
 1. ``kubectl apply -f examples/gkm/`` from the repository: both caches naming
    ``quay.io/gkm/cache-examples:vector-add-cache-rocm-v2`` are pinned to the digest pushed there,
-   the digest-pinned ``jax-kernels-v6e`` is Resolved by its own digest without any registry
-   call, and a PV/PVC pair per workload namespace is Bound.
+   the digest-pinned ``jax-kernels-v6e`` is Resolved by its own digest without a registry
+   lookup (its signature is looked for, not found: Verified False, never pulled), and a PV/PVC pair per workload namespace is Bound.
 2. kubelet-shaped publishes: inline by name (the GKMCache) and by claim (the ClusterGKMCache's
    PV in tpu-training); read-only mounts of the pushed files; the node objects and the caches'
    counts follow the pods; unpublish moves them back.
@@ -25,7 +25,10 @@ The journey, in order (the tests share one module-scoped world and run top to bo
 
 The image content is a stand-in: a small JAX cache built for tpu/v5e (so it fits the simulated
 node), pushed under the repository and tags the examples name; the real ROCm kernels are not
-needed to exercise the journey.
+needed to exercise the journey. The examples carry GKM's ``gkm.io/signature-format`` label, so,
+as on a cluster that means it, the stand-in images are signed by the real cosign (v2 ``.sig``, as
+the label says) and a ClusterCacheTrustPolicy trusts that key for the example namespaces and
+cluster caches: a signature is checked before anything is pulled (docs/signatures.md).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ from controller.pinning import DIGEST_ANNOTATION
 from csi_driver import mounts
 from csi_driver.api import agent as agent_api
 from csi_driver.api import csi
+from accelnode.oci import signatures as sg
 from tests.agent.conftest import eventually, make_cache
+from tests.cache.cosign import Cosign
 from tests.conftest import ROOT, require_root
 from tests.controller.conftest import ControllerProc, lease_spec
 from tests.controller.test_admission import CA
@@ -62,6 +67,7 @@ EXAMPLES = ROOT / "examples" / "gkm"
 REPO = "gkm/cache-examples"  # what the examples name on quay.io, served by our registry
 TAG, ROLLED_TAG = "vector-add-cache-rocm-v2", "vector-add-cache-rocm-v3"
 NS_INFERENCE, NS_TRAINING = "tpu-inference", "tpu-training"
+POLICY = "e2e-gkm-examples"  # the ClusterCacheTrustPolicy trusting the stand-in images' signing key
 VECTOR_ADD = "vector-add-cache-rocm"  # GKMCache in tpu-inference
 JAX = "jax-kernels-v6e"  # GKMCache in tpu-inference, pinned by a digest no registry holds
 JAX_DIGEST = "sha256:4c4e6bb3f7ee5f1bc0c4bd1b8b6b3c37e7d0c1a5d0e8c3e5b0f0a0b1c2d3e4f5"
@@ -243,6 +249,15 @@ def world(control_plane, kube_api, kubectl, crds, registry, tmp_path_factory):
         ref = registry.push(make_cache(tmp / "src" / tag, files), REPO, tag=tag, kind="jax",
                             targets=[{"backend": "tpu", "arch": "v5e"}])
         w.images[tag] = Pushed(ref.rsplit("@", 1)[1], files)
+    cosign = Cosign(tmp)
+    key, pub = cosign.keypair("e2e")
+    for pushed in w.images.values():
+        cosign.sign(f"{registry.host}/{REPO}@{pushed.digest}", key, sg.V2)
+    policies = client.CustomObjectsApi(kube_api("admin"))
+    policies.create_cluster_custom_object("accelnode.io", "v1alpha1", "clustercachetrustpolicies", body={
+        "apiVersion": "accelnode.io/v1alpha1", "kind": "ClusterCacheTrustPolicy", "metadata": {"name": POLICY},
+        "spec": {"namespaces": [NS_INFERENCE, NS_TRAINING], "clusterCaches": True,
+                 "keys": [{"name": "e2e", "publicKey": pub}]}})
     applied = False
     try:
         w.start_controller("e2e-1", *FAST)
@@ -264,7 +279,10 @@ def world(control_plane, kube_api, kubectl, crds, registry, tmp_path_factory):
         assert f"gkmcache.gkm.io/{VECTOR_ADD} created" in out.stdout, out.stdout
         yield w
     finally:
-        teardown(w, kubectl, applied)
+        try:
+            teardown(w, kubectl, applied)
+        finally:
+            policies.delete_cluster_custom_object("accelnode.io", "v1alpha1", "clustercachetrustpolicies", POLICY)
 
 
 def teardown(w: World, kubectl, applied: bool) -> None:
@@ -385,7 +403,12 @@ def test_a_kubelet_shaped_publish_mounts_the_pinned_digest(world, node):
     assert JAX not in (status(world.node_object(NS_INFERENCE)).get("caches") or {})
     assert JAX_DIGEST not in world.store_digests()
     log = (world.registry.workdir / "registry.log").read_text(errors="replace")
-    assert "caches/jax-kernels" not in log and JAX_DIGEST not in log  # nobody asked the registry for it
+    # nobody asked the registry for its manifest or blobs; only the controller looked for its
+    # signatures (the example is labelled cosign-v3), found none, and refused it: never pulled
+    asked = [ln for ln in log.splitlines() if "caches/jax-kernels" in ln and '"GET ' in ln]
+    assert asked and all("/referrers/" in ln or f"/manifests/sha256-{JAX_DIGEST.split(':')[1]}" in ln
+                         for ln in asked), asked
+    assert cond(world.cache(JAX, NS_INFERENCE), "Verified")["status"] == "False"
 
     for vol in (inline, claim):
         node.node_stub().NodeUnpublishVolume(vol.unpublish_request(), timeout=30)
