@@ -116,10 +116,12 @@ def _register(admin: Client, inst: dict, project: str, zone: str, ready: bool = 
     return admin.request("PUT", f"/api/v1/nodes/{inst['name']}/status", body=node)
 
 
-def group_secrets(admin: Client) -> list[dict]:
+def group_secrets(admin: Client, ns: str) -> list[dict]:
+    """The join-token Secrets of the node groups in ``ns`` (other tests' groups share kube-system)."""
     out = admin.request("GET", "/api/v1/namespaces/kube-system/secrets",
                         query={"fieldSelector": "type=bootstrap.kubernetes.io/token"})
-    return [s for s in out["items"] if "accelnode.io/join-group" in (s["metadata"].get("labels") or {})]
+    return [s for s in out["items"]
+            if (s["metadata"].get("annotations") or {}).get("accelnode.io/join-group", "").startswith(f"{ns}/")]
 
 
 def test_group_lifecycle_join_label_and_teardown(control_plane, nodegroup_rbac, gce, admin, kube_namespace):
@@ -141,7 +143,7 @@ def test_group_lifecycle_join_label_and_teardown(control_plane, nodegroup_rbac, 
         tmpl = next(r for p, r in gce.compute.resources.items() if "/instanceTemplates/" in p)
         assert tmpl["properties"]["machineType"] == "ct6e-standard-8t"
         assert tmpl["properties"]["scheduling"]["provisioningModel"] == "SPOT"
-        (secret,) = group_secrets(admin)
+        (secret,) = group_secrets(admin, ns)
         tid = base64.b64decode(secret["data"]["token-id"]).decode()
         for i in insts:
             md = metadata(i)
@@ -177,7 +179,7 @@ def test_group_lifecycle_join_label_and_teardown(control_plane, nodegroup_rbac, 
             assert {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"} in node["spec"]["taints"]
         wait("join metadata withdrawn", lambda: all(
             not set(METADATA_KEYS) & set(metadata(i)) for i in gce.compute.instances(project)))
-        wait("token Secret revoked", lambda: group_secrets(admin) == [])
+        wait("token Secret revoked", lambda: group_secrets(admin, ns) == [])
         ds = wait("device plugin DaemonSet", lambda: get(
             admin, f"/apis/apps/v1/namespaces/{NS_CTRL}/daemonsets/accelnode-tpu-device-plugin"))
         assert ds["spec"]["template"]["spec"]["containers"][0]["command"] == ["accelnode", "device-plugin"]
@@ -301,7 +303,7 @@ def test_restart_and_deletion_mid_provisioning(control_plane, nodegroup_rbac, gc
         admin.request("DELETE", tng_path(ns, "v6e-multi-host"))
         wait("group gone", lambda: get(admin, tng_path(ns, "v6e-multi-host")) is None, timeout=90)
         assert not [p for p in gce.compute.resources if p.startswith(f"projects/{project}/")]
-        assert group_secrets(admin) == []
+        assert group_secrets(admin, ns) == []
 
 
 def test_user_editing_an_immutable_field_is_refused(control_plane, nodegroup_rbac, admin, kube_namespace):

@@ -86,7 +86,7 @@ def test_group_to_joined_labelled_node_and_token_gone(control_plane, nodegroup_r
             assert node["metadata"]["labels"]["cloud.google.com/gke-tpu-topology"] == "2x2x1"
             wait("token gone from the VM's metadata server",
                  lambda: not set(METADATA_KEYS) & set(mirror.servers[inst["name"]].attributes()))
-            wait("token Secret gone", lambda: group_secrets(admin) == [])
+            wait("token Secret gone", lambda: group_secrets(admin, ns) == [])
             admin.request("DELETE", tng_path(ns, "v7x-single-host"))
             wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=90)
     finally:
