@@ -44,7 +44,11 @@ def test_every_shipped_manifest_is_listed():
 def test_manifest_is_accepted_by_the_apiserver(kubectl, shipped_namespaces, path):
     out = kubectl("admin", "apply", "--dry-run=server", "--validate=strict", "-f", str(path))
     assert out.returncode == 0, f"{path.name}: {out.stderr}"
-    assert "Warning" not in out.stderr, f"{path.name}: {out.stderr}"
+    # an object another test's controller made (the node groups' device-plugin DaemonSet) has no
+    # last-applied annotation: kubectl warns that it will add one; that is no fault of the manifest
+    warnings = [ln for ln in out.stderr.splitlines() if "Warning" in ln
+                and "kubectl.kubernetes.io/last-applied-configuration annotation" not in ln]
+    assert not warnings, f"{path.name}: {out.stderr}"
     assert "(server dry run)" in out.stdout
 
 

@@ -64,7 +64,11 @@ def test_group_to_joined_labelled_node_and_token_gone(control_plane, nodegroup_r
             g["metadata"]["namespace"] = ns
             g["spec"]["bootstrapKubernetes"]["controlPlaneIP"] = "127.0.0.1"
             admin.request("POST", f"/apis/tpu.google.com/v1alpha1/namespaces/{ns}/tpunodegroups", body=g)
-            (inst,) = wait("the VM", lambda: gce.compute.instances(PROJECT) or None)
+            def own_vm():  # other namespaces' leftover groups get VMs of their own in this emulator
+                migs = admin.request("GET", f"/apis/tpu.google.com/v1alpha1/namespaces/{ns}/managedinstancegroups")
+                prefixes = [m["metadata"]["name"] + "-" for m in migs["items"]]
+                return [i for i in gce.compute.instances(PROJECT) if any(i["name"].startswith(p) for p in prefixes)] or None
+            (inst,) = wait("the VM", own_vm)
             srv = wait("its metadata server", lambda: mirror.servers.get(inst["name"]))
             # the VM boots: its startup script runs accelnode bootstrap, which parks in a long poll
             b = Bootstrap(srv, tool("kubeadm"), tmp_path, "--ignore-preflight-errors", "all", "--backoff", "0.2")
