@@ -11,7 +11,7 @@ simulated TPU v5e node running the real ``accelnode agent`` (reporting as ``--no
 
 The journey, in order (the tests share one module-scoped world and run top to bottom):
 
-1. ``kubectl apply -f examples/gkm/`` from the repository: both caches naming
+1. ``kubectl apply -f examples/gkm/`` from the repository (its README's scenarios): the caches naming
    ``quay.io/gkm/cache-examples:vector-add-cache-rocm-v2`` are pinned to the digest pushed there,
    the digest-pinned ``jax-kernels-v6e`` is Resolved by its own digest without a registry
    lookup (its signature is looked for, not found: Verified False, never pulled), and a PV/PVC pair per workload namespace is Bound.
@@ -72,6 +72,8 @@ VECTOR_ADD = "vector-add-cache-rocm"  # GKMCache in tpu-inference
 JAX = "jax-kernels-v6e"  # GKMCache in tpu-inference, pinned by a digest no registry holds
 JAX_DIGEST = "sha256:4c4e6bb3f7ee5f1bc0c4bd1b8b6b3c37e7d0c1a5d0e8c3e5b0f0a0b1c2d3e4f5"
 CLUSTER = "vector-add-cache-rocm-v2-rwo"  # ClusterGKMCache for tpu-inference and tpu-training
+ROX = "vector-add-cache-rocm-rox"  # 30-cache-stuck-pending.yaml: ReadOnlyMany on a class without it
+NEXT = "vector-add-cache-rocm-next"  # 30-cache-stuck-pending.yaml: a tag never pushed
 NODE = f"e2e-{uuid.uuid4().hex[:8]}"
 WAIT = 90  # seconds: a bound on resolution, binding, pulls and recovery, never a measurement
 FAST = ("--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1")
@@ -103,6 +105,7 @@ class World:
         self.webhook_port = free_ports(1)[0]
         self.controllers: list[ControllerProc] = []
         self.node: Node | None = None
+        self.applied: subprocess.CompletedProcess | None = None  # the apply of examples/gkm/
 
     # -- the controller ----------------------------------------------------------------------------
 
@@ -276,6 +279,7 @@ def world(control_plane, kube_api, kubectl, crds, registry, tmp_path_factory):
         out = kubectl("admin", "apply", "-f", str(EXAMPLES))
         assert out.returncode == 0, out.stderr
         applied = True
+        w.applied = out
         assert f"gkmcache.gkm.io/{VECTOR_ADD} created" in out.stdout, out.stdout
         yield w
     finally:
@@ -374,6 +378,25 @@ def test_examples_are_resolved_and_their_claims_bound(world):
         assert pvc.spec.volume_name == pv.metadata.name and pv.spec.claim_ref.uid == pvc.metadata.uid
         # GKM's storageClassName "standard" / ReadWriteOnce are ignored: read-only CSI claims
         assert pvc.spec.access_modes == ["ReadOnlyMany"] and pv.spec.csi.driver == "csi.gkm.io"
+
+
+def test_a_cache_stuck_pending_on_gkm_is_bound_here_or_says_why(world):
+    """examples/gkm/30-cache-stuck-pending.yaml (examples/gkm/README.md): ReadOnlyMany on a
+    StorageClass without it is pinned and its claim Bound; the never-pushed tag was admitted with
+    a warning and says ImageNotFound, by name, in its conditions."""
+    v2 = world.images[TAG].digest
+    assert eventually(lambda: pinned(world.cache(ROX, NS_INFERENCE), v2), timeout=WAIT), world.cache(ROX, NS_INFERENCE)
+    assert eventually(lambda: reason_in(world.cache(ROX, NS_INFERENCE), NS_INFERENCE) == "Bound", timeout=WAIT), \
+        world.cache(ROX, NS_INFERENCE)
+    assert world.cluster.pvc(NS_INFERENCE, ROX).spec.access_modes == ["ReadOnlyMany"]
+
+    got = eventually(lambda: cond(o := world.cache(NEXT, NS_INFERENCE), "Resolved").get("reason") == "ImageNotFound"
+                     and o, timeout=WAIT)
+    assert got, world.cache(NEXT, NS_INFERENCE)
+    assert cond(got, "Resolved")["status"] == "False" and f"{REPO}:vector-add-cache-rocm-v4" in cond(
+        got, "Resolved")["message"], got
+    assert cond(got, "Ready")["reason"] == "Unresolved" and not status(got).get("resolvedDigest")
+    assert "gkm.io/resolvedDigest not set" in world.applied.stderr, world.applied.stderr  # the apply's warning
 
 
 def test_a_kubelet_shaped_publish_mounts_the_pinned_digest(world, node):
