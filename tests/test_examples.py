@@ -35,7 +35,7 @@ EXERCISED: dict[str, list[str]] = {
     "signatures/policy-cosign-v2.yaml": [MANIFESTS],
     "signatures/policy-cosign-v3.yaml": [MANIFESTS],
     "signatures/policy-keyless.yaml": ["tests/controller/test_signing.py"],
-    "tpu-env/gke-indexed-job.yaml": [ENVHOOKS],
+    "tpu-env/gke-indexed-job.yaml": [ENVHOOKS, NODE],
     "tpu-env/injector-readme-statefulset.yaml": [ENVHOOKS, NODE],
     "tpu/children.yaml": [CRDS],
     "tpu/tpunodegroup-from-template.yaml": [CRDS],

@@ -20,6 +20,9 @@ What stands in, and why (everything else is the example's file as shipped):
   instead of a VM's 4.
 - The injector's README StatefulSet: our image is no nginx, so its container is given a command
   that prints its environment and sleeps.
+- GKE's Indexed Job: a v5p slice of four 4-chip VMs is not here; its workers take one chip each
+  of the node (nodeSelector: the node's labels) and print their environment instead of starting
+  JAX.
 """
 
 from __future__ import annotations
@@ -235,6 +238,33 @@ def test_the_injector_readme_statefulset_gets_its_env_in_the_running_containers(
         assert env["FOO"] == "bar"
         assert env["TPU_WORKER_HOSTNAMES"] == "web-0.nginx,web-1.nginx,web-2.nginx", env
         assert env["TPU_WORKER_ID"] == ordinal, (pod["metadata"]["name"], env)
+    w.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_gkes_indexed_job_gets_its_env_in_the_running_containers(deployed, stand_in_images):
+    """examples/tpu-env/gke-indexed-job.yaml: the Job GKE's docs give, its four workers one chip
+    each on this node (a v5p 2x2x4 slice of 4-chip VMs is not here: the nodeSelector names the
+    node's labels instead) and printing their environment instead of starting JAX."""
+    w, ns = deployed, namespace(deployed)
+    docs = [on_the_rig(d) for d in load(ROOT / "examples/tpu-env/gke-indexed-job.yaml")]
+    for d in docs:
+        d["metadata"]["namespace"] = ns
+        if d["kind"] == "Job":
+            pod = d["spec"]["template"]["spec"]
+            pod["nodeSelector"] = {k: NODE_LABELS[k] for k in pod["nodeSelector"]}
+            (c,) = pod["containers"]
+            c["resources"] = {"requests": {"google.com/tpu": 1}, "limits": {"google.com/tpu": 1}}
+            c["command"] = ["python3", "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
+    w.apply(*docs)
+    w.wait(lambda: w.get("job", "tpu-job-podslice", "-n", ns).get("status", {}).get("succeeded") == 4,
+           "the Indexed Job's 4 pods Succeeded", timeout=180)
+    hosts = ",".join(f"tpu-job-podslice-{i}.headless-svc" for i in range(4))
+    for pod in w.pods(ns, "job-name=tpu-job-podslice"):
+        env = report(w, ns, pod, "tpu-job")
+        index = pod["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"]
+        assert env["TPU_WORKER_HOSTNAMES"] == hosts and env["TPU_WORKER_ID"] == index, env
+        assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "tpu-job-podslice-0.headless-svc", env
+        assert len(env["TPU_VISIBLE_CHIPS"].split(",")) == 1, env  # the device plugin's, beside ours
     w.kubectl("delete", "namespace", ns, "--wait=false")
 
 
