@@ -4,8 +4,9 @@ DaemonSets, a simulated v5e-4 host, the controller in-cluster with its webhooks)
 What stands in, and why (everything else is the example's file as shipped):
 
 - Images: the node has no network, only our locally built image. It is tagged in containerd under
-  the names the examples use (``python:3.11-slim``, ``registry.k8s.io/nginx-slim:0.8``), which the
-  examples pull ``IfNotPresent`` (kubelet's default for a tag): kubelet finds it, pulls nothing.
+  the names the examples use (``python:3.11-slim``, ``python:3.10``,
+  ``registry.k8s.io/nginx-slim:0.8``), which the examples pull ``IfNotPresent`` (kubelet's
+  default for a tag): kubelet finds it, pulls nothing.
 - Network: the rig has no pod network, so each pod gets ``hostNetwork: true`` (and the
   walk-through's ``containerPort`` is dropped: with the host's network it would be a host port,
   and two pods on the one node would collide).
@@ -43,7 +44,7 @@ from tests.node.test_kubelet import V5E, make_cache, namespace
 GKM = ROOT / "examples" / "gkm"
 REPO, TAG = "gkm/cache-examples", "vector-add-cache-rocm-v2"
 FILES = {"xla/vector_add.bin": b"\x01" * 4096, "xla/index.txt": b"vector-add stand-in\n"}
-STAND_INS = ("docker.io/library/python:3.11-slim", "registry.k8s.io/nginx-slim:0.8")
+STAND_INS = ("docker.io/library/python:3.11-slim", "docker.io/library/python:3.10", "registry.k8s.io/nginx-slim:0.8")
 ENV_PRINTER = ["python3", "-c", "import json, os, time; print(json.dumps(dict(os.environ)), flush=True); "
                "time.sleep(1e9)"]
 POLICY = "node-gkm-examples"
