@@ -216,8 +216,8 @@ def test_a_cache_stuck_pending_says_why_on_the_cache_and_on_the_pod(deployed, gk
     w.apply(dep)
     (pod,) = w.wait(lambda: pods_of(w, "tpu-inference", "next"), "the pod made")
     name = pod["metadata"]["name"]
-    why = w.wait(lambda: [e for e in w.events("tpu-inference", name)
-                          if e.startswith("FailedMount") and "vector-add-cache-rocm-next" in e and "ImageNotFound" in e],
+    why = w.wait(lambda: [e for e in w.events("tpu-inference", name) if e.startswith("FailedMount")
+                          and "vector-add-cache-rocm-next" in e and "ImageNotFound" in e],
                  "a FailedMount event naming the cache and ImageNotFound")
     assert "not pinned yet" in why[0], why
     assert w.get("pod", name, "-n", "tpu-inference")["status"]["phase"] == "Pending"
