@@ -1,0 +1,410 @@
+"""End to end: the GemmaOnTPUServer ResourceGraphDefinition (examples/kro/) accepted and expanded
+by kro itself, with our controller acting on what kro makes.
+
+All real peers on 127.0.0.1: the session's kube-apiserver + etcd + kube-controller-manager; the
+kro controller v0.9.4 built from its Go module (tools/mk/kro.mk) as a subprocess with the
+admin's kubeconfig (kro needs to manage whatever kinds its graphs name: docs/kro.md); the real
+``accelnode controller`` as a subprocess with the controller identity and all its RBAC, node
+groups on (against the GCE emulator, accelnode/testing/gce.py), serving
+daemonsets/webhooks-gkm.yaml and daemonsets/webhooks-tpu-env.yaml as shipped (pointed at its
+loopback address with a test CA); the local registry standing in for registry.example.com:5000
+(``--registry-mirror``), holding a small stand-in JAX cache under the name the instance uses.
+
+The files are the repository's, unchanged: rgd.yaml, platform.yaml (the platform team's
+per-namespace ConfigMap) and instance.yaml, applied into a fresh namespace; a second instance
+from the same file with two hosts shows every user field wired through. No kubelet runs: the test
+registers the VMs' Nodes, binds the StatefulSet's pods and reports them Ready, as kube-scheduler
+and kubelet would, to see the instance's status follow.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+
+from accelnode.kube.client import Client, Config, KubeError, custom_path
+from accelnode.testing.gce import Server
+from tests.agent.conftest import make_cache
+from tests.conftest import ROOT, TOOLS_BIN, eventually, http_get, require, tool
+from tests.controller.conftest import ControllerProc, lease_spec, remove_webhooks, serve_webhooks
+from tests.controller.test_admission import CA
+from tests.controller.test_nodegroups import _register
+from tests.csi.conftest import free_ports
+
+EXAMPLES = ROOT / "examples" / "kro"
+KRO_CRDS = TOOLS_BIN.parent / "kro" / "crds"  # copied from kro's Go module by tools/mk/kro.mk
+WEBHOOKS = [ROOT / "daemonsets" / "webhooks-gkm.yaml", ROOT / "daemonsets" / "webhooks-tpu-env.yaml"]
+KRO_GROUP, KRO_VERSION, PLURAL = "kro.run", "v1alpha1", "gemmaontpuservers"
+INJECT = "gke-tpu-env-injector.aaronbatilo.dev/inject"
+WAIT = 90  # seconds: a bound on provisioning, expansion and teardown, never a measurement
+
+RGD = yaml.safe_load((EXAMPLES / "rgd.yaml").read_text())
+PLATFORM = yaml.safe_load((EXAMPLES / "platform.yaml").read_text())
+INSTANCE = yaml.safe_load((EXAMPLES / "instance.yaml").read_text())
+PROJECT, ZONE = PLATFORM["data"]["project"], PLATFORM["data"]["zone"]
+
+
+class Kro:
+    """The kro controller as a process; its log is kept for failure messages."""
+
+    def __init__(self, kubeconfig: Path, workdir: Path):
+        self.metrics_port, self.health_port = free_ports(2)
+        self.log_path = workdir / "kro.log"
+        self.argv = [tool("kro-controller"), "--kubeconfig", str(kubeconfig),
+                     f"--metrics-bind-address=127.0.0.1:{self.metrics_port}",
+                     f"--health-probe-bind-address=127.0.0.1:{self.health_port}",
+                     "--zap-devel=false", "--instance-requeue-interval=1s", "--rgd-progress-requeue-delay=1s"]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Kro":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log)
+        eventually(lambda: self.proc.poll() is not None or http_get(self.health_port, "/readyz")[0] == 200,
+                   "kro's /readyz", timeout=WAIT)
+        assert self.proc.poll() is None, self.log()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self, tail: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-tail:] if self.log_path.exists() else ""
+
+
+def cond(obj: dict | None, kind: str) -> dict:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def get(admin: Client, path: str) -> dict | None:
+    try:
+        return admin.request("GET", path)
+    except KubeError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+def instance_path(ns: str, name: str | None = None) -> str:
+    return custom_path(KRO_GROUP, KRO_VERSION, PLURAL, ns, name)
+
+
+def instance(name: str | None = None, **spec) -> dict:
+    """instance.yaml as users have it; a second instance gets another name and spec fields."""
+    obj = copy.deepcopy(INSTANCE)
+    if name:
+        obj["metadata"]["name"] = name
+    obj["spec"].update(spec)
+    return obj
+
+
+@pytest.fixture(scope="module")
+def kro(control_plane, crds, kubectl, tmp_path_factory):
+    """kro's CRDs installed, kro running, the RGD from the repository Active."""
+    require(KRO_CRDS.is_dir(), f"kro's CRDs in {KRO_CRDS} (tools/mk/kro.mk)")
+    out = kubectl("admin", "apply", "--server-side", "-f", str(KRO_CRDS))
+    assert out.returncode == 0, out.stderr
+    for crd in ("resourcegraphdefinitions.kro.run", "graphrevisions.internal.kro.run"):
+        out = kubectl("admin", "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
+        assert out.returncode == 0, out.stderr
+    k = Kro(control_plane.kubeconfig("admin"), tmp_path_factory.mktemp("kro")).start()
+    admin = Client(Config.from_kubeconfig(control_plane.kubeconfig("admin")))
+    rgd_path = custom_path("kro.run", "v1alpha1", "resourcegraphdefinitions", None, RGD["metadata"]["name"])
+    try:
+        # the manifest as the platform team has it: the repository's file, applied as is
+        out = kubectl("admin", "apply", "-f", str(EXAMPLES / "rgd.yaml"))
+        assert out.returncode == 0, out.stderr
+        rgd = eventually(lambda: (o := get(admin, rgd_path)) and (o.get("status") or {}).get("state") == "Active" and o,
+                         "the RGD Active", timeout=WAIT)
+        for kind in ("GraphAccepted", "KindReady", "ControllerReady", "Ready"):
+            assert cond(rgd, kind).get("status") == "True", (kind, rgd["status"], k.log())
+        # kro read our CRDs' schemas to type-check the graph, and ordered it by its references
+        assert rgd["status"]["topologicalOrder"] == ["platform", "nodeGroup", "jaxCache", "service", "server"]
+        out = kubectl("admin", "wait", "--for=condition=Established", f"crd/{PLURAL}.{KRO_GROUP}", "--timeout=30s")
+        assert out.returncode == 0, out.stderr  # the CRD kro generated from the schema
+        yield k
+    finally:
+        try:  # kro keeps an RGD while instances of its kind are left: those go first, with kro running
+            kubectl("admin", "delete", PLURAL, "--all", "--all-namespaces", "--ignore-not-found", "--timeout=45s")
+            kubectl("admin", "delete", "--ignore-not-found", "--timeout=45s", "-f", str(EXAMPLES / "rgd.yaml"))
+        finally:
+            k.stop()
+            # kro leaves the CRD it generated (no --allow-crd-deletion): the test removes it
+            kubectl("admin", "delete", "--ignore-not-found", f"crd/{PLURAL}.{KRO_GROUP}")
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_the_generated_api_refuses_bad_instances(kro, control_plane, kube_namespace):
+    """The CRD kro generated from the schema does the refusing, before anything is made."""
+    admin = Client(Config.from_kubeconfig(control_plane.kubeconfig("admin")))
+    ns = kube_namespace
+    no_cache = instance()
+    del no_cache["spec"]["cacheImage"]
+    for bad, says in ((no_cache, "spec.cacheImage: Required value"),
+                      (instance(hosts=0), "spec.hosts: Invalid value: 0: spec.hosts in body should be greater than "
+                                          "or equal to 1")):
+        with pytest.raises(KubeError) as e:
+            admin.request("POST", instance_path(ns), body=bad)
+        assert e.value.code == 422 and says in str(e.value), e.value
+    # accepted, then the slice shape cannot change (the node group's spec is immutable too);
+    # no platform ConfigMap in this namespace: kro waits for it before the node group
+    name = INSTANCE["metadata"]["name"]
+    admin.request("POST", instance_path(ns), body=instance())
+    try:
+        got = eventually(lambda: (o := get(admin, instance_path(ns, name))) and cond(o, "ResourcesReady") and o,
+                         f"kro's status on the instance\n{kro.log()}", timeout=WAIT)
+        # waiting on the platform ConfigMap, and saying so
+        assert got["status"]["state"] != "ACTIVE" and "platform" in cond(got, "ResourcesReady")["message"], got
+        with pytest.raises(KubeError) as e:
+            got["spec"]["topology"] = "4x4"
+            admin.request("PUT", instance_path(ns, name), body=got)
+        assert e.value.code == 422 and "spec.topology: Invalid value" in str(e.value) \
+            and "field is immutable" in str(e.value), e.value
+        # no TPU VMs for a namespace the platform team has not prepared
+        assert admin.request("GET", custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns))["items"] == []
+    finally:
+        admin.request("DELETE", instance_path(ns, name))
+        eventually(lambda: get(admin, instance_path(ns, name)) is None, f"the instance gone\n{kro.log()}", timeout=WAIT)
+
+
+# -- the journey ----------------------------------------------------------------------------------
+
+
+def test_an_instance_expands_into_our_kinds_and_our_controller_acts_on_them(
+        kro, control_plane, kube_api, kubectl, registry, kube_namespace, tmp_path):
+    ns = kube_namespace
+    admin = Client(Config.from_kubeconfig(control_plane.kubeconfig("admin")))
+    admission = client.AdmissionregistrationV1Api(kube_api("admin"))
+    rbac = [a for f in sorted((ROOT / "daemonsets").glob("rbac-controller*.yaml")) for a in ("-f", str(f))]
+    out = kubectl("admin", "apply", "-f", str(ROOT / "daemonsets/namespace.yaml"), *rbac)
+    assert out.returncode == 0, out.stderr
+
+    # the stand-in cache images, under the names the instances use (registry.example.com:5000)
+    one = INSTANCE["spec"]["cacheImage"]
+    two = one.rsplit(":", 1)[0] + ":v5e-2x4-2hosts-maxengine-v0.2.2"
+    mirrored, _, _ = one.partition("/")
+    digests = {}
+    for ref, seed in ((one, b"\x01"), (two, b"\x02")):
+        repo, tag = ref.split("/", 1)[1].rsplit(":", 1)
+        files = {f"jit_gemma-7b-{seed.hex()}": seed * 4096}
+        pushed = registry.push(make_cache(tmp_path / "src" / tag, files), repo, tag=tag, kind="jax",
+                               targets=[{"backend": "tpu", "arch": "v5e"}])
+        digests[ref] = pushed.rsplit("@", 1)[1]
+
+    gce = Server().start()
+    ca = CA()
+    (tmp_path / "tls").mkdir()
+    cert, key, _ = ca.serving(tmp_path / "tls", "accelnode-controller")
+    port = free_ports(1)[0]
+    ctl = ControllerProc(control_plane, tmp_path, "e2e-kro", "--lease-duration", "4", "--renew-deadline", "3",
+                         "--retry-period", "1", "--webhook-address", f"127.0.0.1:{port}", "--tls-cert-file", cert,
+                         "--tls-key-file", key, "--plain-http", "--registry-mirror", f"{mirrored}={registry.host}",
+                         "--tpu-node-groups", "--gce-endpoint", gce.endpoint, "--node-group-poll", "0.2",
+                         "--drain-timeout", "5")
+    names = [INSTANCE["metadata"]["name"], "gemma-7b-it-two-hosts"]
+    started = False
+    try:
+        ctl.start()
+        eventually(lambda: ctl.proc.poll() is not None or lease_spec(admin).get("holderIdentity") == "e2e-kro",
+                   "our controller leading", timeout=WAIT)
+        assert ctl.proc.poll() is None, ctl.log()
+        serve_webhooks(admission, WEBHOOKS, port, ca.pem)
+        eventually(lambda: webhooks_called(admin, ns), "the API server calling our webhooks", timeout=WAIT)
+
+        out = kubectl("admin", "apply", "-n", ns, "-f", str(EXAMPLES / "platform.yaml"),
+                      "-f", str(EXAMPLES / "instance.yaml"))
+        assert out.returncode == 0, out.stderr
+        started = True
+        admin.request("POST", instance_path(ns), body=instance(
+            names[1], hosts=2, machineType="ct5lp-hightpu-4t", cacheImage=two))
+        journey(admin, ns, names, gce, {names[0]: (1, 8, digests[one]), names[1]: (2, 4, digests[two])}, kro, ctl)
+    finally:
+        try:
+            if started:
+                for name in names:
+                    try:
+                        admin.request("DELETE", instance_path(ns, name))
+                    except KubeError as e:
+                        if e.code != 404:
+                            raise
+                eventually(lambda: all(get(admin, instance_path(ns, n)) is None for n in names),
+                           f"the instances gone\nkro:\n{kro.log()}\ncontroller:\n{ctl.log()[-4000:]}", timeout=WAIT)
+        finally:
+            remove_webhooks(admission, WEBHOOKS)
+            if ctl.proc is not None and ctl.proc.poll() is None:
+                ctl.signal(15)  # SIGTERM: releases the Lease for the next test
+                try:
+                    ctl.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    ctl.stop()
+            gce.stop()
+
+
+def webhooks_called(admin: Client, ns: str) -> bool:
+    """A dry-run create of an opted-in StatefulSet comes back with the worker variables (the API
+    server picks webhook configurations up asynchronously)."""
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet",
+           "metadata": {"name": "probe", "labels": {INJECT: "enabled"}},
+           "spec": {"serviceName": "probe", "replicas": 1, "selector": {"matchLabels": {"app": "probe"}},
+                    "template": {"metadata": {"labels": {"app": "probe", INJECT: "enabled"}},
+                                 "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}}
+    try:
+        got = admin.request("POST", f"/apis/apps/v1/namespaces/{ns}/statefulsets", body=sts, query={"dryRun": "All"})
+    except KubeError:
+        return False
+    return any(e["name"] == "TPU_WORKER_HOSTNAMES" for e in got["spec"]["template"]["spec"]["containers"][0].get("env") or [])
+
+
+def journey(admin: Client, ns: str, names: list[str], gce: Server, want: dict, kro: Kro, ctl: ControllerProc) -> None:
+    def why() -> str:
+        return f"\nkro:\n{kro.log()}\ncontroller:\n{ctl.log()[-4000:]}"
+
+    tng = lambda name: custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns, f"{name}-tpus")  # noqa: E731
+    cache = lambda name: custom_path("gkm.io", "v1alpha1", "gkmcaches", ns, f"{name}-jax-cache")  # noqa: E731
+    sts = lambda name: f"/apis/apps/v1/namespaces/{ns}/statefulsets/{name}"  # noqa: E731
+
+    # 1. kro expands each instance into our objects, labelled as its own
+    for name in names:
+        inst = eventually(lambda: get(admin, instance_path(ns, name)), f"instance {name}")
+        for path in (tng(name), cache(name), f"/api/v1/namespaces/{ns}/services/{name}"):
+            obj = eventually(lambda: get(admin, path), f"{path} made by kro{why()}", timeout=WAIT)
+            labels = obj["metadata"]["labels"]
+            assert labels["kro.run/owned"] == "true" and labels["kro.run/instance-name"] == name, labels
+            assert labels["kro.run/instance-id"] == inst["metadata"]["uid"], labels
+        hosts, chips, _ = want[name]
+        group = get(admin, tng(name))
+        assert group["spec"]["project"] == PROJECT and group["spec"]["nodeLocation"] == ZONE  # from the platform
+        assert group["spec"]["nodeCount"] == hosts and group["spec"]["topology"] == "2x4"
+        assert group["spec"]["targetSizePolicyMode"] == ("BULK" if hosts > 1 else "INDIVIDUAL")
+        assert group["spec"]["instanceConfig"]["machineType"] == f"ct5lp-hightpu-{chips}t"
+        svc = get(admin, f"/api/v1/namespaces/{ns}/services/{name}")
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+        assert [p["port"] for p in svc["spec"]["ports"]] == [8000, 9000]
+
+    # 2. our controller resolves each cache (digest pinned) and makes its claim
+    for name in names:
+        digest = want[name][2]
+        c = eventually(lambda: (o := get(admin, cache(name))) and cond(o, "Resolved").get("status") == "True" and o,
+                       f"cache of {name} Resolved{why()}", timeout=WAIT)
+        assert c["status"]["resolvedDigest"] == digest
+        assert c["metadata"]["annotations"]["gkm.io/resolvedDigest"] == digest  # the admission pin survives kro's applies
+        pvc = eventually(lambda: (o := get(admin, f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}-jax-cache"))
+                         and o["status"].get("phase") == "Bound" and o, f"claim of {name} Bound", timeout=WAIT)
+        assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+    # 3. the node groups provision against the GCE emulator: children, then VMs
+    vms: dict[str, list[dict]] = {}
+    for name in names:
+        hosts = want[name][0]
+        kinds = ["managedinstancegroups", "instancetemplates"] + (["workloadpolicies"] if hosts > 1 else [])
+        for plural in kinds:
+            eventually(lambda: [c for c in admin.request("GET", custom_path("tpu.google.com", "v1alpha1", plural, ns))[
+                "items"] if c["metadata"]["name"].startswith(f"{name}-tpus-") and cond(c, "Ready").get("status") == "True"],
+                       f"{plural} of {name} Ready{why()}", timeout=WAIT)
+        vms[name] = eventually(lambda: (v := [i for i in gce.compute.instances(PROJECT) if
+                                              i["name"].startswith(f"{name}-tpus-mig-") and i["status"] == "RUNNING"])
+                               and len(v) == hosts and v, f"{hosts} VMs of {name} RUNNING{why()}", timeout=WAIT)
+        # capacity not joined yet: kro holds the server back (readyWhen of the node group)
+        assert cond(get(admin, tng(name)), "Ready").get("status") != "True"
+        assert get(admin, sts(name)) is None
+        got = get(admin, instance_path(ns, name))
+        assert got["status"].get("capacity", {}).get("ready") is not True, got["status"]
+
+    # 4. the VMs join (as their kubelets would register); the group is Ready; kro makes the server
+    for name in names:
+        for inst in vms[name]:
+            _register(admin, inst, PROJECT, ZONE)
+    for name in names:
+        hosts, chips, digest = want[name]
+        eventually(lambda: cond(get(admin, tng(name)), "Ready").get("status") == "True", f"group of {name} Ready{why()}",
+                   timeout=WAIT)
+        s = eventually(lambda: get(admin, sts(name)), f"StatefulSet {name} made by kro{why()}", timeout=WAIT)
+        assert s["metadata"]["labels"]["kro.run/instance-name"] == name and s["metadata"]["labels"][INJECT] == "enabled"
+        assert s["spec"]["replicas"] == hosts and s["spec"]["serviceName"] == name
+        pod_spec = s["spec"]["template"]["spec"]
+        (volume,) = pod_spec["volumes"]
+        assert volume["persistentVolumeClaim"] == {"claimName": f"{name}-jax-cache", "readOnly": True}
+        server = pod_spec["containers"][0]
+        assert server["resources"]["limits"]["google.com/tpu"] == str(chips)
+        assert "load_parameters_path=" + INSTANCE["spec"]["checkpoint"] in server["args"]
+        # the pods land on the group's nodes: its labels (written by our controller) match the
+        # selector kro wrote, and they tolerate the group's taint
+        for inst in vms[name]:
+            node = admin.request("GET", f"/api/v1/nodes/{inst['name']}")
+            assert pod_spec["nodeSelector"].items() <= node["metadata"]["labels"].items(), (pod_spec, node["metadata"])
+            tpu = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
+            assert tpu in node["spec"]["taints"], node["spec"]
+            assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec["tolerations"]
+
+    # 5. kube-controller-manager makes the pods; our webhooks gave each its worker identity
+    for name in names:
+        hosts = want[name][0]
+        workers = ",".join(f"{name}-{i}.{name}" for i in range(hosts))
+        for i in range(hosts):
+            pod = eventually(lambda: get(admin, f"/api/v1/namespaces/{ns}/pods/{name}-{i}"), f"pod {name}-{i}",
+                             timeout=WAIT)
+            env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+            assert env["TPU_WORKER_ID"] == str(i) and env["TPU_WORKER_HOSTNAMES"] == workers, env
+            assert env["JAX_COMPILATION_CACHE_DIR"] == "/jax-cache/io.jax.cache"
+            assert "TPU_WORKER_ID" not in {e["name"] for e in pod["spec"]["containers"][1].get("env") or []}
+        # the instance's status surfaces our objects: capacity, cache, workers
+        got = eventually(lambda: (o := get(admin, instance_path(ns, name))) and
+                         o["status"].get("server", {}).get("workerHostnames") == workers and o,
+                         f"status of {name} naming its workers{why()}", timeout=WAIT)["status"]
+        assert got["capacity"] == {"ready": True, "reason": "Ready", "readyNodes": hosts}, got
+        assert got["cache"] == {"resolved": True, "digest": want[name][2], "claim": f"{name}-jax-cache"}, got
+        assert got["endpoint"] == f"http://{name}.{ns}.svc:8000"
+        # no worker is Ready yet: neither is the instance (readyWhen of the server)
+        assert cond({"status": got}, "Ready").get("status") == "False", got
+        assert "server" in cond({"status": got}, "ResourcesReady").get("message", ""), got
+
+    # 6. the pods are scheduled and come up (as kube-scheduler and kubelet would report)
+    for name in names:
+        for i, inst in enumerate(vms[name]):
+            pod_path = f"/api/v1/namespaces/{ns}/pods/{name}-{i}"
+            admin.request("POST", pod_path + "/binding", body={
+                "apiVersion": "v1", "kind": "Binding", "metadata": {"name": f"{name}-{i}"},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": inst["name"]}})
+            pod = admin.request("GET", pod_path)
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            pod["status"] = {"phase": "Running", "startTime": now, "conditions": [
+                {"type": t, "status": "True", "lastTransitionTime": now}
+                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}
+            admin.request("PUT", pod_path + "/status", body=pod)
+    for name in names:
+        got = eventually(lambda: (o := get(admin, instance_path(ns, name))) and o["status"].get("state") == "ACTIVE"
+                         and cond(o, "Ready").get("status") == "True" and o, f"instance {name} Ready{why()}",
+                         timeout=WAIT)["status"]
+        assert got["server"]["readyReplicas"] == want[name][0], got
+
+    # 7. deleting an instance tears everything down: node-group finalizers run against GCE
+    for name in names:
+        admin.request("DELETE", instance_path(ns, name))
+    for name in names:
+        eventually(lambda: get(admin, instance_path(ns, name)) is None, f"instance {name} gone{why()}", timeout=WAIT)
+        for path in (tng(name), cache(name), sts(name), f"/api/v1/namespaces/{ns}/services/{name}",
+                     f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}-jax-cache"):
+            eventually(lambda: get(admin, path) is None, f"{path} gone{why()}", timeout=WAIT)
+        for inst in vms[name]:
+            eventually(lambda: get(admin, f"/api/v1/nodes/{inst['name']}") is None, f"node {inst['name']} gone",
+                       timeout=WAIT)
+    eventually(lambda: admin.request("GET", f"/api/v1/namespaces/{ns}/pods")["items"] == [], "pods gone", timeout=WAIT)
+    for plural in ("managedinstancegroups", "instancetemplates", "workloadpolicies"):
+        assert admin.request("GET", custom_path("tpu.google.com", "v1alpha1", plural, ns))["items"] == []
+    ours = [p for p in gce.compute.resources if any(f"/{n}-tpus-" in p for n in names)]
+    assert ours == [], ours  # MIGs, VMs, templates and policies deleted in GCE
+    # the platform team's ConfigMap is read by kro, never owned: it stays
+    assert get(admin, f"/api/v1/namespaces/{ns}/configmaps/tpu-platform") is not None
