@@ -175,9 +175,24 @@ def test_the_generated_api_refuses_bad_instances(kro, control_plane, kube_namesp
             and "field is immutable" in str(e.value), e.value
         # no TPU VMs for a namespace the platform team has not prepared
         assert admin.request("GET", custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns))["items"] == []
+        # a slice shape GCE does not offer for that machine: the node group's CRD refuses it and
+        # kro says so on the instance
+        admin.request("POST", f"/api/v1/namespaces/{ns}/configmaps", body=PLATFORM)
+        admin.request("POST", instance_path(ns), body=instance("misfit", topology="4x4"))
+        got = eventually(lambda: (o := get(admin, instance_path(ns, "misfit"))) and
+                         "spec.nodeCount" in cond(o, "ResourcesReady").get("message", "") and o,
+                         f"the node group's refusal on the instance\n{kro.log()}", timeout=WAIT)
+        assert cond(got, "Ready")["status"] == "False", got["status"]
+        assert get(admin, custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns, "misfit-tpus")) is None
     finally:
-        admin.request("DELETE", instance_path(ns, name))
-        eventually(lambda: get(admin, instance_path(ns, name)) is None, f"the instance gone\n{kro.log()}", timeout=WAIT)
+        for n in (name, "misfit"):
+            try:
+                admin.request("DELETE", instance_path(ns, n))
+            except KubeError as e:
+                if e.code != 404:
+                    raise
+        eventually(lambda: admin.request("GET", instance_path(ns))["items"] == [], f"the instances gone\n{kro.log()}",
+                   timeout=WAIT)
 
 
 # -- the journey ----------------------------------------------------------------------------------
@@ -230,7 +245,7 @@ def test_an_instance_expands_into_our_kinds_and_our_controller_acts_on_them(
         started = True
         admin.request("POST", instance_path(ns), body=instance(
             names[1], hosts=2, machineType="ct5lp-hightpu-4t", cacheImage=two))
-        journey(admin, ns, names, gce, {names[0]: (1, 8, digests[one]), names[1]: (2, 4, digests[two])}, kro, ctl)
+        journey(admin, kubectl, ns, names, gce, {names[0]: (1, 8, digests[one]), names[1]: (2, 4, digests[two])}, kro, ctl)
     finally:
         try:
             if started:
@@ -283,7 +298,8 @@ def kubelet_confirms_deletions(admin: Client, ns: str) -> bool:
     return False
 
 
-def journey(admin: Client, ns: str, names: list[str], gce: Server, want: dict, kro: Kro, ctl: ControllerProc) -> None:
+def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want: dict, kro: Kro,
+            ctl: ControllerProc) -> None:
     def why() -> str:
         return f"\nkro:\n{kro.log()}\ncontroller:\n{ctl.log()[-4000:]}"
 
@@ -404,6 +420,11 @@ def journey(admin: Client, ns: str, names: list[str], gce: Server, want: dict, k
                          and cond(o, "Ready").get("status") == "True" and o, f"instance {name} Ready{why()}",
                          timeout=WAIT)["status"]
         assert got["server"]["readyReplicas"] == want[name][0], got
+    # the printer columns kro generated from the schema, as users see them
+    out = kubectl("admin", "get", PLURAL, "-n", ns, names[0])
+    header, row = (line.split() for line in out.stdout.strip().splitlines())
+    assert header == ["NAME", "HOSTS", "TOPOLOGY", "CAPACITY", "CACHE", "READY-WORKERS", "STATE", "AGE"], out
+    assert row[:-1] == [names[0], "1", "2x4", "Ready", "true", "1", "ACTIVE"], out
 
     # 7. deleting an instance tears everything down: node-group finalizers run against GCE; the
     # test, as the pods' kubelet, confirms their deletion once their containers would have stopped
