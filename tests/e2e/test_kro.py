@@ -83,6 +83,17 @@ class Kro:
         return self.log_path.read_text(errors="replace")[-tail:] if self.log_path.exists() else ""
 
 
+LOGS: dict[str, object] = {}  # name -> callable giving a log tail, shown when a wait fails
+
+
+def until(predicate, what: str, timeout: float = 20.0):
+    """tests.conftest.eventually, with the logs of kro and our controller in the failure."""
+    try:
+        return eventually(predicate, what, timeout)
+    except AssertionError as e:
+        raise AssertionError("\n".join([str(e), *(f"--- {n} log:\n{log()}" for n, log in LOGS.items())])) from None
+
+
 def cond(obj: dict | None, kind: str) -> dict:
     return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
 
@@ -109,24 +120,79 @@ def instance(name: str | None = None, **spec) -> dict:
     return obj
 
 
+# kro's own permissions as its Helm chart grants them with rbac.mode=aggregation (the ClusterRole
+# kro:controller:static of helm/templates/cluster-role.yaml, v0.9.4); what our graph needs on top
+# comes from examples/kro/rbac-kro.yaml through the aggregation label.
+KRO_STATIC_RULES = [
+    {"apiGroups": ["kro.run"], "resources": ["resourcegraphdefinitions"],
+     "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]},
+    {"apiGroups": ["kro.run"], "resources": ["resourcegraphdefinitions/finalizers"], "verbs": ["update"]},
+    {"apiGroups": ["kro.run"], "resources": ["resourcegraphdefinitions/status"], "verbs": ["get", "patch", "update"]},
+    {"apiGroups": ["internal.kro.run"], "resources": ["graphrevisions"],
+     "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]},
+    {"apiGroups": ["internal.kro.run"], "resources": ["graphrevisions/finalizers"], "verbs": ["update"]},
+    {"apiGroups": ["internal.kro.run"], "resources": ["graphrevisions/status"], "verbs": ["get", "patch", "update"]},
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+     "verbs": ["create", "get", "list", "watch", "patch", "update", "delete"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+     "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+]
+KRO_NS, KRO_SA = "kro-system", "kro"
+
+
+def kro_kubeconfig(control_plane, admin: Client, kubectl, workdir: Path) -> Path:
+    """A kubeconfig for ServiceAccount kro-system/kro holding only the chart's aggregated role:
+    its static rules and examples/kro/rbac-kro.yaml."""
+    label = {"rbac.kro.run/aggregate-to-controller": "true"}
+    objs = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KRO_NS}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": KRO_SA, "namespace": KRO_NS}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": "kro:controller"}, "aggregationRule": {"clusterRoleSelectors": [{"matchLabels": label}]}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": "kro:controller:static", "labels": label}, "rules": KRO_STATIC_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "kro:controller"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kro:controller"},
+         "subjects": [{"kind": "ServiceAccount", "name": KRO_SA, "namespace": KRO_NS}]},
+    ]
+    out = kubectl("admin", "apply", "-f", "-", "-f", str(EXAMPLES / "rbac-kro.yaml"),
+                  stdin=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objs}))
+    assert out.returncode == 0, out.stderr
+    token = admin.request("POST", f"/api/v1/namespaces/{KRO_NS}/serviceaccounts/{KRO_SA}/token", body={
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}})
+    cfg = yaml.safe_load(control_plane.kubeconfig("admin").read_text())
+    cfg["users"] = [{"name": "kro", "user": {"token": token["status"]["token"]}}]
+    cfg["contexts"] = [{"name": "kro", "context": {"cluster": cfg["clusters"][0]["name"], "user": "kro"}}]
+    cfg["current-context"] = "kro"
+    path = workdir / "kubeconfig-kro"
+    path.write_text(yaml.safe_dump(cfg))
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture(scope="module")
 def kro(control_plane, crds, kubectl, tmp_path_factory):
-    """kro's CRDs installed, kro running, the RGD from the repository Active."""
+    """kro's CRDs installed, kro running as its own ServiceAccount with the chart's aggregated
+    RBAC (examples/kro/rbac-kro.yaml for our kinds), the RGD from the repository Active."""
     require(KRO_CRDS.is_dir(), f"kro's CRDs in {KRO_CRDS} (tools/mk/kro.mk)")
     out = kubectl("admin", "apply", "--server-side", "-f", str(KRO_CRDS))
     assert out.returncode == 0, out.stderr
     for crd in ("resourcegraphdefinitions.kro.run", "graphrevisions.internal.kro.run"):
         out = kubectl("admin", "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
         assert out.returncode == 0, out.stderr
-    k = Kro(control_plane.kubeconfig("admin"), tmp_path_factory.mktemp("kro")).start()
+    workdir = tmp_path_factory.mktemp("kro")
     admin = Client(Config.from_kubeconfig(control_plane.kubeconfig("admin")))
+    k = Kro(kro_kubeconfig(control_plane, admin, kubectl, workdir), workdir).start()
+    LOGS["kro"] = k.log
     rgd_path = custom_path("kro.run", "v1alpha1", "resourcegraphdefinitions", None, RGD["metadata"]["name"])
     try:
         # the manifest as the platform team has it: the repository's file, applied as is
         out = kubectl("admin", "apply", "-f", str(EXAMPLES / "rgd.yaml"))
         assert out.returncode == 0, out.stderr
-        rgd = eventually(lambda: (o := get(admin, rgd_path)) and (o.get("status") or {}).get("state") == "Active" and o,
-                         "the RGD Active", timeout=WAIT)
+        rgd = until(lambda: (o := get(admin, rgd_path)) and (o.get("status") or {}).get("state") == "Active" and o,
+                    "the RGD Active", timeout=WAIT)
         for kind in ("GraphAccepted", "KindReady", "ControllerReady", "Ready"):
             assert cond(rgd, kind).get("status") == "True", (kind, rgd["status"], k.log())
         # kro read our CRDs' schemas to type-check the graph, and ordered it by its references
@@ -139,6 +205,7 @@ def kro(control_plane, crds, kubectl, tmp_path_factory):
             kubectl("admin", "delete", PLURAL, "--all", "--all-namespaces", "--ignore-not-found", "--timeout=45s")
             kubectl("admin", "delete", "--ignore-not-found", "--timeout=45s", "-f", str(EXAMPLES / "rgd.yaml"))
         finally:
+            LOGS.pop("kro", None)
             k.stop()
             # kro leaves the CRD it generated (no --allow-crd-deletion): the test removes it
             kubectl("admin", "delete", "--ignore-not-found", f"crd/{PLURAL}.{KRO_GROUP}")
@@ -164,8 +231,8 @@ def test_the_generated_api_refuses_bad_instances(kro, control_plane, kube_namesp
     name = INSTANCE["metadata"]["name"]
     admin.request("POST", instance_path(ns), body=instance())
     try:
-        got = eventually(lambda: (o := get(admin, instance_path(ns, name))) and cond(o, "ResourcesReady") and o,
-                         f"kro's status on the instance\n{kro.log()}", timeout=WAIT)
+        got = until(lambda: (o := get(admin, instance_path(ns, name))) and cond(o, "ResourcesReady") and o,
+                    "kro's status on the instance", timeout=WAIT)
         # waiting on the platform ConfigMap, and saying so
         assert got["status"]["state"] != "ACTIVE" and "platform" in cond(got, "ResourcesReady")["message"], got
         with pytest.raises(KubeError) as e:
@@ -179,9 +246,9 @@ def test_the_generated_api_refuses_bad_instances(kro, control_plane, kube_namesp
         # kro says so on the instance
         admin.request("POST", f"/api/v1/namespaces/{ns}/configmaps", body=PLATFORM)
         admin.request("POST", instance_path(ns), body=instance("misfit", topology="4x4"))
-        got = eventually(lambda: (o := get(admin, instance_path(ns, "misfit"))) and
-                         "spec.nodeCount" in cond(o, "ResourcesReady").get("message", "") and o,
-                         f"the node group's refusal on the instance\n{kro.log()}", timeout=WAIT)
+        got = until(lambda: (o := get(admin, instance_path(ns, "misfit"))) and
+                    "spec.nodeCount" in cond(o, "ResourcesReady").get("message", "") and o,
+                    f"the node group's refusal on the instance", timeout=WAIT)
         assert cond(got, "Ready")["status"] == "False", got["status"]
         assert get(admin, custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns, "misfit-tpus")) is None
     finally:
@@ -191,8 +258,8 @@ def test_the_generated_api_refuses_bad_instances(kro, control_plane, kube_namesp
             except KubeError as e:
                 if e.code != 404:
                     raise
-        eventually(lambda: admin.request("GET", instance_path(ns))["items"] == [], f"the instances gone\n{kro.log()}",
-                   timeout=WAIT)
+        until(lambda: admin.request("GET", instance_path(ns))["items"] == [], "the instances gone",
+              timeout=WAIT)
 
 
 # -- the journey ----------------------------------------------------------------------------------
@@ -233,11 +300,12 @@ def test_an_instance_expands_into_our_kinds_and_our_controller_acts_on_them(
     started = False
     try:
         ctl.start()
-        eventually(lambda: ctl.proc.poll() is not None or lease_spec(admin).get("holderIdentity") == "e2e-kro",
-                   "our controller leading", timeout=WAIT)
+        LOGS["controller"] = lambda: ctl.log()[-4000:]
+        until(lambda: ctl.proc.poll() is not None or lease_spec(admin).get("holderIdentity") == "e2e-kro",
+              "our controller leading", timeout=WAIT)
         assert ctl.proc.poll() is None, ctl.log()
         serve_webhooks(admission, WEBHOOKS, port, ca.pem)
-        eventually(lambda: webhooks_called(admin, ns), "the API server calling our webhooks", timeout=WAIT)
+        until(lambda: webhooks_called(admin, ns), "the API server calling our webhooks", timeout=WAIT)
 
         out = kubectl("admin", "apply", "-n", ns, "-f", str(EXAMPLES / "platform.yaml"),
                       "-f", str(EXAMPLES / "instance.yaml"))
@@ -245,7 +313,7 @@ def test_an_instance_expands_into_our_kinds_and_our_controller_acts_on_them(
         started = True
         admin.request("POST", instance_path(ns), body=instance(
             names[1], hosts=2, machineType="ct5lp-hightpu-4t", cacheImage=two))
-        journey(admin, kubectl, ns, names, gce, {names[0]: (1, 8, digests[one]), names[1]: (2, 4, digests[two])}, kro, ctl)
+        journey(admin, kubectl, ns, names, gce, {names[0]: (1, 8, digests[one]), names[1]: (2, 4, digests[two])})
     finally:
         try:
             if started:
@@ -255,9 +323,10 @@ def test_an_instance_expands_into_our_kinds_and_our_controller_acts_on_them(
                     except KubeError as e:
                         if e.code != 404:
                             raise
-                eventually(lambda: all(get(admin, instance_path(ns, n)) is None for n in names),
-                           f"the instances gone\nkro:\n{kro.log()}\ncontroller:\n{ctl.log()[-4000:]}", timeout=WAIT)
+                until(lambda: kubelet_confirms_deletions(admin, ns) or all(
+                    get(admin, instance_path(ns, n)) is None for n in names), "the instances gone", timeout=WAIT)
         finally:
+            LOGS.pop("controller", None)
             remove_webhooks(admission, WEBHOOKS)
             if ctl.proc is not None and ctl.proc.poll() is None:
                 ctl.signal(15)  # SIGTERM: releases the Lease for the next test
@@ -298,20 +367,16 @@ def kubelet_confirms_deletions(admin: Client, ns: str) -> bool:
     return False
 
 
-def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want: dict, kro: Kro,
-            ctl: ControllerProc) -> None:
-    def why() -> str:
-        return f"\nkro:\n{kro.log()}\ncontroller:\n{ctl.log()[-4000:]}"
-
+def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want: dict) -> None:
     tng = lambda name: custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns, f"{name}-tpus")  # noqa: E731
     cache = lambda name: custom_path("gkm.io", "v1alpha1", "gkmcaches", ns, f"{name}-jax-cache")  # noqa: E731
     sts = lambda name: f"/apis/apps/v1/namespaces/{ns}/statefulsets/{name}"  # noqa: E731
 
     # 1. kro expands each instance into our objects, labelled as its own
     for name in names:
-        inst = eventually(lambda: get(admin, instance_path(ns, name)), f"instance {name}")
+        inst = until(lambda: get(admin, instance_path(ns, name)), f"instance {name}")
         for path in (tng(name), cache(name), f"/api/v1/namespaces/{ns}/services/{name}"):
-            obj = eventually(lambda: get(admin, path), f"{path} made by kro{why()}", timeout=WAIT)
+            obj = until(lambda: get(admin, path), f"{path} made by kro", timeout=WAIT)
             labels = obj["metadata"]["labels"]
             assert labels["kro.run/owned"] == "true" and labels["kro.run/instance-name"] == name, labels
             assert labels["kro.run/instance-id"] == inst["metadata"]["uid"], labels
@@ -328,12 +393,12 @@ def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want
     # 2. our controller resolves each cache (digest pinned) and makes its claim
     for name in names:
         digest = want[name][2]
-        c = eventually(lambda: (o := get(admin, cache(name))) and cond(o, "Resolved").get("status") == "True" and o,
-                       f"cache of {name} Resolved{why()}", timeout=WAIT)
+        c = until(lambda: (o := get(admin, cache(name))) and cond(o, "Resolved").get("status") == "True" and o,
+                  f"cache of {name} Resolved", timeout=WAIT)
         assert c["status"]["resolvedDigest"] == digest
         assert c["metadata"]["annotations"]["gkm.io/resolvedDigest"] == digest  # the admission pin survives kro's applies
-        pvc = eventually(lambda: (o := get(admin, f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}-jax-cache"))
-                         and o["status"].get("phase") == "Bound" and o, f"claim of {name} Bound", timeout=WAIT)
+        pvc = until(lambda: (o := get(admin, f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}-jax-cache"))
+                    and o["status"].get("phase") == "Bound" and o, f"claim of {name} Bound", timeout=WAIT)
         assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
 
     # 3. the node groups provision against the GCE emulator: children, then VMs
@@ -342,12 +407,12 @@ def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want
         hosts = want[name][0]
         kinds = ["managedinstancegroups", "instancetemplates"] + (["workloadpolicies"] if hosts > 1 else [])
         for plural in kinds:
-            eventually(lambda: [c for c in admin.request("GET", custom_path("tpu.google.com", "v1alpha1", plural, ns))[
-                "items"] if c["metadata"]["name"].startswith(f"{name}-tpus-") and cond(c, "Ready").get("status") == "True"],
-                       f"{plural} of {name} Ready{why()}", timeout=WAIT)
-        vms[name] = eventually(lambda: (v := [i for i in gce.compute.instances(PROJECT) if
-                                              i["name"].startswith(f"{name}-tpus-mig-") and i["status"] == "RUNNING"])
-                               and len(v) == hosts and v, f"{hosts} VMs of {name} RUNNING{why()}", timeout=WAIT)
+            children = custom_path("tpu.google.com", "v1alpha1", plural, ns)
+            until(lambda: [c for c in admin.request("GET", children)["items"] if c["metadata"]["name"].startswith(
+                f"{name}-tpus-") and cond(c, "Ready").get("status") == "True"], f"{plural} of {name} Ready", timeout=WAIT)
+        vms[name] = until(lambda: (v := [i for i in gce.compute.instances(PROJECT) if i["status"] == "RUNNING"
+                                         and i["name"].startswith(f"{name}-tpus-mig-")]) and len(v) == hosts and v,
+                          f"{hosts} VMs of {name} RUNNING", timeout=WAIT)
         # capacity not joined yet: kro holds the server back (readyWhen of the node group)
         assert cond(get(admin, tng(name)), "Ready").get("status") != "True"
         assert get(admin, sts(name)) is None
@@ -360,9 +425,9 @@ def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want
             _register(admin, inst, PROJECT, ZONE)
     for name in names:
         hosts, chips, digest = want[name]
-        eventually(lambda: cond(get(admin, tng(name)), "Ready").get("status") == "True", f"group of {name} Ready{why()}",
-                   timeout=WAIT)
-        s = eventually(lambda: get(admin, sts(name)), f"StatefulSet {name} made by kro{why()}", timeout=WAIT)
+        until(lambda: cond(get(admin, tng(name)), "Ready").get("status") == "True", f"group of {name} Ready",
+              timeout=WAIT)
+        s = until(lambda: get(admin, sts(name)), f"StatefulSet {name} made by kro", timeout=WAIT)
         assert s["metadata"]["labels"]["kro.run/instance-name"] == name and s["metadata"]["labels"][INJECT] == "enabled"
         assert s["spec"]["replicas"] == hosts and s["spec"]["serviceName"] == name
         pod_spec = s["spec"]["template"]["spec"]
@@ -385,16 +450,16 @@ def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want
         hosts = want[name][0]
         workers = ",".join(f"{name}-{i}.{name}" for i in range(hosts))
         for i in range(hosts):
-            pod = eventually(lambda: get(admin, f"/api/v1/namespaces/{ns}/pods/{name}-{i}"), f"pod {name}-{i}",
-                             timeout=WAIT)
+            pod = until(lambda: get(admin, f"/api/v1/namespaces/{ns}/pods/{name}-{i}"), f"pod {name}-{i}",
+                        timeout=WAIT)
             env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
             assert env["TPU_WORKER_ID"] == str(i) and env["TPU_WORKER_HOSTNAMES"] == workers, env
             assert env["JAX_COMPILATION_CACHE_DIR"] == "/jax-cache/io.jax.cache"
             assert "TPU_WORKER_ID" not in {e["name"] for e in pod["spec"]["containers"][1].get("env") or []}
         # the instance's status surfaces our objects: capacity, cache, workers
-        got = eventually(lambda: (o := get(admin, instance_path(ns, name))) and
-                         o["status"].get("server", {}).get("workerHostnames") == workers and o,
-                         f"status of {name} naming its workers{why()}", timeout=WAIT)["status"]
+        got = until(lambda: (o := get(admin, instance_path(ns, name))) and
+                    o["status"].get("server", {}).get("workerHostnames") == workers and o,
+                    f"status of {name} naming its workers", timeout=WAIT)["status"]
         assert got["capacity"] == {"ready": True, "reason": "Ready", "readyNodes": hosts}, got
         assert got["cache"] == {"resolved": True, "digest": want[name][2], "claim": f"{name}-jax-cache"}, got
         assert got["endpoint"] == f"http://{name}.{ns}.svc:8000"
@@ -416,9 +481,9 @@ def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want
                 for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}
             admin.request("PUT", pod_path + "/status", body=pod)
     for name in names:
-        got = eventually(lambda: (o := get(admin, instance_path(ns, name))) and o["status"].get("state") == "ACTIVE"
-                         and cond(o, "Ready").get("status") == "True" and o, f"instance {name} Ready{why()}",
-                         timeout=WAIT)["status"]
+        got = until(lambda: (o := get(admin, instance_path(ns, name))) and o["status"].get("state") == "ACTIVE"
+                    and cond(o, "Ready").get("status") == "True" and o, f"instance {name} Ready",
+                    timeout=WAIT)["status"]
         assert got["server"]["readyReplicas"] == want[name][0], got
     # the printer columns kro generated from the schema, as users see them
     out = kubectl("admin", "get", PLURAL, "-n", ns, names[0])
@@ -431,15 +496,15 @@ def journey(admin: Client, kubectl, ns: str, names: list[str], gce: Server, want
     for name in names:
         admin.request("DELETE", instance_path(ns, name))
     for name in names:
-        eventually(lambda: kubelet_confirms_deletions(admin, ns) or get(admin, instance_path(ns, name)) is None,
-                   f"instance {name} gone{why()}", timeout=WAIT)
+        until(lambda: kubelet_confirms_deletions(admin, ns) or get(admin, instance_path(ns, name)) is None,
+              f"instance {name} gone", timeout=WAIT)
         for path in (tng(name), cache(name), sts(name), f"/api/v1/namespaces/{ns}/services/{name}",
                      f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}-jax-cache"):
-            eventually(lambda: get(admin, path) is None, f"{path} gone{why()}", timeout=WAIT)
+            until(lambda: get(admin, path) is None, f"{path} gone", timeout=WAIT)
         for inst in vms[name]:
-            eventually(lambda: get(admin, f"/api/v1/nodes/{inst['name']}") is None, f"node {inst['name']} gone",
-                       timeout=WAIT)
-    eventually(lambda: admin.request("GET", f"/api/v1/namespaces/{ns}/pods")["items"] == [], "pods gone", timeout=WAIT)
+            until(lambda: get(admin, f"/api/v1/nodes/{inst['name']}") is None, f"node {inst['name']} gone",
+                  timeout=WAIT)
+    until(lambda: admin.request("GET", f"/api/v1/namespaces/{ns}/pods")["items"] == [], "pods gone", timeout=WAIT)
     for plural in ("managedinstancegroups", "instancetemplates", "workloadpolicies"):
         assert admin.request("GET", custom_path("tpu.google.com", "v1alpha1", plural, ns))["items"] == []
     ours = [p for p in gce.compute.resources if any(f"/{n}-tpus-" in p for n in names)]
