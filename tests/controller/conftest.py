@@ -83,6 +83,16 @@ class ControllerProc:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
+    def terminate(self) -> None:
+        """SIGTERM, as a rollout would (the leader releases its Lease for the next one); SIGKILL
+        after 30 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.stop()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

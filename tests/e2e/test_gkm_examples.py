@@ -293,12 +293,7 @@ def teardown(w: World, kubectl, applied: bool) -> None:
     finally:
         w.delete_webhooks()
         for c in w.controllers:
-            if c.proc is not None and c.proc.poll() is None:
-                c.signal(15)  # SIGTERM: releases the Lease for the next test
-                try:
-                    c.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    c.stop()
+            c.terminate()  # releases the Lease for the next test
         w.cluster.scrub()  # claims or finalizers the controller gave other tests' leftovers
         for delete in (lambda: w.objs.delete_cluster_custom_object(*GKM, "clustergkmcachenodes", NODE),
                        lambda: w.core.delete_node(NODE)):

@@ -2,8 +2,9 @@
 by kro itself, with our controller acting on what kro makes.
 
 All real peers on 127.0.0.1: the session's kube-apiserver + etcd + kube-controller-manager; the
-kro controller v0.9.4 built from its Go module (tools/mk/kro.mk) as a subprocess with the
-admin's kubeconfig (kro needs to manage whatever kinds its graphs name: docs/kro.md); the real
+kro controller v0.9.4 built from its Go module (tools/mk/kro.mk) as a subprocess, as a
+ServiceAccount with only the RBAC its Helm chart's aggregation mode gives it plus
+examples/kro/rbac-kro.yaml (docs/kro.md); the real
 ``accelnode controller`` as a subprocess with the controller identity and all its RBAC, node
 groups on (against the GCE emulator, accelnode/testing/gce.py), serving
 daemonsets/webhooks-gkm.yaml and daemonsets/webhooks-tpu-env.yaml as shipped (pointed at its
@@ -34,7 +35,7 @@ from tests.agent.conftest import make_cache
 from tests.conftest import ROOT, TOOLS_BIN, eventually, http_get, require, tool
 from tests.controller.conftest import ControllerProc, lease_spec, remove_webhooks, serve_webhooks
 from tests.controller.test_admission import CA
-from tests.controller.test_nodegroups import _register
+from tests.controller.test_nodegroups import _register, cond, get
 from tests.csi.conftest import free_ports
 
 EXAMPLES = ROOT / "examples" / "kro"
@@ -92,19 +93,6 @@ def until(predicate, what: str, timeout: float = 20.0):
         return eventually(predicate, what, timeout)
     except AssertionError as e:
         raise AssertionError("\n".join([str(e), *(f"--- {n} log:\n{log()}" for n, log in LOGS.items())])) from None
-
-
-def cond(obj: dict | None, kind: str) -> dict:
-    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
-
-
-def get(admin: Client, path: str) -> dict | None:
-    try:
-        return admin.request("GET", path)
-    except KubeError as e:
-        if e.code == 404:
-            return None
-        raise
 
 
 def instance_path(ns: str, name: str | None = None) -> str:
@@ -328,12 +316,7 @@ def test_an_instance_expands_into_our_kinds_and_our_controller_acts_on_them(
         finally:
             LOGS.pop("controller", None)
             remove_webhooks(admission, WEBHOOKS)
-            if ctl.proc is not None and ctl.proc.poll() is None:
-                ctl.signal(15)  # SIGTERM: releases the Lease for the next test
-                try:
-                    ctl.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    ctl.stop()
+            ctl.terminate()  # releases the Lease for the next test
             gce.stop()
 
 
