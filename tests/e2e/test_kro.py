@@ -196,7 +196,9 @@ def kro(control_plane, crds, kubectl, tmp_path_factory):
             LOGS.pop("kro", None)
             k.stop()
             # kro leaves the CRD it generated (no --allow-crd-deletion): the test removes it
-            kubectl("admin", "delete", "--ignore-not-found", f"crd/{PLURAL}.{KRO_GROUP}")
+            kubectl("admin", "delete", "--ignore-not-found", f"crd/{PLURAL}.{KRO_GROUP}",
+                    "clusterrolebinding/kro:controller", "clusterrole/kro:controller", "clusterrole/kro:controller:static")
+            kubectl("admin", "delete", "--ignore-not-found", "-f", str(EXAMPLES / "rbac-kro.yaml"))
 
 
 # -- bad input ------------------------------------------------------------------------------------
