@@ -37,6 +37,7 @@ from tests.controller.conftest import ControllerProc, lease_spec, remove_webhook
 from tests.controller.test_admission import CA
 from tests.controller.test_nodegroups import _register, cond, get
 from tests.csi.conftest import free_ports
+from tests.fixtures.cluster import wait_established
 
 EXAMPLES = ROOT / "examples" / "kro"
 KRO_CRDS = TOOLS_BIN.parent / "kro" / "crds"  # copied from kro's Go module by tools/mk/kro.mk
@@ -161,15 +162,13 @@ def kro_kubeconfig(control_plane, admin: Client, kubectl, workdir: Path) -> Path
 
 
 @pytest.fixture(scope="module")
-def kro(control_plane, crds, kubectl, tmp_path_factory):
+def kro(control_plane, crds, kubectl, kube_api, tmp_path_factory):
     """kro's CRDs installed, kro running as its own ServiceAccount with the chart's aggregated
     RBAC (examples/kro/rbac-kro.yaml for our kinds), the RGD from the repository Active."""
     require(KRO_CRDS.is_dir(), f"kro's CRDs in {KRO_CRDS} (tools/mk/kro.mk)")
     out = kubectl("admin", "apply", "--server-side", "-f", str(KRO_CRDS))
     assert out.returncode == 0, out.stderr
-    for crd in ("resourcegraphdefinitions.kro.run", "graphrevisions.internal.kro.run"):
-        out = kubectl("admin", "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
-        assert out.returncode == 0, out.stderr
+    wait_established(kube_api, ["resourcegraphdefinitions.kro.run", "graphrevisions.internal.kro.run"])
     workdir = tmp_path_factory.mktemp("kro")
     admin = Client(Config.from_kubeconfig(control_plane.kubeconfig("admin")))
     k = Kro(kro_kubeconfig(control_plane, admin, kubectl, workdir), workdir).start()
@@ -185,8 +184,7 @@ def kro(control_plane, crds, kubectl, tmp_path_factory):
             assert cond(rgd, kind).get("status") == "True", (kind, rgd["status"], k.log())
         # kro read our CRDs' schemas to type-check the graph, and ordered it by its references
         assert rgd["status"]["topologicalOrder"] == ["platform", "nodeGroup", "jaxCache", "service", "server"]
-        out = kubectl("admin", "wait", "--for=condition=Established", f"crd/{PLURAL}.{KRO_GROUP}", "--timeout=30s")
-        assert out.returncode == 0, out.stderr  # the CRD kro generated from the schema
+        wait_established(kube_api, [f"{PLURAL}.{KRO_GROUP}"])  # the CRD kro generated from the schema
         yield k
     finally:
         try:  # kro keeps an RGD while instances of its kind are left: those go first, with kro running

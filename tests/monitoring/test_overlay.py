@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from accelnode.testing.monitoring import MONITORING, prometheus_rule
-from tests.conftest import ROOT, TOOLS_BIN, require, tool
+from tests.conftest import TOOLS_BIN, require, tool
+from tests.fixtures.cluster import wait_established
 
 PROM_CRDS = TOOLS_BIN.parent / "prometheus-operator" / "crds"
 
@@ -70,13 +71,12 @@ def test_the_dashboard_configmap_is_for_grafanas_sidecar(rendered):
 
 
 @pytest.fixture(scope="module")
-def operator_crds(kubectl, crds):
+def operator_crds(kubectl, kube_api, crds):
     require(PROM_CRDS.is_dir(), f"the Prometheus Operator CRDs in {PROM_CRDS} (tools/mk/monitoring.mk)")
     files = [a for p in sorted(PROM_CRDS.glob("*.yaml")) for a in ("-f", str(p))]
     out = kubectl("admin", "apply", "--server-side", *files)
     assert out.returncode == 0, out.stderr
-    out = kubectl("admin", "wait", "--for=condition=Established", "--timeout=30s", *files)
-    assert out.returncode == 0, out.stderr
+    wait_established(kube_api, ["podmonitors.monitoring.coreos.com", "prometheusrules.monitoring.coreos.com"])
     out = kubectl("admin", "create", "namespace", "accelnode-system", "--save-config")
     assert out.returncode == 0 or "AlreadyExists" in out.stderr, out.stderr
     yield
