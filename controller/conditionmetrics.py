@@ -5,7 +5,7 @@ For every reconciler's primary watch (its first: the kind it reconciles), each k
 ``status.conditions`` are counted by ``resource`` (the watched collection's plural, e.g.
 ``gkmcaches``), condition ``type``, ``status`` and ``reason``. Alert rules read it: a cache
 ``Resolved=False`` or ``Verified=False`` for long, a node group whose ``Ready`` is not True
-(daemonsets/monitoring/). Only the replica that leads runs reconcilers, so a standby exports no
+(overlays/monitoring/). Only the replica that leads runs reconcilers, so a standby exports no
 samples; rules aggregate with ``max``.
 """
 

@@ -19,6 +19,7 @@ E2E_GKM = "tests/e2e/test_gkm_examples.py"  # GKM's manifests applied unchanged,
 CRDS = "tests/crds/test_crds.py"  # applied unchanged and read back
 ENVHOOKS = "tests/controller/test_envhooks.py"  # created through the TPU env webhooks
 MANIFESTS = "tests/test_manifests.py"  # server-side dry-run only
+KRO = "tests/e2e/test_kro.py"  # on the real kro controller
 THIS = "tests/test_examples.py"
 
 EXERCISED: dict[str, list[str]] = {
@@ -43,9 +44,11 @@ EXERCISED: dict[str, list[str]] = {
     "tpu/tpunodegroup-single-host.yaml": [CRDS, "tests/e2e/test_nodegroup_join.py"],
     "tpu/walkthrough/10-tpunodegroup.yaml": [MANIFESTS],
     "tpu/walkthrough/20-workload.yaml": [NODE],
-    # kro's example, on the real kro controller (written on another branch)
-    "kro/rgd.yaml": ["tests/e2e/test_kro.py"],
-    "kro/instance.yaml": ["tests/e2e/test_kro.py"],
+    "kro/README.md": [THIS],
+    "kro/rgd.yaml": [KRO],
+    "kro/instance.yaml": [KRO],
+    "kro/platform.yaml": [KRO],
+    "kro/rbac-kro.yaml": [KRO],
 }
 
 
@@ -71,13 +74,9 @@ def test_every_example_has_a_row():
 
 
 def test_every_row_is_an_example_and_its_tests_name_it():
-    files = example_files()
-    # kro's files arrive with their test from another branch; every other row must be a file here
-    stale = sorted(e for e in EXERCISED if e not in files and Path(e).parts[0] not in NOT_DRY_RUN_HERE)
+    stale = sorted(set(EXERCISED) - example_files())
     assert not stale, f"rows for examples that do not exist: {stale}"
     for example, tests in EXERCISED.items():
-        if example not in files:
-            continue
         assert tests, example
         for test in tests:
             assert (ROOT / test).is_file(), (example, test)
@@ -87,8 +86,18 @@ def test_every_row_is_an_example_and_its_tests_name_it():
 
 def test_every_yaml_example_is_dry_run_server_side():
     dry = {str(p.relative_to(EXAMPLES)) for p in SHIPPED if EXAMPLES in p.parents}
-    want = {e for e in example_files() if e.endswith(".yaml") and Path(e).parts[0] not in NOT_DRY_RUN_HERE}
+    want = {e for e in example_files() if e.endswith(".yaml") and e not in NOT_DRY_RUN_HERE}
     assert want and want <= dry, sorted(want - dry)
+    assert all(EXERCISED[e] for e in NOT_DRY_RUN_HERE)  # those are applied to their own peer instead
+
+
+def test_every_readme_links_only_files_that_exist():
+    """A README under examples/ (the GKM guide, kro's) points at files that are there."""
+    for readme in EXAMPLES.rglob("README.md"):
+        links = re.findall(r"\]\(([^)#:]+)\)", readme.read_text())
+        local = [link for link in links if not link.startswith(("http", "/"))]
+        missing = [link for link in local if not (readme.parent / link).exists() and not (ROOT / link).exists()]
+        assert not missing, (str(readme.relative_to(ROOT)), missing)
 
 
 def test_the_gkm_readme_table_covers_every_scenario_file():

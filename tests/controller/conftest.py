@@ -1,13 +1,16 @@
-"""Controller test helpers: its RBAC applied, its Lease, real ``accelnode controller`` processes."""
+"""Controller test helpers: its RBAC applied, its Lease, real ``accelnode controller`` processes,
+the shipped webhook configurations pointed at one of them."""
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from accelnode.kube.client import Client, Config, KubeError
 from tests.conftest import accelnode_cmd
@@ -80,6 +83,16 @@ class ControllerProc:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
+    def terminate(self) -> None:
+        """SIGTERM, as a rollout would (the leader releases its Lease for the next one); SIGKILL
+        after 30 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.stop()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -105,3 +118,35 @@ def controllers(control_plane, tmp_path):
     yield start
     for c in started:
         c.stop()
+
+
+def serve_webhooks(admission, files, port: int, ca_pem: bytes) -> None:
+    """Register the shipped webhook configurations (``daemonsets/webhooks-*.yaml``), each
+    Service reference replaced by the controller's loopback URL and the test CA's caBundle.
+    ``admission`` is a ``kubernetes.client.AdmissionregistrationV1Api`` as the admin."""
+    for path in files:
+        for doc in yaml.safe_load_all(Path(path).read_text()):
+            for hook in doc["webhooks"]:
+                svc = hook["clientConfig"]["service"]
+                hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{svc['path']}",
+                                        "caBundle": base64.b64encode(ca_pem).decode()}
+            if doc["kind"] == "MutatingWebhookConfiguration":
+                admission.create_mutating_webhook_configuration(body=doc)
+            else:
+                admission.create_validating_webhook_configuration(body=doc)
+
+
+def remove_webhooks(admission, files) -> None:
+    """Delete what :func:`serve_webhooks` registered (absent ones are fine)."""
+    from kubernetes import client
+
+    for path in files:
+        for doc in yaml.safe_load_all(Path(path).read_text()):
+            delete = (admission.delete_mutating_webhook_configuration
+                      if doc["kind"] == "MutatingWebhookConfiguration"
+                      else admission.delete_validating_webhook_configuration)
+            try:
+                delete(doc["metadata"]["name"])
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import time
+import uuid
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -24,6 +25,10 @@ from tests.crds.test_crds import example
 NS_CTRL = "accelnode-system"
 MULTI = ("tpu/tpunodegroup-multi-host.yaml", "v6e-multi-host")
 SINGLE = ("tpu/tpunodegroup-single-host.yaml", "v7x-single-host")
+# The groups here use a GCE project of their own: the reconcilers run in this process act on every
+# TPUNodeGroup of the shared control plane, so another test's leftover group (project
+# my-tpu-project, as the examples say) may be provisioned beside ours; it never lands here.
+PROJECT = f"nodegroups-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +99,7 @@ def cond(obj: dict | None, kind: str) -> dict:
 def make_group(admin: Client, ns: str, where=MULTI, name: str | None = None) -> dict:
     obj = example(*where)
     obj["metadata"]["namespace"] = ns
+    obj["spec"]["project"] = PROJECT
     if name:
         obj["metadata"]["name"] = name
     return admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns), body=obj)
@@ -126,7 +132,7 @@ def group_secrets(admin: Client, ns: str) -> list[dict]:
 
 def test_group_lifecycle_join_label_and_teardown(control_plane, nodegroup_rbac, gce, admin, kube_namespace):
     ns = kube_namespace
-    project, zone = "my-tpu-project", "us-east5-b"
+    project, zone = PROJECT, "us-east5-b"
     with Running(control_plane, gce.endpoint) as ctl:
         g = make_group(admin, ns)
         # GCE: policy, template, BULK MIG with 2 VMs, the join metadata on each RUNNING VM
@@ -134,13 +140,13 @@ def test_group_lifecycle_join_label_and_teardown(control_plane, nodegroup_rbac, 
             i for i in gce.compute.instances(project) if i["status"] == "RUNNING" and "kubeadm-join-token" in metadata(i)
         ] if len([i for i in gce.compute.instances(project) if "kubeadm-join-token" in metadata(i)]) == 2 else None)
         policy = gce.compute.resources[f"projects/{project}/regions/us-east5/resourcePolicies/"
-                                       f"{next(p for p in gce.compute.resources if '/resourcePolicies/' in p).rsplit('/', 1)[1]}"]
+                                       f"{next(p for p in gce.compute.resources if p.startswith(f'projects/{project}/') and '/resourcePolicies/' in p).rsplit('/', 1)[1]}"]
         assert policy["workloadPolicy"] == {"type": "HIGH_THROUGHPUT", "acceleratorTopology": "4x4"}
-        mig = next(r for p, r in gce.compute.resources.items() if "/instanceGroupManagers/" in p)
+        mig = next(r for p, r in gce.compute.resources.items() if p.startswith(f"projects/{project}/") and "/instanceGroupManagers/" in p)
         assert mig["targetSize"] == 2 and mig["targetSizePolicy"] == {"mode": "BULK"}
         assert mig["resourcePolicies"]["workloadPolicy"] == policy["selfLink"]
         assert mig["instanceLifecyclePolicy"] == {"defaultActionOnFailure": "DO_NOTHING"}
-        tmpl = next(r for p, r in gce.compute.resources.items() if "/instanceTemplates/" in p)
+        tmpl = next(r for p, r in gce.compute.resources.items() if p.startswith(f"projects/{project}/") and "/instanceTemplates/" in p)
         assert tmpl["properties"]["machineType"] == "ct6e-standard-8t"
         assert tmpl["properties"]["scheduling"]["provisioningModel"] == "SPOT"
         (secret,) = group_secrets(admin, ns)
@@ -207,7 +213,7 @@ def test_group_lifecycle_join_label_and_teardown(control_plane, nodegroup_rbac, 
 def test_drain_respects_pod_disruption_budgets_with_a_bounded_wait(control_plane, nodegroup_rbac, gce, admin,
                                                                     kube_namespace):
     ns = kube_namespace
-    project, zone = "my-tpu-project", "us-central1-c"
+    project, zone = PROJECT, "us-central1-c"
     with Running(control_plane, gce.endpoint):
         make_group(admin, ns, SINGLE)
         (inst,) = wait("the VM offered a join", lambda: [
@@ -252,10 +258,10 @@ def test_instance_creation_faults_are_reported_and_recover(control_plane, nodegr
         g = wait(reason, lambda: (lambda o: o if cond(o, "Ready").get("reason") == reason else None)(
             get(admin, tng_path(ns, "v6e-multi-host"))))
         assert text in cond(g, "Ready")["message"]
-        assert gce.compute.instances("my-tpu-project") == []  # all or nothing: no VM at all
+        assert gce.compute.instances(PROJECT) == []  # all or nothing: no VM at all
         gce.compute.set_faults(bulk_unplaceable=False, quota_exceeded=False)
         gce.compute.retry_creation()
-        wait("VMs offered a join", lambda: len([i for i in gce.compute.instances("my-tpu-project")
+        wait("VMs offered a join", lambda: len([i for i in gce.compute.instances(PROJECT)
                                                if "kubeadm-join-token" in metadata(i)]) == 2)
         admin.request("DELETE", tng_path(ns, "v6e-multi-host"))
         wait("group gone", lambda: get(admin, tng_path(ns, "v6e-multi-host")) is None, timeout=90)
@@ -264,9 +270,9 @@ def test_instance_creation_faults_are_reported_and_recover(control_plane, nodegr
 def test_terminal_and_transient_gce_errors(control_plane, nodegroup_rbac, gce, admin, kube_namespace):
     ns = kube_namespace
     # a 403 on the template insert is terminal: the message lands in the condition, no retry
-    gce.compute.set_faults(errors=[{"method": "POST", "path": "/global/instanceTemplates$", "code": 403,
+    gce.compute.set_faults(errors=[{"method": "POST", "path": f"/{PROJECT}/global/instanceTemplates$", "code": 403,
                                     "reason": "forbidden", "message": "Required 'compute.instanceTemplates.create' "
-                                                                      "permission for 'projects/my-tpu-project'"}],
+                                                                      f"permission for 'projects/{PROJECT}'"}],
                            unavailable=3, op_delay_s=0.5)  # and 503s first, retried with backoff
     with Running(control_plane, gce.endpoint):
         make_group(admin, ns, SINGLE)
@@ -282,7 +288,7 @@ def test_terminal_and_transient_gce_errors(control_plane, nodegroup_rbac, gce, a
 
 def test_restart_and_deletion_mid_provisioning(control_plane, nodegroup_rbac, gce, admin, kube_namespace):
     ns = kube_namespace
-    project = "my-tpu-project"
+    project = PROJECT
     gce.compute.set_faults(op_delay_s=1.0, stuck_provisioning=True)
     with Running(control_plane, gce.endpoint):
         make_group(admin, ns)
@@ -298,7 +304,7 @@ def test_restart_and_deletion_mid_provisioning(control_plane, nodegroup_rbac, gc
             get(admin, tng_path(ns, "v6e-multi-host"))))
         assert cond(g, "Ready")["reason"] == "AwaitingNodeJoin"
         assert not any("kubeadm-join-token" in metadata(i) for i in insts)  # not RUNNING: no token
-        assert len([p for p in gce.compute.resources if "/resourcePolicies/" in p]) == 1
+        assert len([p for p in gce.compute.resources if p.startswith(f"projects/{project}/") and "/resourcePolicies/" in p]) == 1
         # deleted mid-provisioning: everything goes
         admin.request("DELETE", tng_path(ns, "v6e-multi-host"))
         wait("group gone", lambda: get(admin, tng_path(ns, "v6e-multi-host")) is None, timeout=90)

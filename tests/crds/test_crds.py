@@ -32,6 +32,7 @@ class Objects:
 
     def __init__(self, api):
         self.api = client.CustomObjectsApi(api)
+        self.created: list[dict] = []
 
     def _where(self, obj: dict) -> tuple:
         group, version = obj["apiVersion"].split("/")
@@ -41,7 +42,22 @@ class Objects:
     def create(self, obj: dict) -> dict:
         where = self._where(obj)
         call = self.api.create_namespaced_custom_object if len(where) == 4 else self.api.create_cluster_custom_object
-        return call(*where, body=obj)
+        made = call(*where, body=obj)
+        self.created.append(made)
+        return made
+
+    def delete_created(self) -> None:
+        """Leave the shared control plane as found: a TPUNodeGroup left behind would be provisioned
+        by any node-group reconciler another test runs."""
+        for obj in reversed(self.created):
+            where = self._where(obj)
+            call = self.api.delete_namespaced_custom_object if len(where) == 4 else self.api.delete_cluster_custom_object
+            try:
+                call(*where, obj["metadata"]["name"])
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        self.created.clear()
 
     def get(self, obj: dict) -> dict:
         where = self._where(obj)
@@ -83,7 +99,9 @@ def applied(crds, kubectl):
 
 @pytest.fixture(scope="module")
 def objects(kube_api) -> Objects:
-    return Objects(kube_api("admin"))
+    objs = Objects(kube_api("admin"))
+    yield objs
+    objs.delete_created()
 
 
 def test_crds_have_names_short_names_and_status_subresources(crds, kube_api):

@@ -33,7 +33,6 @@ cluster caches: a signature is checked before anything is pulled (docs/signature
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import uuid
@@ -42,7 +41,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 from kubernetes import client
 
 from accelnode.testing import devcluster
@@ -54,7 +52,7 @@ from accelnode.oci import signatures as sg
 from tests.agent.conftest import eventually, make_cache
 from tests.cache.cosign import Cosign
 from tests.conftest import ROOT, require_root
-from tests.controller.conftest import ControllerProc, lease_spec
+from tests.controller.conftest import ControllerProc, lease_spec, remove_webhooks, serve_webhooks
 from tests.controller.test_admission import CA
 from tests.controller.test_caches import GKM, cond, status
 from tests.controller.test_claims import Cluster, pv_name, reason_in
@@ -130,28 +128,10 @@ class World:
         return self._admin
 
     def register_webhooks(self) -> None:
-        """daemonsets/webhooks-gkm.yaml as shipped, each Service reference replaced by the
-        controller's loopback URL and the test CA."""
-        for doc in yaml.safe_load_all(WEBHOOKS.read_text()):
-            for hook in doc["webhooks"]:
-                path = hook["clientConfig"]["service"]["path"]
-                hook["clientConfig"] = {"url": f"https://127.0.0.1:{self.webhook_port}{path}",
-                                        "caBundle": base64.b64encode(self.ca.pem).decode()}
-            if doc["kind"] == "MutatingWebhookConfiguration":
-                self.admission.create_mutating_webhook_configuration(body=doc)
-            else:
-                self.admission.create_validating_webhook_configuration(body=doc)
+        serve_webhooks(self.admission, [WEBHOOKS], self.webhook_port, self.ca.pem)
 
     def delete_webhooks(self) -> None:
-        for doc in yaml.safe_load_all(WEBHOOKS.read_text()):
-            delete = (self.admission.delete_mutating_webhook_configuration
-                      if doc["kind"] == "MutatingWebhookConfiguration"
-                      else self.admission.delete_validating_webhook_configuration)
-            try:
-                delete(doc["metadata"]["name"])
-            except client.ApiException as e:
-                if e.status != 404:
-                    raise
+        remove_webhooks(self.admission, [WEBHOOKS])
 
     def webhooks_called(self) -> bool:
         """A dry-run create of each kind comes back pinned (the API server picks webhook
@@ -317,12 +297,7 @@ def teardown(w: World, kubectl, applied: bool) -> None:
     finally:
         w.delete_webhooks()
         for c in w.controllers:
-            if c.proc is not None and c.proc.poll() is None:
-                c.signal(15)  # SIGTERM: releases the Lease for the next test
-                try:
-                    c.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    c.stop()
+            c.terminate()  # releases the Lease for the next test
         w.cluster.scrub()  # claims or finalizers the controller gave other tests' leftovers
         for delete in (lambda: w.objs.delete_cluster_custom_object(*GKM, "clustergkmcachenodes", NODE),
                        lambda: w.core.delete_node(NODE)):

@@ -1,4 +1,4 @@
-"""The suite's alert rules and dashboard (daemonsets/monitoring/): checked by Prometheus' own
+"""The suite's alert rules and dashboard (overlays/monitoring/): checked by Prometheus' own
 promtool, unit-tested with series the test writes, and every metric they name is one a daemon
 really exports (each daemon is started and scraped)."""
 
@@ -24,8 +24,8 @@ from tests.conftest import ROOT, http_get, require, require_root
 from tests.controller.conftest import admin, controller_rbac, controllers, fresh_lease  # noqa: F401 (fixtures)
 from tests.csi.conftest import Node, free_ports
 
-RULES = ROOT / "daemonsets" / "monitoring" / "accelnode.rules.yml"
-DASHBOARD = ROOT / "daemonsets" / "monitoring" / "accelnode-dashboard.json"
+RULES = ROOT / "overlays" / "monitoring" / "accelnode.rules.yml"
+DASHBOARD = ROOT / "overlays" / "monitoring" / "accelnode-dashboard.json"
 METRIC = re.compile(r"\baccelnode_[a-z0-9_]+")
 
 
