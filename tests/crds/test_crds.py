@@ -14,7 +14,8 @@ from kubernetes.client.rest import ApiException
 from tests.conftest import ROOT
 from tests.fixtures.cluster import load_manifests, status_message
 
-EXAMPLES = sorted((ROOT / "examples" / "gkm").glob("*.yaml")) + sorted((ROOT / "examples" / "tpu").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples" / "gkm").glob("*.yaml")) + sorted((ROOT / "examples" / "tpu").glob("*.yaml")) + [
+    ROOT / "examples" / "tpu" / "walkthrough" / "10-tpunodegroup.yaml"]
 PLURALS = {"GKMCache": "gkmcaches", "ClusterGKMCache": "clustergkmcaches", "GKMCacheNode": "gkmcachenodes",
            "ClusterGKMCacheNode": "clustergkmcachenodes", "TPUNodeGroup": "tpunodegroups",
            "WorkloadPolicy": "workloadpolicies", "InstanceTemplate": "instancetemplates",
