@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,6 +373,29 @@ def test_a_cache_stuck_pending_on_gkm_is_bound_here_or_says_why(world):
         got, "Resolved")["message"], got
     assert cond(got, "Ready")["reason"] == "Unresolved" and not status(got).get("resolvedDigest")
     assert "gkm.io/resolvedDigest not set" in world.applied.stderr, world.applied.stderr  # the apply's warning
+
+
+def test_the_stuck_cache_heals_once_its_tag_is_pushed(world, registry, kubectl):
+    """examples/gkm/README.md's promise for the never-pushed tag: push it, and the cache is
+    pinned. ImageNotFound is retried with the controller's backoff (up to 5 minutes apart); any
+    edit of the cache retries at once (its admission pins it), which is what the test does, as a
+    user in a hurry would."""
+    tag = "vector-add-cache-rocm-v4"
+    files = {"xla/vector_add.bin": b"\x04" * 4096, "xla/index.txt": f"vector-add {tag}\n".encode()}
+    ref = registry.push(make_cache(world.tmp / "src" / tag, files), REPO, tag=tag, kind="jax",
+                        targets=[{"backend": "tpu", "arch": "v5e"}])
+    digest = ref.rsplit("@", 1)[1]
+    try:
+        out = kubectl("admin", "annotate", "gkmcache", NEXT, "-n", NS_INFERENCE, "example.com/nudge=1")
+        assert out.returncode == 0, out.stderr
+        assert eventually(lambda: pinned(world.cache(NEXT, NS_INFERENCE), digest), timeout=WAIT), \
+            world.cache(NEXT, NS_INFERENCE)
+        assert cond(world.cache(NEXT, NS_INFERENCE), "Ready").get("reason") != "Unresolved"
+    finally:
+        # the registry is the session's: other tests (tests/node/test_examples.py) need this tag missing
+        req = urllib.request.Request(f"http://{registry.host}/v2/{REPO}/manifests/{digest}", method="DELETE")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 202, resp.status
 
 
 def test_a_kubelet_shaped_publish_mounts_the_pinned_digest(world, node):
