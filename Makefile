@@ -8,6 +8,8 @@
 #   make demo-plugin  quick: the device plugin alone on a simulated TPU host, as kubelet sees it
 #   make image    the accelnode image as an OCI archive without a container engine (docs/image.md)
 #   make cluster  local etcd + kube-apiserver in the foreground (docs/local-cluster.md)
+#   make gce-emulator  the GCE Compute API emulator on 127.0.0.1:$(GCE_PORT) (docs/tpu-node-groups.md)
+#   make metadata-emulator  the GCE metadata server emulator on 127.0.0.1:$(METADATA_PORT) (docs/bootstrap.md)
 #   make test     every test (unit + integration against real peers)
 #   make bench    every benchmark; `make bench GROUP=device_plugin` for one group; fails when a printed
 #                 target is missed unless `make bench BENCH_ARGS=--report-only` (bench/run.py)
@@ -28,7 +30,9 @@ TOOLS :=
 # Each tools/mk/*.mk adds its binaries to TOOLS and says how to build them.
 include $(wildcard tools/mk/*.mk)
 
-.PHONY: system-deps deps tools proto demo demo-plugin image test bench clean
+.PHONY: system-deps deps tools proto demo demo-plugin image gce-emulator metadata-emulator test bench clean
+GCE_PORT ?= 8089
+METADATA_PORT ?= 8090
 
 system-deps:
 	@tools/install-system-deps.sh
@@ -45,16 +49,22 @@ tools: system-deps
 
 PROTOS := $(wildcard proto/*.proto)
 proto: deps
-	$(PY) -m accelnode.protogen --out accelnode/pb $(PROTOS)
+	$(PY) tools/protogen.py --out accelnode/pb $(PROTOS)
 
 demo: deps tools
-	$(PY) -m accelnode.testing.nodedemo --tools-bin $(TOOLS_BIN)
+	$(PY) -m tests.rigs.nodedemo --tools-bin $(TOOLS_BIN)
 
 demo-plugin: deps
-	$(PY) -m accelnode.testing.demo
+	$(PY) -m tests.rigs.demo
 
 image: deps system-deps
-	$(PY) -m accelnode.testing.image
+	$(PY) -m tests.rigs.image
+
+gce-emulator: deps
+	$(PY) -m tests.rigs.gce --port $(GCE_PORT)
+
+metadata-emulator: deps
+	$(PY) -m tests.rigs.metadata --port $(METADATA_PORT)
 
 test: deps tools
 	@echo "tests: $(TESTS)"

@@ -23,7 +23,7 @@ COMPONENTS = [
     "csi_driver.cli",
     "agent.cli",
     "agent.cache_cli",
-    "agent.bootstrap_cli",
+    "bootstrap.cli",
     "controller.cli",
 ]
 

@@ -31,10 +31,10 @@ import psutil
 from kubernetes import client, config
 
 from accelnode import grpcutil
-from accelnode.testing.devcluster import ControlPlane
+from tests.rigs.devcluster import ControlPlane
 from agent.api import agent as agent_api
 from agent.api import agent_grpc
-from accelnode.testing.simhost import SimHost
+from tests.rigs.simhost import SimHost
 from tests.agent.conftest import AGENT_USER, TPU_LABELS, make_cache
 from tests.conftest import ROOT, TOOLS_BIN, accelnode_cmd, tool
 from tests.csi.conftest import free_ports

@@ -5,7 +5,7 @@ A real control plane (etcd, kube-apiserver, kube-controller-manager whose bootst
 cluster-info), the metadata server emulator, and per run one real ``accelnode bootstrap``
 process (``--dry-run``, the real kubeadm behind a wrapper that notes the moment it is started)
 parked in its long poll on the attributes directory. The token is the controller's
-(controller/jointoken.py), made once and signed before the runs, as the controller hands it out
+(controller/nodegroups/jointokens.py), made once and signed before the runs, as the controller hands it out
 (``JoinTokens.signed``). Each run writes the three attributes and measures until the kubeadm
 process starts: the long poll's wake-up, discovery against the API server (two cluster-info
 reads, the JWS check, the CA pin) and writing the JoinConfiguration. 20 runs
@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accelnode.kube.client import Client, Config  # noqa: E402
-from accelnode.testing.devcluster import ControlPlane  # noqa: E402
-from accelnode.testing.metadata import MetadataServer  # noqa: E402
-from controller.jointoken import JoinTokens  # noqa: E402
+from tests.rigs.devcluster import ControlPlane  # noqa: E402
+from tests.rigs.metadata import MetadataServer  # noqa: E402
+from controller.nodegroups.jointokens import JoinTokens  # noqa: E402
 from tests.conftest import TOOLS_BIN, accelnode_cmd, tool  # noqa: E402
 
 G = "bootstrap"

@@ -68,8 +68,8 @@ import yaml
 
 from accelnode.kube.client import Client, Config, KubeError
 from accelnode.kube.reflector import Reflector
-from accelnode.testing import devcluster
-from accelnode.testing.devcluster import ControlPlane
+from tests.rigs import devcluster
+from tests.rigs.devcluster import ControlPlane
 from accelnode.oci import signatures as sg
 from tests.cache.cosign import Cosign
 from tests.cache.test_store import triton_tree

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psutil
 
-from accelnode.testing.kubelet_harness import KubeletHarness
-from accelnode.testing.simhost import SimHost
+from tests.rigs.kubelet_harness import KubeletHarness
+from tests.rigs.simhost import SimHost
 
 G = "device_plugin"
 EVENT_TRIALS = 60

@@ -1,4 +1,4 @@
-"""The node as users run it (accelnode/testing/nodedemo.py's rig: a real kubelet, containerd, our
+"""The node as users run it (tests/rigs/nodedemo.py's rig: a real kubelet, containerd, our
 image, ``kubectl apply -k daemonsets/``):
 
 - ``suite_ready_s``: apply -> every accelnode pod Ready (the image already in containerd);
@@ -62,8 +62,8 @@ def daemons() -> list[psutil.Process]:
 
 
 def main() -> None:
-    from accelnode.testing.node import inline, workload
-    from accelnode.testing.nodedemo import NS, Demo
+    from tests.rigs.node import inline, workload
+    from tests.rigs.nodedemo import NS, Demo
 
     tools = Path(os.environ.get("ACCELNODE_TOOLS_BIN", ROOT / ".tools/bin"))
     workdir = Path(tempfile.mkdtemp(prefix="accelnode-bench-e2e-"))

@@ -1,7 +1,7 @@
 """TPU node-group benchmark: the real ``accelnode controller --tpu-node-groups`` as a subprocess
 (controller identity, daemonsets/rbac-controller*.yaml) against a control plane of its own whose
 audit log records every call the controller makes, and the GCE emulator
-(accelnode/testing/gce.py) in this process. A VM "joins" when the benchmark sees the join token
+(tests/rigs/gce.py) in this process. A VM "joins" when the benchmark sees the join token
 in its metadata: it registers the Node (with the VM's providerID, Ready) as kubelet would.
 
 1. Provisioning: one BULK group of 64 v6e VMs (ct6e-standard-4t, topology 16x16) from creation
@@ -34,9 +34,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from bench_controller import CONTROLLER_USER, Audit, resource, wait_established, wait_for  # noqa: E402
 
 from accelnode.kube.client import Client, Config, KubeError, custom_path  # noqa: E402
-from accelnode.testing import devcluster  # noqa: E402
-from accelnode.testing.devcluster import ControlPlane  # noqa: E402
-from accelnode.testing.gce import Server  # noqa: E402
+from tests.rigs import devcluster  # noqa: E402
+from tests.rigs.devcluster import ControlPlane  # noqa: E402
+from tests.rigs.gce import Server  # noqa: E402
 from tests.conftest import ROOT, TOOLS_BIN, accelnode_cmd, tool  # noqa: E402
 from tests.csi.conftest import free_ports  # noqa: E402
 

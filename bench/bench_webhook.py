@@ -1,7 +1,7 @@
 """TPU environment webhook benchmark: admission latency at a fixed rate over TLS.
 
 The server is a process of its own serving exactly what ``accelnode controller`` serves for
-these webhooks (controller/admission.py's AdmissionServer with controller/envhooks.py's routes,
+these webhooks (controller/webhooks/server.py's AdmissionServer with controller/tpuenv/webhooks.py's routes,
 logging JSON at info as the daemon does) on 127.0.0.1 with a test CA's certificate. The client
 sends AdmissionReviews open-loop at ``RATE`` requests per second for ``ACCELNODE_BENCH_WEBHOOK_S``
 seconds (default 60) per mode, round-robin over three requests as the API server sends them
@@ -56,8 +56,8 @@ def pct(samples: list[float], q: float) -> float:
 
 
 def reviews() -> list[tuple[str, bytes]]:
-    from controller import tpuenv as t
-    from controller.envhooks import MUTATE_JOB, MUTATE_POD, MUTATE_STATEFULSET
+    from controller.tpuenv import patches as t
+    from controller.tpuenv.webhooks import MUTATE_JOB, MUTATE_POD, MUTATE_STATEFULSET
 
     tpu = {"limits": {t.TPU_RESOURCE: "4"}, "requests": {t.TPU_RESOURCE: "4"}}
     container = {"name": "worker", "image": "us-docker.pkg.dev/project/repo/trainer:v1",
@@ -100,8 +100,8 @@ def reviews() -> list[tuple[str, bytes]]:
 def serve(cert: str, key: str) -> None:
     """The server process: prints its port, serves until stdin closes."""
     from accelnode import log as alog
-    from controller.admission import AdmissionServer
-    from controller.envhooks import routes
+    from controller.webhooks.server import AdmissionServer
+    from controller.tpuenv.webhooks import routes
 
     alog.setup("info", "json", stream=open(os.devnull, "w"))
     server = AdmissionServer("127.0.0.1:0", cert, key, routes()).start()

@@ -87,7 +87,7 @@ def register(sub) -> None:
                         "(needs the tpu.google.com CRDs and daemonsets/rbac-controller-nodegroups.yaml)")
     g.add_argument("--gce-endpoint", metavar="URL",
                    help="Compute API endpoint with anonymous credentials, e.g. the emulator "
-                        "(python -m accelnode.testing.gce); default: compute.googleapis.com with Application "
+                        "(`make gce-emulator` in a checkout, docs/tpu-node-groups.md); default: compute.googleapis.com with Application "
                         "Default Credentials")
     g.add_argument("--node-group-poll", type=float, default=10.0, metavar="SECONDS",
                    help="how often GCE operations and joining nodes are looked at (default: %(default)s)")
@@ -130,6 +130,23 @@ def default_namespace() -> str:
         return DEFAULT_NAMESPACE
 
 
+def always_running(client, resolver) -> list:
+    """The reconcilers every controller runs; ``--tpu-node-groups`` and the self-managed webhook
+    certificate add theirs in :func:`run`. ``resolver`` is the process's
+    :class:`controller.caches.pinning.Resolver`, shared with the admission webhooks so that an
+    image resolved at admission is not asked of the registry again."""
+    from controller.caches.claims import clustergkmcache_claims_reconciler, gkmcache_claims_reconciler
+    from controller.caches.reconciler import clustergkmcache_reconciler, gkmcache_reconciler
+    from controller.tpuenv.scale import statefulset_env_reconciler
+
+    return [
+        gkmcache_reconciler(client, resolver), clustergkmcache_reconciler(client, resolver),  # docs/cache-controller.md
+        gkmcache_claims_reconciler(client, resolver),  # PV/PVC per workload namespace (docs/cache-claims.md)
+        clustergkmcache_claims_reconciler(client, resolver),
+        statefulset_env_reconciler(client, resolver),  # TPU env of StatefulSets scaled through /scale (docs/tpu-env.md)
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
     import signal
@@ -143,15 +160,15 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.log import kv
     from accelnode.oci.flags import registry_options
 
-    from .admission import AdmissionMetrics, AdmissionServer
-    from .cabundle import CABundleReconciler
-    from .cachehooks import ControllerIdentity
-    from .cachehooks import routes as cache_routes
-    from .envhooks import routes as env_routes
-    from .certs import Policy, ServingCerts, service_names
-    from .leader import LeaderElector, Timing
-    from .manager import RECONCILERS, Manager
-    from .pinning import Resolver
+    from controller.webhooks.server import AdmissionMetrics, AdmissionServer
+    from controller.webhooks.cabundle import CABundleReconciler
+    from controller.caches.webhooks import ControllerIdentity
+    from controller.caches.webhooks import routes as cache_routes
+    from controller.tpuenv.webhooks import routes as env_routes
+    from controller.webhooks.certs import Policy, ServingCerts, service_names
+    from controller.runtime.leader import LeaderElector, Timing
+    from controller.runtime.manager import Manager
+    from controller.caches.pinning import Resolver
 
     log = logging.getLogger("accelnode.controller")
     timing = Timing(args.lease_duration, args.renew_deadline, args.retry_period)
@@ -182,10 +199,10 @@ def run(args: argparse.Namespace) -> int:
 
     resolver = Resolver(registry_options(args))  # one per process: webhooks and reconcilers share its answers
     registry = CollectorRegistry()
-    reconcilers = [factory(client, resolver) for factory in RECONCILERS]
+    reconcilers = always_running(client, resolver)
     if args.tpu_node_groups:
-        from . import nodegroups
-        from .gce import GCE
+        from controller.nodegroups import reconciler as nodegroups
+        from controller.nodegroups.compute import GCE
 
         if args.node_group_poll <= 0 or args.drain_timeout < 0 or not 0 < args.join_api_server_port < 65536:
             raise exitcodes.CLIError("--node-group-poll must be positive, --drain-timeout not negative and "

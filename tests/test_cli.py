@@ -10,7 +10,11 @@ import subprocess
 
 import pytest
 
-from accelnode import cli, exitcodes, grpcutil
+from accelnode import cli
+
+from accelnode import exitcodes
+
+from accelnode import grpcutil
 from tests.conftest import accelnode_cmd
 
 

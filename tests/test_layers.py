@@ -1,9 +1,13 @@
 """The layout rule (docs/development.md, "Layers"), checked on every import statement of the tree.
 
-* Components (device_plugin, csi_driver, agent, controller) never import each other.
+* Components (device_plugin, csi_driver, agent, bootstrap, controller) never import each other.
+* Inside the controller, the capabilities (caches, tpuenv, nodegroups) use the runtime and the
+  webhook server, never each other; the runtime imports no capability and no webhook; the
+  webhook server imports the runtime only; ``controller.cli`` is the wiring and may import all.
 * Shared libraries under ``accelnode/`` import no component, no gRPC and no stubs; the libraries
   by concern (oci, kube, hw) import only the core modules and themselves.
-* Nothing at run time imports the test rigs (``accelnode.testing``), tests or benchmarks.
+* Nothing at run time imports the test rigs (``tests.rigs``), tests, tools or benchmarks, and the
+  rigs are not part of the runtime tree at all (tests/test_package.py checks the wheel's contents).
 * Runtime dependencies in pyproject are exactly the third-party packages runtime code imports;
   what only tests, rigs and tools import lives in the extras.
 """
@@ -18,12 +22,15 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-COMPONENTS = ("device_plugin", "csi_driver", "agent", "controller")
+COMPONENTS = ("device_plugin", "csi_driver", "agent", "bootstrap", "controller")
 CORE = ("accelnode", "accelnode.cli", "accelnode.exitcodes", "accelnode.log", "accelnode.health",
         "accelnode.httpserve", "accelnode.grpcutil")
 LIBRARIES = ("accelnode.oci", "accelnode.kube", "accelnode.hw", "accelnode.gce")
-# Modules outside the runtime: the test rigs and the stub generator (a build tool, `make proto`).
-NOT_RUNTIME = ("accelnode.testing", "accelnode.protogen", "accelnode.pb")
+# Generated code (``make proto``, tools/protogen.py): held to no rule.
+NOT_RUNTIME = ("accelnode.pb",)
+CONTROLLER_RUNTIME = ("controller.runtime",)
+CONTROLLER_WEBHOOKS = ("controller.webhooks",)
+CAPABILITIES = ("controller.caches", "controller.tpuenv", "controller.nodegroups")
 # Imported only where present, inside a try (NVML on GPU nodes).
 OPTIONAL = {"pynvml"}
 # Third-party imports that are not runtime dependencies of their own (they come with one that is).
@@ -90,7 +97,39 @@ def _existing(names: set[str]) -> set[str]:
 def test_every_package_is_checked():
     assert _within("agent.core", COMPONENTS) and not _within("agents", COMPONENTS)
     assert {"accelnode.oci.registry", "accelnode.kube.client", "accelnode.hw.tpu", "agent.core",
-            "accelnode.testing.simhost"} <= set(FILES)
+            "bootstrap.poller", "controller.runtime.runner", "controller.caches.reconciler"} <= set(FILES)
+    for pkg in CAPABILITIES + CONTROLLER_RUNTIME + CONTROLLER_WEBHOOKS:
+        assert pkg in FILES, f"{pkg} is not a package"
+    # every controller module belongs to exactly one layer, or is the wiring
+    loose = [m for m in FILES if _within(m, ("controller",)) and m not in ("controller", "controller.cli")
+             and not _within(m, CAPABILITIES + CONTROLLER_RUNTIME + CONTROLLER_WEBHOOKS)]
+    assert loose == [], f"controller modules outside runtime, webhooks and the capabilities: {loose}"
+
+
+def test_rigs_and_tools_are_not_in_the_runtime_tree():
+    assert not (ROOT / "accelnode" / "testing").exists()
+    assert not (ROOT / "accelnode" / "protogen.py").exists()
+    assert [m for m in FILES if "testing" in m.split(".") or m.endswith("protogen")] == []
+
+
+def test_controller_capabilities_use_the_runtime_never_each_other():
+    wrong = []
+    for mod, path in FILES.items():
+        if not _within(mod, ("controller",)) or mod in ("controller", "controller.cli"):
+            continue
+        own_capability = next((c for c in CAPABILITIES if _within(mod, (c,))), None)
+        for name in _existing(_imports(path)):
+            if not _within(name, ("controller",)) or name == "controller":
+                continue
+            if _within(name, ("controller.cli",)):
+                wrong.append(f"{mod} imports the wiring {name}")
+            elif _within(mod, CONTROLLER_RUNTIME) and not _within(name, CONTROLLER_RUNTIME):
+                wrong.append(f"{mod} (runtime) imports {name}")
+            elif _within(mod, CONTROLLER_WEBHOOKS) and _within(name, CAPABILITIES):
+                wrong.append(f"{mod} (webhook server) imports the capability {name}")
+            elif own_capability and _within(name, CAPABILITIES) and not _within(name, (own_capability,)):
+                wrong.append(f"{mod} ({own_capability}) imports another capability: {name}")
+    assert wrong == []
 
 
 def test_components_never_import_each_other():
@@ -108,7 +147,7 @@ def test_components_never_import_each_other():
 def test_shared_libraries_import_no_component_and_no_grpc():
     wrong = []
     for mod, path in FILES.items():
-        if not mod.startswith("accelnode") or _within(mod, ("accelnode.testing", "accelnode.pb")):
+        if not mod.startswith("accelnode") or _within(mod, ("accelnode.pb",)):
             continue
         for name in _imports(path):
             if _within(name, COMPONENTS) or _within(name, ("tests", "bench")):
@@ -128,7 +167,7 @@ def test_nothing_at_run_time_imports_the_test_rigs():
         if _within(mod, NOT_RUNTIME):
             continue
         for name in _imports(path):
-            if _within(name, ("accelnode.testing", "tests", "bench", "pytest")):
+            if _within(name, ("tests", "bench", "tools", "pytest")):
                 wrong.append(f"{mod} imports {name}")
     assert wrong == []
 

@@ -9,7 +9,11 @@ import json
 import logging
 import threading
 
-from accelnode import cli, exitcodes, log as alog
+from accelnode import cli
+
+from accelnode import exitcodes
+
+from accelnode import log as alog
 
 
 def _records(stream: io.StringIO) -> list[dict]:

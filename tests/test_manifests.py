@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.certs import service_names
+from controller.webhooks.certs import service_names
 from tests.conftest import tool
 
 ROOT = Path(__file__).resolve().parent.parent

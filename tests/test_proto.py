@@ -8,11 +8,16 @@ csi-sanity) puts on the wire.
 """
 
 import importlib
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from accelnode import protogen
+from tests.conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("protogen", ROOT / "tools" / "protogen.py")
+protogen = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(protogen)
 
 PROTO_DIR = Path(protogen.PROTO_DIR)
 

@@ -139,8 +139,10 @@ class Node:
     def __init__(self, root: Path, name: str, control_plane, registry):
         from accelnode import grpcutil
         from accelnode.hw import accelerators
-        from accelnode.testing.simhost import SimHost
-        from agent import core, reporter, service
+        from tests.rigs.simhost import SimHost
+        from agent import core
+        from agent import reporter
+        from agent import service
         from agent.store import CacheStore
         from prometheus_client import CollectorRegistry
 

@@ -17,7 +17,7 @@ RDNA3 = Accelerator("hip", "gfx1100", 1, "pci 1002:744c")
 
 @pytest.fixture
 def host(tmp_path):
-    from accelnode.testing.simhost import SimHost
+    from tests.rigs.simhost import SimHost
 
     require_root()
     return SimHost(tmp_path / "host")

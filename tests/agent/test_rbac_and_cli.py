@@ -41,7 +41,7 @@ def test_agent_identity_cannot_write_outside_its_role(control_plane, cluster, no
 
 
 def test_agent_process_reports_status(tmp_path, control_plane, cluster, images, kube_namespace, registry):
-    from accelnode.testing.simhost import SimHost
+    from tests.rigs.simhost import SimHost
     from tests.csi.conftest import Daemon, free_ports
     from tests.agent.conftest import TPU_LABELS
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from accelnode.kube.client import Client, Config
-from accelnode.testing.metadata import MetadataServer
-from controller.jointoken import JoinTokens
+from tests.rigs.metadata import MetadataServer
+from controller.nodegroups.jointokens import JoinTokens
 from tests.conftest import accelnode_cmd, tool
 
 

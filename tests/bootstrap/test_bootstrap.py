@@ -120,7 +120,7 @@ def test_kubeadm_itself_accepts_our_join_configuration(tmp_path):
 
     import yaml
 
-    from agent.bootstrap import JoinValues, join_configuration
+    from bootstrap.poller import JoinValues, join_configuration
 
     values = JoinValues.from_attributes({"kubeadm-join-token": "abcdef.0123456789abcdef",
                                          "kubeadm-control-plane-ip": "10.0.0.2", "kubeadm-ca-hash": "sha256:" + "a" * 64})
@@ -159,7 +159,7 @@ def test_prerequisites_and_an_absent_metadata_server_are_clear_exits(tmp_path):
     import os
     import subprocess
 
-    from accelnode.testing.devcluster import free_port
+    from tests.rigs.devcluster import free_port
     from tests.conftest import accelnode_cmd
 
     env = dict(os.environ, GCE_METADATA_HOST=f"127.0.0.1:{free_port()}")

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from agent.bootstrap import (BadMetadata, BadSignature, JoinValues, join_configuration, provider_id,
+from bootstrap.poller import (BadMetadata, BadSignature, JoinValues, join_configuration, provider_id,
                              verify_detached_jws)
 
 HASH = "sha256:" + "ab" * 32
@@ -109,9 +109,9 @@ def test_waiting_survives_a_metadata_server_that_is_not_up_yet():
     import time
 
     from accelnode.gce.metadata import Metadata
-    from accelnode.testing.devcluster import free_port
-    from accelnode.testing.metadata import MetadataServer
-    from agent.bootstrap import wait_for_join_values
+    from tests.rigs.devcluster import free_port
+    from tests.rigs.metadata import MetadataServer
+    from bootstrap.poller import wait_for_join_values
 
     port = free_port()
     servers = []
@@ -133,8 +133,8 @@ def test_waiting_survives_a_metadata_server_that_is_not_up_yet():
 
 def test_waiting_ends_with_a_clear_error_after_the_timeout():
     from accelnode.gce.metadata import Metadata
-    from accelnode.testing.metadata import MetadataServer
-    from agent.bootstrap import ServerUnreachable, wait_for_join_values
+    from tests.rigs.metadata import MetadataServer
+    from bootstrap.poller import ServerUnreachable, wait_for_join_values
 
     with MetadataServer(attributes={"kubeadm-join-token": "abcdef.0123456789abcdef"}) as md:
         with pytest.raises(ServerUnreachable, match="did not appear in the instance metadata"):

@@ -1,4 +1,4 @@
-"""The metadata server emulator (accelnode/testing/metadata.py) speaks the protocol the real one
+"""The metadata server emulator (tests/rigs/metadata.py) speaks the protocol the real one
 does, and the client (accelnode/gce/metadata.py) uses it as Google's clients do."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from accelnode.gce.metadata import Metadata, MetadataError, NotFound, metadata_host
-from accelnode.testing.metadata import MetadataServer
+from tests.rigs.metadata import MetadataServer
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ def test_the_emulator_runs_standalone():
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "accelnode.testing.metadata", "--name", "vm-x",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.rigs.metadata", "--name", "vm-x",
                              "--attribute", "kube-labels=a=b"], stdout=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()
@@ -160,6 +160,6 @@ def test_the_emulator_runs_standalone():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    bad = subprocess.run([sys.executable, "-m", "accelnode.testing.metadata", "--attribute", "novalue"],
+    bad = subprocess.run([sys.executable, "-m", "tests.rigs.metadata", "--attribute", "novalue"],
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "is not KEY=VALUE" in bad.stderr

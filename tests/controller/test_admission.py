@@ -1,4 +1,4 @@
-"""The admission server (controller/admission.py) with a real TLS client on loopback: uid echo,
+"""The admission server (controller/webhooks/server.py) with a real TLS client on loopback: uid echo,
 JSON Patch encoding, bad input, failing handlers, TLS floor and certificate reload."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from controller.admission import AdmissionServer, allow, deny
+from controller.webhooks.server import AdmissionServer, allow, deny
 
 
 class CA:
@@ -193,7 +193,7 @@ def test_a_new_certificate_is_served_to_new_handshakes_without_restart(server, t
 def test_answers_are_counted_by_path_and_kind_and_timed(tls):
     from prometheus_client import CollectorRegistry
 
-    from controller.admission import AdmissionMetrics
+    from controller.webhooks.server import AdmissionMetrics
 
     ca, cert, key, der = tls
     registry = CollectorRegistry()

@@ -15,12 +15,12 @@ import uuid
 import pytest
 
 from accelnode.kube.client import Client, Config
-from controller.admission import AdmissionServer, allow
-from controller.cachehooks import (MUTATE_CLUSTERGKMCACHE, MUTATE_GKMCACHE, VALIDATE_CLUSTERGKMCACHE,
+from controller.webhooks.server import AdmissionServer, allow
+from controller.caches.webhooks import (MUTATE_CLUSTERGKMCACHE, MUTATE_GKMCACHE, VALIDATE_CLUSTERGKMCACHE,
                                    VALIDATE_GKMCACHE, CacheHooks, ControllerIdentity, whoami)
-from controller.pinning import DIGEST_ANNOTATION as D
-from controller.pinning import SIZE_ANNOTATION as S
-from controller.pinning import Resolver
+from controller.caches.pinning import DIGEST_ANNOTATION as D
+from controller.caches.pinning import SIZE_ANNOTATION as S
+from controller.caches.pinning import Resolver
 from tests.cache.test_store import triton_tree
 from tests.controller.test_admission import CA
 from tests.csi.conftest import free_ports

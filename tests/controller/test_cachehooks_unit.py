@@ -1,4 +1,4 @@
-"""The cache webhooks' decisions without a server (controller/cachehooks.py): the JSON Patch,
+"""The cache webhooks' decisions without a server (controller/caches/webhooks.py): the JSON Patch,
 the pin plan, the rule on who may write the pin, the controller's identity, the registry budget."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import threading
 import pytest
 
 from accelnode.oci.errors import AuthError, ImageNotFound, RegistryUnavailable
-from controller.cachehooks import (BadCache, CacheHooks, ControllerIdentity, Unpinned, annotation_patch, check_pin,
+from controller.caches.webhooks import (BadCache, CacheHooks, ControllerIdentity, Unpinned, annotation_patch, check_pin,
                                    image_of, plan_pin)
-from controller.pinning import DIGEST_ANNOTATION as D
-from controller.pinning import SIZE_ANNOTATION as S
-from controller.pinning import Pin
+from controller.caches.pinning import DIGEST_ANNOTATION as D
+from controller.caches.pinning import SIZE_ANNOTATION as S
+from controller.caches.pinning import Pin
 
 IMAGE = "registry.example.com:5000/caches/jax:v1"
 A = "sha256:" + "a" * 64

@@ -1,4 +1,4 @@
-"""The GKMCache / ClusterGKMCache reconciler (controller/caches.py) in-process, as the
+"""The GKMCache / ClusterGKMCache reconciler (controller/caches/reconciler.py) in-process, as the
 controller's identity with daemonsets/rbac-controller-caches.yaml applied, against the real
 kube-apiserver and the local registry: pinning, registry outages, the agents' node objects summed
 into the cache's status, no writes in steady state, coalesced writes under churn, rolls."""
@@ -17,10 +17,10 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 
 from accelnode.kube.client import Client, Config, KubeError, custom_path
-from controller.caches import clustergkmcache_reconciler, gkmcache_reconciler
-from controller.core import Controller, Metrics
-from controller.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Resolver
-from controller.queue import Backoff
+from controller.caches.reconciler import clustergkmcache_reconciler, gkmcache_reconciler
+from controller.runtime.runner import Controller, Metrics
+from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Resolver
+from controller.runtime.queue import Backoff
 from tests.agent.conftest import eventually, make_cache
 from tests.conftest import ROOT, require
 from tests.fixtures.registry import RunningRegistry

@@ -1,4 +1,4 @@
-"""The cache reconciler's pure parts (controller/cachestatus.py, controller/caches.Mentions):
+"""The cache reconciler's pure parts (controller/caches/status.py, controller/caches.Mentions):
 which pin a cache has without asking a registry, the annotations that mirror it, the sum of the
 agents' per-node entries and the condition that summarises it."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from accelnode.oci import errors
-from controller import cachestatus as cs
-from controller.caches import Mentions, keep_node
-from controller.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
+from controller.caches import status as cs
+from controller.caches.reconciler import Mentions, keep_node
+from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
 
 D1 = "sha256:" + "1" * 64
 D2 = "sha256:" + "2" * 64

@@ -1,5 +1,5 @@
-"""The pure parts of the self-managed webhook certificates: controller/certs.py's plan (what the
-Secret should hold at a given time), the policy's limits, controller/cabundle.py's choice of
+"""The pure parts of the self-managed webhook certificates: controller/webhooks/certs.py's plan (what the
+Secret should hold at a given time), the policy's limits, controller/webhooks/cabundle.py's choice of
 webhooks, and the CLI's durations. The certificates are checked with cryptography's own
 verification (chain to a CA of the bundle, names, key usage)."""
 
@@ -14,8 +14,8 @@ from cryptography import x509
 from cryptography.x509.verification import DNSName, PolicyBuilder, Store
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from controller.cabundle import set_ca_bundle
-from controller.certs import (BACKDATE, RENEW_AT, Policy, expires_at, issued_at, parse_bundle, plan, renew_at,
+from controller.webhooks.cabundle import set_ca_bundle
+from controller.webhooks.certs import (BACKDATE, RENEW_AT, Policy, expires_at, issued_at, parse_bundle, plan, renew_at,
                               service_names)
 from controller.cli import parse_duration
 

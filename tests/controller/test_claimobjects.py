@@ -1,4 +1,4 @@
-"""The claims reconciler's pure parts (controller/claimobjects.py): the names, the PV and PVC it
+"""The claims reconciler's pure parts (controller/caches/volumes.py): the names, the PV and PVC it
 makes (the shared contract, and what the CSI driver reads), capacities, and the status entries."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import hashlib
 
 import pytest
 
-from controller import claimobjects as co
-from controller.pinning import SIZE_ANNOTATION
+from controller.caches import volumes as co
+from controller.caches.pinning import SIZE_ANNOTATION
 from csi_driver import resolve
 
 NS_CACHE = co.CacheId(False, "team-a", "kernels", "uid-1")

@@ -1,4 +1,4 @@
-"""The claims reconciler (controller/claims.py) in-process, as the controller's identity with
+"""The claims reconciler (controller/caches/claims.py) in-process, as the controller's identity with
 daemonsets/rbac-controller-claims.yaml applied, beside the cache reconciler, against the real
 kube-apiserver and kube-controller-manager (PV/PVC binding, pvc-protection, garbage collection
 are theirs): a PV/PVC pair per workload namespace, bound with no provisioner; namespaces added
@@ -17,12 +17,12 @@ from prometheus_client import CollectorRegistry
 
 from accelnode.kube.client import Client, Config, KubeError
 from accelnode.oci.registry import RegistryOptions
-from controller import claimobjects as co
-from controller.caches import clustergkmcache_reconciler, gkmcache_reconciler
-from controller.claims import ClaimsReconciler
-from controller.core import Controller, Metrics
-from controller.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Resolver
-from controller.queue import Backoff
+from controller.caches import volumes as co
+from controller.caches.reconciler import clustergkmcache_reconciler, gkmcache_reconciler
+from controller.caches.claims import ClaimsReconciler
+from controller.runtime.runner import Controller, Metrics
+from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Resolver
+from controller.runtime.queue import Backoff
 from csi_driver import resolve
 from tests.agent.conftest import eventually
 from tests.conftest import ROOT

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
-from controller.conditionmetrics import ConditionsCollector
-from controller.reconciler import Watch
+from controller.runtime.conditions import ConditionsCollector
+from controller.runtime.reconciler import Watch
 
 
 class Copy:  # the part of a Reflector the collector reads

@@ -1,4 +1,4 @@
-"""The reconciler core (controller/core.py): watch-driven and periodic reconciles against the real
+"""The reconciler core (controller/runtime/runner.py): watch-driven and periodic reconciles against the real
 kube-apiserver, results and backoff, clean shutdown, and writes only on change."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from accelnode.kube.client import Client, KubeError, custom_path
-from controller.core import Controller, Metrics
-from controller.queue import Backoff
-from controller.reconciler import Reconciler, Result, Watch, object_key, split_key
-from controller.status import update_if_changed, update_status
+from controller.runtime.runner import Controller, Metrics
+from controller.runtime.queue import Backoff
+from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
+from controller.runtime.writes import update_if_changed, update_status
 from tests.agent.conftest import eventually
 
 COUNT = "test.accelnode.io/configmaps"

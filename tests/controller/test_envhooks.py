@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.admission import AdmissionServer
-from controller.envhooks import routes
-from controller.tpuenv import INJECT_LABEL, STATE_ANNOTATION
+from controller.webhooks.server import AdmissionServer
+from controller.tpuenv.webhooks import routes
+from controller.tpuenv.patches import INJECT_LABEL, STATE_ANNOTATION
 from tests.controller.test_admission import CA
 from tests.controlplane.test_controllers import eventually
 
@@ -324,9 +324,9 @@ def test_scale_through_the_scale_subresource_is_caught_up_by_the_reconciler(env,
     from prometheus_client import CollectorRegistry
 
     from accelnode.kube.client import Client, Config
-    from controller.core import Controller, Metrics
-    from controller.queue import Backoff
-    from controller.tpuscale import statefulset_env_reconciler
+    from controller.runtime.runner import Controller, Metrics
+    from controller.runtime.queue import Backoff
+    from controller.tpuenv.scale import statefulset_env_reconciler
 
     e, ns = env, env["ns"]
     out = kubectl("admin", "apply", "-f", str(ROOT / "daemonsets/namespace.yaml"),

@@ -1,5 +1,5 @@
-"""The GCE Compute emulator (accelnode/testing/gce.py) as the controller's client sees it
-(controller/gce.py over google-cloud-compute), and as raw REST: bodies checked against Google's
+"""The GCE Compute emulator (tests/rigs/gce.py) as the controller's client sees it
+(controller/nodegroups/compute.py over google-cloud-compute), and as raw REST: bodies checked against Google's
 discovery document, GCE's error JSON, paging, fingerprints, operations, faults."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from accelnode.testing.gce import BASE, Server
-from controller.gce import GCE, GCEError
+from tests.rigs.gce import BASE, Server
+from controller.nodegroups.compute import GCE, GCEError
 from tests.csi.conftest import free_ports
 
 P, R, Z = "my-tpu-project", "us-east5", "us-east5-b"
@@ -135,7 +135,7 @@ def test_stuck_provisioning_and_bulk_unplaceable(srv):
 
 def test_the_emulator_runs_standalone():
     (port,) = free_ports(1)
-    proc = subprocess.Popen([sys.executable, "-m", "accelnode.testing.gce", "--port", str(port), "--op-delay", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "tests.rigs.gce", "--port", str(port), "--op-delay", "0"],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == f"GCE emulator on http://127.0.0.1:{port}"

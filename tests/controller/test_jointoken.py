@@ -1,4 +1,4 @@
-"""Join tokens of node groups (controller/jointoken.py) against the real API server: the Secret
+"""Join tokens of node groups (controller/nodegroups/jointokens.py) against the real API server: the Secret
 the bootstrap-token authenticator accepts (a request with the token is the bootstrapper user in
 kubeadm's node group), reuse, renewal, revocation, and the CA hash kubeadm pins."""
 
@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from accelnode.kube.client import Client, Config, KubeError
-from controller.jointoken import (GROUP_LABEL, METADATA_KEYS, NODE_GROUP, SECRET_TYPE, TOKEN_RE, JoinInfo, JoinTokens,
+from controller.nodegroups.jointokens import (GROUP_LABEL, METADATA_KEYS, NODE_GROUP, SECRET_TYPE, TOKEN_RE, JoinInfo, JoinTokens,
                                   ca_cert_hash)
 
 SECRETS = "/api/v1/namespaces/kube-system/secrets"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 
 from accelnode.kube.client import Client
-from controller.leader import micro_time
+from controller.runtime.leader import micro_time
 from tests.agent.conftest import eventually
 from tests.conftest import http_get
 from tests.controller.conftest import LEASE_PATH, lease_spec

@@ -1,6 +1,6 @@
 """TPU node groups end to end: the reconcilers (as the controller identity, with
 daemonsets/rbac-controller-nodegroups.yaml) against the real API server and the GCE emulator
-(accelnode/testing/gce.py) through the official google-cloud-compute client.
+(tests/rigs/gce.py) through the official google-cloud-compute client.
 
 Nodes are registered by the test as kubelet would register them (a Node with the VM's
 providerID); tests/bootstrap covers the node side of the join."""
@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from accelnode.kube.bootstraptoken import METADATA_KEYS
 from accelnode.kube.client import Client, Config, KubeError, custom_path
-from accelnode.testing.gce import Server
-from controller import nodegroups
-from controller.gce import GCE
-from controller.manager import Manager
+from tests.rigs.gce import Server
+from controller.nodegroups import reconciler as nodegroups
+from controller.nodegroups.compute import GCE
+from controller.runtime.manager import Manager
 from tests.crds.test_crds import example
 
 NS_CTRL = "accelnode-system"

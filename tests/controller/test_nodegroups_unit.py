@@ -1,11 +1,11 @@
-"""Pieces of controller/nodegroups.py that need no cluster."""
+"""Pieces of controller/nodegroups/reconciler.py that need no cluster."""
 
 from __future__ import annotations
 
 import shlex
 
 from accelnode.cli import build_parser
-from controller import nodegroups
+from controller.nodegroups import reconciler as nodegroups
 
 
 def test_the_startup_script_runs_a_real_bootstrap_command():

@@ -1,4 +1,4 @@
-"""The work queue (controller/queue.py): dedup, one worker per key, delays, backoff, shutdown.
+"""The work queue (controller/runtime/queue.py): dedup, one worker per key, delays, backoff, shutdown.
 No timing assertions: delays are read from the backoff, waits are bounded polls."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 import threading
 import time
 
-from controller.queue import Backoff, WorkQueue
+from controller.runtime.queue import Backoff, WorkQueue
 
 
 def drain(q: WorkQueue) -> list[str]:

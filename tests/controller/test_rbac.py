@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from accelnode.kube.client import Client, Config, KubeError
-from controller.leader import micro_time
+from controller.runtime.leader import micro_time
 from tests.controller.conftest import LEASE, LEASE_PATH, NAMESPACE
 
 LEASES = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases"

@@ -1,4 +1,4 @@
-"""Signature verification in the cache reconciler (controller/signing.py, docs/signatures.md),
+"""Signature verification in the cache reconciler (controller/caches/signatures.py, docs/signatures.md),
 in-process as the controller identity with its RBAC, against the real kube-apiserver, Debian's
 docker-registry and images signed by the real cosign: the Verified condition and its reasons,
 once per (digest, policy), policy changes, a registry outage keeping the last verdict, and the
@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry
 from accelnode.kube.client import Client, Config
 from accelnode.oci import signatures as sg
 from agent.nodestatus import Cache
-from controller.caches import CacheReconciler
-from controller.core import Controller, Metrics
-from controller.pinning import Resolver
-from controller.queue import Backoff
-from controller.signing import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Signer
+from controller.caches.reconciler import CacheReconciler
+from controller.runtime.runner import Controller, Metrics
+from controller.caches.pinning import Resolver
+from controller.runtime.queue import Backoff
+from controller.caches.signatures import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Signer
 from csi_driver.resolve import CacheRef, ResolveError, check_verified
 from tests.agent.conftest import eventually
 from tests.cache.cosign import Cosign

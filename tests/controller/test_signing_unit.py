@@ -1,4 +1,4 @@
-"""controller/signing.py's decisions without a server: which caches need a signature, the verdict
+"""controller/caches/signatures.py's decisions without a server: which caches need a signature, the verdict
 kept across a restart (read back from the condition), the last verdict kept through an outage,
 policies that cannot be used. The registry round trip is a counting stand-in here; the real one
 is tests/controller/test_signing.py and tests/cache/test_signatures.py."""
@@ -11,8 +11,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from accelnode.oci import signatures as sg
 from accelnode.oci.errors import RegistryUnavailable
 from accelnode.oci.registry import RegistryOptions
-from controller.pinning import Pin
-from controller.signing import Signer, parse_policy
+from controller.caches.pinning import Pin
+from controller.caches.signatures import Signer, parse_policy
 
 D1, D2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
 PEM = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(

@@ -1,4 +1,4 @@
-"""controller/tpuenv.py and controller/envhooks.py without an API server: the upstream injector's
+"""controller/tpuenv/patches.py and controller/tpuenv/webhooks.py without an API server: the upstream injector's
 bugs as regressions, property-based checks over generated StatefulSets, Jobs and pods (every
 patch applies with a JSON Patch library to the object it was computed from, and a second
 admission patches nothing), and hostile AdmissionReviews over HTTPS (always a well-formed
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller import tpuenv as t
-from controller.admission import AdmissionServer
-from controller.envhooks import MUTATE_JOB, MUTATE_POD, MUTATE_STATEFULSET, routes
+from controller.tpuenv import patches as t
+from controller.webhooks.server import AdmissionServer
+from controller.tpuenv.webhooks import MUTATE_JOB, MUTATE_POD, MUTATE_STATEFULSET, routes
 from tests.controller.test_admission import CA, post
 
 OURS = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES",

@@ -38,13 +38,13 @@ from prometheus_client import CollectorRegistry
 from accelnode import exitcodes
 from accelnode.kube.client import Client, Config, KubeError
 from accelnode.oci.registry import RegistryOptions
-from controller.admission import AdmissionServer
-from controller.cabundle import CABundleReconciler
-from controller.cachehooks import ControllerIdentity
-from controller.cachehooks import routes as cache_routes
-from controller.certs import Policy, ServingCerts, parse_bundle, plan, service_names
-from controller.core import Controller, Metrics
-from controller.pinning import DIGEST_ANNOTATION, Resolver
+from controller.webhooks.server import AdmissionServer
+from controller.webhooks.cabundle import CABundleReconciler
+from controller.caches.webhooks import ControllerIdentity
+from controller.caches.webhooks import routes as cache_routes
+from controller.webhooks.certs import Policy, ServingCerts, parse_bundle, plan, service_names
+from controller.runtime.runner import Controller, Metrics
+from controller.caches.pinning import DIGEST_ANNOTATION, Resolver
 from tests.agent.conftest import eventually
 from tests.conftest import ROOT, accelnode_cmd, http_get
 from tests.controller.conftest import NAMESPACE, ControllerProc, lease_spec

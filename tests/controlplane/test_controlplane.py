@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from accelnode.testing.devcluster import IDENTITIES, ControlPlane, ControlPlaneError
+from tests.rigs.devcluster import IDENTITIES, ControlPlane, ControlPlaneError
 from tests.conftest import TOOLS_BIN
 from tests.fixtures.cluster import status_message
 

@@ -1,4 +1,4 @@
-"""`make cluster` (python -m accelnode.testing.devcluster): starts in the foreground, prints how to use
+"""`make cluster` (python -m tests.rigs.devcluster): starts in the foreground, prints how to use
 it, and Ctrl-C stops the servers and removes its temporary directory."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.conftest import ROOT, TOOLS_BIN, tool
 
 
 def test_cluster_command_runs_until_ctrl_c(control_plane):
-    proc = subprocess.Popen([sys.executable, "-m", "accelnode.testing.devcluster", "--tools-bin", str(TOOLS_BIN)],
+    proc = subprocess.Popen([sys.executable, "-m", "tests.rigs.devcluster", "--tools-bin", str(TOOLS_BIN)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []

@@ -1,11 +1,11 @@
-"""Every TPU generation on the real API server: the CRD's CEL rules and controller/tpugen.py
+"""Every TPU generation on the real API server: the CRD's CEL rules and controller/nodegroups/generations.py
 agree on which (machine type, topology, node count) can exist, and a refusal names the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from controller import tpugen
+from controller.nodegroups import generations
 from tests.crds.test_crds import SINGLE, example, objects  # noqa: F401 (a fixture)
 
 CASES = [
@@ -43,7 +43,7 @@ def test_crd_and_controller_agree_on_every_generation(crds, objects, kube_namesp
     obj["spec"]["instanceConfig"]["machineType"] = machine
     if count > 1:
         obj["spec"]["targetSizePolicyMode"] = "BULK"
-    problems = tpugen.check(machine, topology, count)
+    problems = generations.check(machine, topology, count)
     if label is None:
         assert problems
         with pytest.raises(ApiException) as err:
@@ -52,12 +52,12 @@ def test_crd_and_controller_agree_on_every_generation(crds, objects, kube_namesp
         assert "spec." in err.value.body
     else:
         assert problems == []
-        assert tpugen.machine_type(machine).generation.accelerator == label
+        assert generations.machine_type(machine).generation.accelerator == label
         objects.create(obj)
 
 
 def test_messages_name_the_field():
-    assert tpugen.check("ct6e-standard-4t", "2x2x1", 1)[0].startswith("spec.topology:")
-    assert tpugen.check("ct6e-standard-4t", "4x4", 1)[0].startswith("spec.nodeCount:")
-    assert tpugen.check("n2-standard-8", "2x2", 1)[0].startswith("spec.instanceConfig.machineType:")
-    assert tpugen.machine_type("https://x/zones/z/machineTypes/ct5p-hightpu-4t").chips == 4
+    assert generations.check("ct6e-standard-4t", "2x2x1", 1)[0].startswith("spec.topology:")
+    assert generations.check("ct6e-standard-4t", "4x4", 1)[0].startswith("spec.nodeCount:")
+    assert generations.check("n2-standard-8", "2x2", 1)[0].startswith("spec.instanceConfig.machineType:")
+    assert generations.machine_type("https://x/zones/z/machineTypes/ct5p-hightpu-4t").chips == 4

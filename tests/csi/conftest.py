@@ -140,7 +140,7 @@ class Node:
     """A node: simulated v5e-4 host, cache store, agent and CSI driver processes, kubelet dirs."""
 
     def __init__(self, root: Path):
-        from accelnode.testing.simhost import SimHost
+        from tests.rigs.simhost import SimHost
 
         self.root = root
         self.host = SimHost.preset(root / "host", "v5e-4")

@@ -8,7 +8,7 @@ import pytest
 from accelnode.hw.tpu import discover
 from accelnode.hw.tpu import aer_fatal_total
 from device_plugin.health import Inventory
-from accelnode.testing.simhost import SimHost
+from tests.rigs.simhost import SimHost
 from tests.conftest import require_root
 
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from device_plugin import api
-from accelnode.testing.kubelet_harness import KubeletHarness
+from tests.rigs.kubelet_harness import KubeletHarness
 from tests.conftest import accelnode_cmd
 from tests.fixtures.device_plugin import free_port
 

@@ -44,8 +44,8 @@ import grpc
 import pytest
 from kubernetes import client
 
-from accelnode.testing import devcluster
-from controller.pinning import DIGEST_ANNOTATION
+from tests.rigs import devcluster
+from controller.caches.pinning import DIGEST_ANNOTATION
 from csi_driver import mounts
 from csi_driver.api import agent as agent_api
 from csi_driver.api import csi

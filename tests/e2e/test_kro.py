@@ -6,7 +6,7 @@ kro controller v0.9.4 built from its Go module (tools/mk/kro.mk) as a subprocess
 ServiceAccount with only the RBAC its Helm chart's aggregation mode gives it plus
 examples/kro/rbac-kro.yaml (docs/kro.md); the real
 ``accelnode controller`` as a subprocess with the controller identity and all its RBAC, node
-groups on (against the GCE emulator, accelnode/testing/gce.py), serving
+groups on (against the GCE emulator, tests/rigs/gce.py), serving
 daemonsets/webhooks-gkm.yaml and daemonsets/webhooks-tpu-env.yaml as shipped (pointed at its
 loopback address with a test CA); the local registry standing in for registry.example.com:5000
 (``--registry-mirror``), holding a small stand-in JAX cache under the name the instance uses.
@@ -30,7 +30,7 @@ import yaml
 from kubernetes import client
 
 from accelnode.kube.client import Client, Config, KubeError, custom_path
-from accelnode.testing.gce import Server
+from tests.rigs.gce import Server
 from tests.agent.conftest import make_cache
 from tests.conftest import ROOT, TOOLS_BIN, eventually, http_get, require, tool
 from tests.controller.conftest import ControllerProc, lease_spec, remove_webhooks, serve_webhooks

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 
 from accelnode.kube.bootstraptoken import METADATA_KEYS
-from accelnode.testing.gce import Server
-from accelnode.testing.metadata import MetadataServer
+from tests.rigs.gce import Server
+from tests.rigs.metadata import MetadataServer
 from tests.bootstrap.conftest import Bootstrap
 from tests.conftest import tool
 from tests.controller.test_nodegroups import (Running, _register, admin, cond, get, group_secrets,  # noqa: F401

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from accelnode.testing.monitoring import MONITORING, prometheus_rule
+from tests.rigs.monitoring import MONITORING, prometheus_rule
 from tests.conftest import TOOLS_BIN, require, tool
 from tests.fixtures.cluster import wait_established
 

@@ -1,6 +1,6 @@
-"""The node as users run it: a real kubelet with containerd + runc (accelnode/testing/node.py),
+"""The node as users run it: a real kubelet with containerd + runc (tests/rigs/node.py),
 its own control plane (Node authorizer, ServiceAccount admission), the accelnode image built here
-(accelnode/testing/image.py) and ``daemonsets/`` applied with ``kubectl apply -k`` through an
+(tests/rigs/image.py) and ``daemonsets/`` applied with ``kubectl apply -k`` through an
 overlay that fits it to the loopback node and a simulated v5e-4 TPU host.
 
 ``deployed`` (package scope: one node for every test here) is that node with every accelnode pod
@@ -80,7 +80,7 @@ class Deployed:
         return int(self.get("node", self.node.name)["status"].get("allocatable", {}).get(TPU, "0"))
 
     def diagnose(self) -> str:
-        from accelnode.testing.devcluster import _tail
+        from tests.rigs.devcluster import _tail
 
         out = [self.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout,
                self.kubectl("get", "events", "-A", check=False).stdout[-3000:]]
@@ -103,10 +103,10 @@ def _build(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="package")
 def deployed(tmp_path_factory, registry):
-    from accelnode.testing import image as images
-    from accelnode.testing.devcluster import ControlPlane
-    from accelnode.testing.node import Node, prerequisites, write_overlay
-    from accelnode.testing.simhost import SimHost
+    from tests.rigs import image as images
+    from tests.rigs.devcluster import ControlPlane
+    from tests.rigs.node import Node, prerequisites, write_overlay
+    from tests.rigs.simhost import SimHost
 
     for what in prerequisites(TOOLS_BIN):
         require(False, what)

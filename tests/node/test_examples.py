@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from accelnode.oci import signatures as sg
-from accelnode.testing.image import NAME as OUR_IMAGE
+from tests.rigs.image import NAME as OUR_IMAGE
 from tests.cache.cosign import Cosign
 from tests.conftest import ROOT
 from tests.node.conftest import NODE_LABELS

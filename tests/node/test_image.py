@@ -1,4 +1,4 @@
-"""The accelnode image built without a container engine (accelnode/testing/image.py): the same
+"""The accelnode image built without a container engine (tests/rigs/image.py): the same
 inputs give the same layer, the archive is an OCI image layout containerd names correctly, and
 the Containerfile copies what the wheel is made of."""
 
@@ -9,7 +9,7 @@ import json
 import re
 import tarfile
 
-from accelnode.testing import image as images
+from tests.rigs import image as images
 from tests.conftest import ROOT
 
 

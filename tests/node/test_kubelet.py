@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from accelnode.testing.node import DEVICE_PLUGINS, PROBE, inline, workload  # noqa: F401 (re-exported)
+from tests.rigs.node import DEVICE_PLUGINS, PROBE, inline, workload  # noqa: F401 (re-exported)
 from tests.node.conftest import SYSTEM, TPU
 
 V5E = [{"backend": "tpu", "arch": "v5e"}]

@@ -2,7 +2,7 @@
 # kubectl of the same minor, and the node side (kubelet; kubeadm for token discovery and joins),
 # built from the Go modules pinned in tools/k8s/go.mod (Kubernetes 1.35, etcd 3.6). Rebuilt only
 # when one is missing or when that go.mod/go.sum change. `make cluster` runs one in the foreground
-# for a person (accelnode/testing/devcluster.py, docs/local-cluster.md).
+# for a person (tests/rigs/devcluster.py, docs/local-cluster.md).
 K8S_NAMES := etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kubeadm
 K8S_TOOLS := $(addprefix $(TOOLS_BIN)/,$(K8S_NAMES))
 TOOLS += $(K8S_TOOLS)
@@ -32,4 +32,4 @@ $(K8S_TOOLS) &: tools/k8s/go.mod tools/k8s/go.sum
 
 .PHONY: cluster
 cluster: deps $(K8S_TOOLS)
-	$(PY) -m accelnode.testing.devcluster --tools-bin $(TOOLS_BIN)
+	$(PY) -m tests.rigs.devcluster --tools-bin $(TOOLS_BIN)

@@ -16,4 +16,4 @@ $(PROM_OPERATOR_CRDS)/.stamp:
 # overlays/monitoring/prometheusrule.yaml is accelnode.rules.yml's groups in a PrometheusRule.
 .PHONY: monitoring-rules
 monitoring-rules: deps
-	$(PY) -m accelnode.testing.monitoring > overlays/monitoring/prometheusrule.yaml
+	$(PY) -m tests.rigs.monitoring > overlays/monitoring/prometheusrule.yaml

@@ -1,0 +1,257 @@
+"""The GKMCache / ClusterGKMCache reconciler (docs/cache-controller.md): pins each cache's image
+to a digest and sums the agents' per-node reports into the cache's status.
+
+One :class:`CacheReconciler` per kind (:func:`gkmcache_reconciler`,
+:func:`clustergkmcache_reconciler`), each watching its cache kind and the matching node kind
+(``GKMCacheNode`` / ``ClusterGKMCacheNode``). A node object's change queues exactly the caches it
+names now or named before (:class:`Mentions`); a reconcile reads only those node objects, from
+the local copies. Status is written when it changed, and at most once a second per cache
+(a key reconciled sooner waits for the rest of the second): many nodes changing at once make one
+write, carrying the aggregate as it is at that moment.
+
+No finalizer: deleting a cache leaves nothing for this reconciler to undo.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime, timezone
+
+from accelnode.kube.client import Client, KubeError, custom_path
+from accelnode.log import kv
+from accelnode.oci.errors import ImageError
+
+from controller.caches import status as cs
+from controller.caches.pinning import GROUP, VERSION, Pin, Resolver
+from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
+from controller.caches.signatures import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Signer, keep_policy, parse_policy
+from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
+
+log = logging.getLogger("accelnode.controller")
+
+MIN_WRITE_INTERVAL = 1.0  # seconds between two writes of one cache
+SYNC_WAIT = 0.5  # seconds a key waits while the watches have not listed everything once
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def keep_cache(obj: dict) -> dict:
+    """What the cache of cache objects stores: all but ``managedFields`` (an update without
+    them keeps the server's)."""
+    md = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "managedFields"}
+    return {**obj, "metadata": md}
+
+
+def keep_node(obj: dict) -> dict:
+    """What the cache of node objects stores: name, namespace, resourceVersion and, per cache
+    and digest, the state, message and pods."""
+    md = obj.get("metadata") or {}
+    caches = {}
+    for name, by_digest in ((obj.get("status") or {}).get("caches") or {}).items():
+        if isinstance(by_digest, dict):
+            caches[name] = {d: {k: e[k] for k in ("state", "message", "pods") if k in e}
+                            for d, e in by_digest.items() if isinstance(e, dict)}
+    return {"metadata": {k: md[k] for k in ("name", "namespace", "resourceVersion") if k in md},
+            "status": {"caches": caches}}
+
+
+class Mentions:
+    """Which caches each node object names, and the reverse: so that a node object's change
+    queues the caches it names now *and* those it stopped naming, and a cache's reconcile reads
+    only the node objects that name it. Kept current from the reflector's own copy."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_node: dict[str, frozenset[str]] = {}
+        self._by_cache: dict[str, set[str]] = {}
+
+    def set(self, node_key: str, cache_keys: frozenset[str]) -> frozenset[str]:
+        """Record what ``node_key`` names now; the cache keys it named before or names now."""
+        with self._lock:
+            old = self._by_node.pop(node_key, frozenset())
+            if cache_keys:
+                self._by_node[node_key] = cache_keys
+            for k in old - cache_keys:
+                nodes = self._by_cache.get(k)
+                if nodes is not None:
+                    nodes.discard(node_key)
+                    if not nodes:
+                        del self._by_cache[k]
+            for k in cache_keys - old:
+                self._by_cache.setdefault(k, set()).add(node_key)
+            return old | cache_keys
+
+    def nodes_of(self, cache_key: str) -> list[str]:
+        with self._lock:
+            return sorted(self._by_cache.get(cache_key, ()))
+
+
+class CacheReconciler(Reconciler):
+    """Pins and summarises the caches of one kind: ``cluster=False`` for GKMCache (keys
+    ``namespace/name``, node objects GKMCacheNode of the cache's namespace), ``cluster=True``
+    for ClusterGKMCache (keys ``name``, node objects ClusterGKMCacheNode)."""
+
+    def __init__(self, client: Client, resolver: Resolver, *, cluster: bool,
+                 min_write_interval: float = MIN_WRITE_INTERVAL, signer: Signer | None = None):
+        self.client, self.resolver, self.cluster = client, resolver, cluster
+        self.signer = signer or Signer(resolver.options)  # signatures (docs/signatures.md)
+        self.plural = "clustergkmcaches" if cluster else "gkmcaches"
+        self.name = "clustergkmcache" if cluster else "gkmcache"
+        self.min_write_interval = min_write_interval
+        self.caches_path = custom_path(GROUP, VERSION, self.plural)
+        self.nodes_path = custom_path(GROUP, VERSION, "clustergkmcachenodes" if cluster else "gkmcachenodes")
+        self.policies_path = custom_path(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)
+        self.watches = [Watch(self.caches_path, keep=keep_cache),
+                        Watch(self.nodes_path, keys=self._node_changed, keep=keep_node),
+                        Watch(self.policies_path, keys=self._policy_changed, keep=keep_policy)]
+        self.mentions = Mentions()
+        self._mentions_lock = threading.Lock()  # a reflector event and a resync may map at once
+        self._lock = threading.Lock()
+        self._last_write: dict[str, float] = {}  # key -> monotonic time of its last write
+        self._written = ReadYourWrites()
+
+    # -- node objects -> cache keys --------------------------------------------------------------
+
+    def _named(self, node_obj: dict | None) -> frozenset[str]:
+        if not node_obj:
+            return frozenset()
+        names = ((node_obj.get("status") or {}).get("caches") or {}).keys()
+        ns = (node_obj.get("metadata") or {}).get("namespace")
+        return frozenset(names if self.cluster else (f"{ns}/{n}" for n in names if ns))
+
+    def _node_changed(self, obj: dict) -> frozenset[str]:
+        """The caches a node object's change concerns: those it names as stored now (the
+        reflector's copy, read under one lock so the latest reading wins) and those it named
+        before, so a cache it stopped naming is counted again too."""
+        key = object_key(obj)
+        with self._mentions_lock:
+            current = self.cache.get(self.nodes_path, key)
+            return self.mentions.set(key, self._named(current)) | self._named(obj)
+
+    def _policy_changed(self, obj: dict) -> list[str]:
+        """A trust policy changed: every cache is looked at again; only those whose covering
+        policies changed are verified again (the verdict is keyed by their generations)."""
+        return [object_key(o) for o in self.cache.list(self.caches_path)]
+
+    # -- reconcile -------------------------------------------------------------------------------
+
+    def reconcile(self, key: str) -> Result | None:
+        if not self.cache.synced():  # a partial view of the node objects would write wrong counts
+            return Result(requeue_after=SYNC_WAIT)
+        obj = self._current(key)
+        if obj is None:  # deleted: nothing to undo
+            with self._lock:
+                self._last_write.pop(key, None)
+            self._written.forget(key)
+            return None
+        with self._lock:
+            wait = self._last_write.get(key, float("-inf")) + self.min_write_interval - time.monotonic()
+        if wait > 0:  # coalesce: one write carries what changed meanwhile; no recount of every
+            return Result(requeue_after=wait)  # node per event until then (O(nodes), not O(nodes x events))
+        try:
+            return self._sync(key, obj)
+        except KubeError as e:
+            if e.code != 409:
+                raise
+        # another writer got in first (the claims reconciler adds its finalizer as a new cache
+        # arrives): write again at once on the object as it is now, not after a backoff plus the
+        # write interval (a second conflict is an error, retried with backoff)
+        ns, name = split_key(key)
+        fresh = self.client.request("GET", custom_path(GROUP, VERSION, self.plural, ns, name))
+        return self._sync(key, keep_cache(fresh))
+
+    def _sync(self, key: str, obj: dict) -> Result | None:
+        """Pin, verify and count ``obj``; write what changed."""
+        pin, resolved = self._pin(key, obj)
+        verified = self._verified(key, obj, pin)
+        agg = cs.aggregate(self._reports(key))
+        status = cs.cache_status(obj, pin, resolved, agg, now_rfc3339(),
+                                 verified=verified and (verified.status, verified.reason, verified.message))
+        annotations = cs.wanted_annotations((obj.get("metadata") or {}).get("annotations") or {}, pin)
+        retry = Result(requeue=True) if resolved[0] in cs.RETRYABLE or (verified and verified.retry) else None
+        if obj.get("status") == status and ((obj.get("metadata") or {}).get("annotations") or {}) == annotations:
+            return retry
+        self._write(key, obj, status, annotations, pin)
+        return retry
+
+    def _current(self, key: str) -> dict | None:
+        return self._written.current(key, self.cache.get(self.caches_path, key))
+
+    def _pin(self, key: str, obj: dict) -> tuple[Pin | None, tuple[str, str]]:
+        """(the pin or None, (Resolved reason, message))."""
+        image = (obj.get("spec") or {}).get("image", "")
+        try:
+            pin = cs.known_pin(obj)
+            if pin is None:
+                pin = self.resolver.pin(image)
+                log.info("cache image resolved", extra=kv(reconciler=self.name, key=key, image=image,
+                                                          digest=pin.digest, size_bytes=pin.size_bytes))
+        except ImageError as e:
+            reason = cs.failure(e)
+            log.warning("cache image not resolved", extra=kv(reconciler=self.name, key=key, image=image,
+                                                             reason=reason, error=str(e)))
+            return None, (reason, str(e))
+        return pin, (cs.REASON_RESOLVED, cs.pinned_message(image, pin.digest))
+
+    def _verified(self, key: str, obj: dict, pin: Pin | None):
+        """The Verified condition's outcome for the pinned digest (None: no signature needed or
+        nothing pinned yet)."""
+        if pin is None:
+            return None
+        policies = [parse_policy(p) for p in self.cache.list(self.policies_path)]
+        ns, _ = split_key(key)
+        return self.signer.outcome(key, obj, pin, ns, policies, cs.condition(obj, cs.VERIFIED))
+
+    def _reports(self, key: str) -> dict[str, dict]:
+        """Node name -> this cache's entries on that node, from the local copies."""
+        ns, name = split_key(key)
+        out = {}
+        for node_key in self.mentions.nodes_of(key):
+            node = self.cache.get(self.nodes_path, node_key)
+            entries = ((node or {}).get("status") or {}).get("caches", {}).get(name) if node else None
+            if entries is not None and (node["metadata"].get("namespace") or None) == ns:
+                out[node["metadata"]["name"]] = entries
+        return out
+
+    def _write(self, key: str, obj: dict, status: dict, annotations: dict, pin: Pin | None) -> None:
+        """Status first when there is a pin (the authority leads, its mirror follows);
+        annotations first when the pin goes (a leftover annotation must never outlive it)."""
+        ns, name = split_key(key)
+        path = custom_path(GROUP, VERSION, self.plural, ns, name)
+
+        def set_annotations(o: dict) -> None:
+            if (o["metadata"].get("annotations") or {}) != annotations:
+                o["metadata"]["annotations"] = annotations
+
+        steps = [lambda o: update_status(self.client, path, o, status),
+                 lambda o: update_if_changed(self.client, path, o, set_annotations)]
+        if pin is None:
+            steps.reverse()
+        current = obj
+        try:
+            for step in steps:
+                written = step(current)
+                if written is not None:
+                    current = keep_cache(written)
+        finally:
+            if current is not obj:  # a refused write (409) is no write: it does not delay the next
+                with self._lock:
+                    self._last_write[key] = time.monotonic()
+                self._written.remember(key, obj, current)
+        log.info("cache status written", extra=kv(reconciler=self.name, key=key,
+                                                  reason=status["conditions"][0]["reason"],
+                                                  digest=status.get("resolvedDigest")))
+
+
+def gkmcache_reconciler(client: Client, resolver: Resolver) -> CacheReconciler:
+    """The GKMCache reconciler (register it with the process's shared :class:`Resolver`)."""
+    return CacheReconciler(client, resolver, cluster=False)
+
+
+def clustergkmcache_reconciler(client: Client, resolver: Resolver) -> CacheReconciler:
+    """The ClusterGKMCache reconciler (same resolver as :func:`gkmcache_reconciler`)."""
+    return CacheReconciler(client, resolver, cluster=True)

@@ -1,0 +1,262 @@
+"""The cluster-wide status of a GKMCache / ClusterGKMCache (docs/cache-controller.md), pure.
+
+* :func:`known_pin`: the pin a cache already has, so the registry is asked only when there is
+  none (a digest in ``spec.image``; the pin recorded in ``status`` for this very image; the
+  annotation the admission webhook of this process wrote).
+* :func:`failure`: a registry error as the ``Resolved`` condition's reason.
+* :func:`aggregate`: the agents' per-node entries for one cache summed into ``status.counts``.
+* :func:`summary`: the reason and message of the condition listed first (the STATUS column).
+* :func:`cache_status` / :func:`wanted_annotations`: the status and annotations to write.
+
+Nothing here talks to a server; :mod:`controller.caches.reconciler` reads the inputs and writes the result.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from accelnode.oci import errors
+from accelnode.oci.reference import Reference
+
+from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
+
+READY = "Ready"  # the summary condition's type (always first: STATUS reads its reason)
+RESOLVED = "Resolved"  # the pin condition's type
+VERIFIED = "Verified"  # the signature condition (controller/caches/signatures.py); only when a signature is required
+OURS = (READY, RESOLVED, VERIFIED)  # conditions of other types are kept as they are
+
+# Resolved reasons (the shared contract)
+REASON_RESOLVED = "Resolved"
+REGISTRY_UNAVAILABLE = "RegistryUnavailable"
+IMAGE_NOT_FOUND = "ImageNotFound"
+INVALID_IMAGE = "InvalidImage"
+AUTH_FAILED = "AuthFailed"
+RETRYABLE = (REGISTRY_UNAVAILABLE, IMAGE_NOT_FOUND, AUTH_FAILED)  # may heal without a spec change
+
+# summary reasons, most telling first: the first that applies is the cache's STATUS
+UNRESOLVED = "Unresolved"  # no pin (the Resolved condition says why)
+ERROR = "Error"  # some node failed to pull it or it does not fit a node's accelerators
+OUTDATED = "Outdated"  # some pods still use a digest the cache had before
+RUNNING = "Running"  # some node holds the current digest and pods use it
+EXTRACTED = "Extracted"  # some node holds the current digest, no pod uses it
+DOWNLOADING = "Downloading"  # some node is pulling it
+PENDING = "Pending"  # some node should prefetch it and has not started
+PINNED = "Resolved"  # pinned; no node reports it (pulled when a pod first asks)
+UNVERIFIED = "Unverified"  # pinned, but its signature is not verified (the Verified condition says why)
+READY_REASONS = (OUTDATED, RUNNING, EXTRACTED, PINNED)  # Ready=True; the others Ready=False
+
+COUNTS = ("nodeCnt", "nodeInUseCnt", "nodeNotInUseCnt", "nodeErrorCnt", "podRunningCnt", "podOutdatedCnt",
+          "podDeletingCnt")
+IN_USE = ("Running", "Outdated", "Deleting")
+MAX_MESSAGE = 1024  # of a node's error quoted in the summary
+_DIGEST = re.compile(r"^sha(?:256:[a-f0-9]{64}|512:[a-f0-9]{128})$")
+
+
+# ---------------------------------------------------------------------------------------------
+# the pin
+
+
+def pinned_message(image: str, digest: str) -> str:
+    """The Resolved=True message; it also records which image the digest belongs to, so a
+    changed ``spec.image`` (a roll) is told from an unchanged one after any restart."""
+    return f"{image} is pinned to {digest}"
+
+
+def condition(obj: dict, kind: str) -> dict | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or () if c.get("type") == kind), None)
+
+
+def annotated_size(annotations: dict) -> int | None:
+    raw = annotations.get(SIZE_ANNOTATION, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def known_pin(obj: dict) -> Pin | None:
+    """The pin of a cache that needs no registry, or None when its image must be resolved.
+
+    In order: the digest ``spec.image`` names; ``status.resolvedDigest`` when the Resolved
+    condition says it was pinned for this same image; the ``gkm.io/resolvedDigest`` annotation
+    when ``status`` has no digest yet (only the admission webhook of this process or this
+    reconciler writes it, and a changed image gets a fresh one there). Raises
+    :class:`~accelnode.oci.errors.InvalidReference` for an image we cannot pull."""
+    image = (obj.get("spec") or {}).get("image", "")
+    ref = Reference.parse(image)
+    ann = (obj.get("metadata") or {}).get("annotations") or {}
+
+    def size_for(digest: str) -> int | None:
+        return annotated_size(ann) if ann.get(DIGEST_ANNOTATION) == digest else None
+
+    if ref.digest:
+        return Pin(image, ref.digest, size_for(ref.digest))
+    recorded = (obj.get("status") or {}).get("resolvedDigest")
+    if recorded:
+        cond = condition(obj, RESOLVED) or {}
+        if cond.get("status") == "True" and cond.get("message") == pinned_message(image, recorded):
+            return Pin(image, recorded, size_for(recorded))
+        return None  # pinned for another image (a roll), or by someone else: resolve again
+    admitted = ann.get(DIGEST_ANNOTATION, "")
+    if _DIGEST.match(admitted):
+        return Pin(image, admitted, annotated_size(ann))
+    return None
+
+
+def failure(err: errors.ImageError) -> str:
+    """The Resolved=False reason for an error of the OCI library."""
+    if isinstance(err, errors.ImageNotFound):
+        return IMAGE_NOT_FOUND
+    if isinstance(err, errors.AuthError):
+        return AUTH_FAILED
+    if isinstance(err, (errors.RegistryUnavailable, errors.IntegrityError)):
+        return REGISTRY_UNAVAILABLE  # unreachable, kept failing, or garbled in transit
+    return INVALID_IMAGE  # a malformed reference, or content that is not a usable image
+
+
+def wanted_annotations(annotations: dict, pin: Pin | None) -> dict:
+    """``annotations`` with ``gkm.io/resolvedDigest`` / ``gkm.io/cache-size-bytes`` mirroring
+    the pin (both removed when there is none; a size is kept only beside its own digest)."""
+    out = dict(annotations)
+    if pin is None:
+        out.pop(DIGEST_ANNOTATION, None)
+        out.pop(SIZE_ANNOTATION, None)
+        return out
+    if pin.size_bytes is not None:
+        out[SIZE_ANNOTATION] = str(pin.size_bytes)
+    elif out.get(DIGEST_ANNOTATION) != pin.digest:
+        out.pop(SIZE_ANNOTATION, None)
+    out[DIGEST_ANNOTATION] = pin.digest
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the agents' reports
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    counts: dict
+    held: int  # nodes holding the current digest (an Extracted or Running entry)
+    downloading: int
+    pending: int
+    errors: list  # (node, message) of each node with an Error entry, by node name
+    outdated: bool  # an Outdated entry somewhere
+
+
+def aggregate(reports: dict[str, dict]) -> Aggregate:
+    """Sum one cache's entries over the nodes that report it: ``reports`` maps a node name to
+    the cache's ``status.caches[<cache name>]`` of that node's object (digest -> entry).
+
+    Per node, as the agent counts one object (docs/agent-status.md), but for this cache only:
+    ``nodeCnt`` 1 when it reports the cache at all; ``nodeInUseCnt`` when an entry is Running,
+    Outdated or Deleting; ``nodeNotInUseCnt`` when not in use and an entry is Extracted;
+    ``nodeErrorCnt`` when an entry is Error; pods are distinct per state."""
+    counts = dict.fromkeys(COUNTS, 0)
+    held = downloading = pending = 0
+    errs, outdated = [], False
+    for node in sorted(reports):
+        entries = [e for e in (reports[node] or {}).values() if isinstance(e, dict)]
+        if not entries:
+            continue
+        states = {e.get("state") for e in entries}
+        in_use = bool(states & set(IN_USE))
+        counts["nodeCnt"] += 1
+        counts["nodeInUseCnt"] += in_use
+        counts["nodeNotInUseCnt"] += not in_use and "Extracted" in states
+        counts["nodeErrorCnt"] += "Error" in states
+        for state, field in (("Running", "podRunningCnt"), ("Outdated", "podOutdatedCnt"),
+                             ("Deleting", "podDeletingCnt")):
+            counts[field] += len({(p.get("podNamespace"), p.get("podName")) for e in entries
+                                  if e.get("state") == state for p in e.get("pods") or ()})
+        held += bool(states & {"Extracted", "Running"})
+        downloading += "Downloading" in states
+        pending += "Pending" in states
+        outdated = outdated or "Outdated" in states
+        if "Error" in states:
+            msg = next((e.get("message") for e in sorted(entries, key=lambda e: e.get("message") or "")
+                        if e.get("state") == "Error"), None) or "no message"
+            errs.append((node, msg[:MAX_MESSAGE]))
+    return Aggregate(counts, held, downloading, pending, errs, outdated)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def summary(pin: Pin | None, unresolved_message: str, agg: Aggregate) -> tuple[str, str]:
+    """(reason, message) of the summary condition: the first of Unresolved, Error, Outdated,
+    Running, Extracted, Downloading, Pending, Resolved that applies."""
+    if pin is None:
+        return UNRESOLVED, unresolved_message
+    c = agg.counts
+    if not c["nodeCnt"]:
+        return PINNED, f"pinned to {pin.digest}; no node holds it yet"
+    parts = [f"{agg.held} of {_n(c['nodeCnt'], 'node')} hold {pin.digest}"]
+    if c["podRunningCnt"]:
+        parts.append(f"{_n(c['podRunningCnt'], 'pod')} running")
+    if agg.downloading:
+        parts.append(f"{agg.downloading} downloading")
+    if agg.pending:
+        parts.append(f"{agg.pending} pending")
+    if c["podOutdatedCnt"]:
+        parts.append(f"{_n(c['podOutdatedCnt'], 'pod')} still on an older digest")
+    if agg.errors:
+        node, msg = agg.errors[0]
+        parts.append(f"{_n(len(agg.errors), 'node')} failed ({node}: {msg})")
+    message = "; ".join(parts)
+    if agg.errors:
+        return ERROR, message
+    if agg.outdated:
+        return OUTDATED, message
+    if c["podRunningCnt"] or c["nodeInUseCnt"]:
+        return RUNNING, message
+    if agg.held:
+        return EXTRACTED, message
+    if agg.downloading:
+        return DOWNLOADING, message
+    if agg.pending:
+        return PENDING, message
+    return PINNED, message  # only Deleting entries left from an earlier cache of that name
+
+
+# ---------------------------------------------------------------------------------------------
+# the status to write
+
+
+def _condition(old: dict | None, kind: str, status: str, reason: str, message: str, generation, now: str) -> dict:
+    """A condition; ``lastTransitionTime`` moves only when its status or reason does."""
+    cond = {"type": kind, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": now}
+    if old and old.get("status") == status and old.get("reason") == reason and old.get("lastTransitionTime"):
+        cond["lastTransitionTime"] = old["lastTransitionTime"]
+    if isinstance(generation, int):
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def cache_status(obj: dict, pin: Pin | None, resolved: tuple[str, str], agg: Aggregate, now: str, *,
+                 verified: tuple[str, str, str] | None = None) -> dict:
+    """The wanted ``status`` of the cache ``obj``: ``resolvedDigest`` (absent without a pin),
+    ``counts``, ``conditions`` (Ready first, then Resolved, then Verified when ``verified`` (status,
+    reason, message) is given, then any other type as it was) and
+    ``lastUpdated`` (``now`` when anything else changed, else as it was). Fields written by
+    others (``pvcStatus``, ``pvcOwner``) are kept."""
+    old = obj.get("status") or {}
+    generation = (obj.get("metadata") or {}).get("generation")
+    reason, message = summary(pin, resolved[1], agg)
+    if verified is not None and verified[0] != "True":  # never pulled: the signature is the story
+        reason, message = UNVERIFIED, f"signature not verified ({verified[1]}): {verified[2]}"
+    ready = _condition(condition(obj, READY), READY, "True" if reason in READY_REASONS else "False", reason,
+                       message, generation, now)
+    res = _condition(condition(obj, RESOLVED), RESOLVED, "True" if resolved[0] == REASON_RESOLVED else "False",
+                     resolved[0], resolved[1], generation, now)
+    others = [c for c in old.get("conditions") or () if c.get("type") not in OURS]
+    if verified is not None:
+        others.insert(0, _condition(condition(obj, VERIFIED), VERIFIED, *verified, generation, now))
+    status = {k: v for k, v in old.items() if k not in ("resolvedDigest", "counts", "conditions", "lastUpdated")}
+    if pin is not None:
+        status["resolvedDigest"] = pin.digest
+    status["counts"] = agg.counts
+    status["conditions"] = [ready, res, *others]
+    before = {k: v for k, v in old.items() if k != "lastUpdated"}
+    status["lastUpdated"] = old["lastUpdated"] if before == status and old.get("lastUpdated") else now
+    return status

@@ -1,0 +1,822 @@
+"""TPU node groups on GCE (docs/tpu-node-groups.md): the parent ``TPUNodeGroup`` reconciler and
+its three child reconcilers, ``WorkloadPolicy``, ``InstanceTemplate`` and
+``ManagedInstanceGroup``, each its own :class:`~controller.runtime.reconciler.Reconciler`.
+
+Children (:class:`ChildReconciler`) own one GCE resource each: GET it; absent -> insert it and
+keep the operation's name in ``status.operationName``; poll the operation on later reconciles
+(``poll`` seconds apart) until DONE; record ``status.uri`` (``url`` for a MIG) and ``Ready``.
+A GCE 400/403/404/409 answer (or an operation finishing with one) is terminal: ``Ready=False``
+with reason ``RequestRejected`` / ``OperationFailed`` and GCE's message, and no retry for that
+generation; 429/5xx/no answer raise, and the core retries the key with backoff. A finalizer
+(``tpu.google.com/<kind>-cleanup``) deletes the GCE resource and waits for its operation.
+
+The parent creates the children with owner references, waits for each (per-child conditions
+``WorkloadPolicyReady``, ``InstanceTemplateReady``, ``ManagedInstanceGroupReady``), then per
+managed instance: matches its Node by ``spec.providerID == gce://<project>/<zone>/<name>``;
+offers a RUNNING instance whose Node has not joined the join metadata
+(:class:`controller.nodegroups.jointokens.JoinTokens`, ``instances.setMetadata`` with the fingerprint,
+412 re-read and retried) and takes it back once the Node exists (the tokens are revoked when no
+instance of the group still waits); labels and taints the Node; keeps our device-plugin
+DaemonSet. ``Ready`` carries the upstream reasons (``AwaitingNodeJoin``, ``Ready``,
+``ReconcileError``, ``InvalidSpec``, ``InstancesCreationFailed``; while deleting
+``CordoningNodes``, ``DrainingNodes``, ``DeletingMIG``, ``DeletingTemplate``, ``DeletingPolicy``,
+``DeletingNodes``, ``DeletingDevicePlugin``).
+
+Every write is made only when something changed: in steady state neither GCE nor the API
+server sees one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from accelnode.kube.bootstraptoken import METADATA_KEYS
+from accelnode.kube.client import Client, KubeError, custom_path
+from accelnode.log import kv
+
+from controller.nodegroups import generations
+from controller.nodegroups.compute import BASE, GCE, GCEError
+from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
+from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
+
+log = logging.getLogger("accelnode.controller.nodegroups")
+
+GROUP, VERSION = "tpu.google.com", "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+TNG = custom_path(GROUP, VERSION, "tpunodegroups")
+NODES = "/api/v1/nodes"
+GROUP_FINALIZER = "tpu.google.com/nodegroup-cleanup"
+DRAIN_ANNOTATION = "tpu.google.com/drain-started"
+
+LABEL_ACCELERATOR = "cloud.google.com/gke-tpu-accelerator"
+LABEL_COUNT = "cloud.google.com/gke-accelerator-count"
+LABEL_TOPOLOGY = "cloud.google.com/gke-tpu-topology"
+LABEL_GROUP = "cloud.google.com/tpu-node-group"
+TAINT = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
+DEVICE_PLUGIN = "accelnode-tpu-device-plugin"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "accelnode-controller"}
+TERMINAL_REASONS = ("RequestRejected", "OperationFailed")
+
+
+@dataclass
+class Settings:
+    namespace: str = "accelnode-system"  # where the device-plugin DaemonSet goes
+    poll: float = 10.0  # operation polls, joining nodes
+    drain_timeout: float = 300.0  # bounded wait for evictions at teardown
+    device_plugin_image: str = "accelnode:0.1.0"
+    api_server_port: int = 6443  # with bootstrapKubernetes.controlPlaneIP: where the VMs join
+
+
+def now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def condition(conds: list[dict], kind: str, status: str, reason: str, message: str, generation=None) -> list[dict]:
+    """``conds`` with condition ``kind`` set; ``lastTransitionTime`` moves only when its status
+    or reason does."""
+    old = next((c for c in conds if c.get("type") == kind), None)
+    new = {"type": kind, "status": status, "reason": reason, "message": message[:32000],
+           "lastTransitionTime": now_rfc3339()}
+    if old and old.get("status") == status and old.get("reason") == reason:
+        new["lastTransitionTime"] = old.get("lastTransitionTime") or new["lastTransitionTime"]
+    if isinstance(generation, int):
+        new["observedGeneration"] = generation
+    return [c for c in conds if c.get("type") != kind] + [new] if old is None else \
+        [new if c.get("type") == kind else c for c in conds]
+
+
+def get_condition(obj: dict | None, kind: str) -> dict:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})
+
+
+def short(url: str) -> str:
+    return url.rsplit("/", 1)[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# children
+
+
+class ChildReconciler(Reconciler):
+    kind = ""
+    plural = ""
+    uri_field = "uri"
+
+    def __init__(self, client: Client, gce: GCE, settings: Settings):
+        self.client, self.gce, self.settings = client, gce, settings
+        self.name = f"{self.plural}"
+        self.path = custom_path(GROUP, VERSION, self.plural)
+        self.finalizer = f"tpu.google.com/{self.kind.lower()}-cleanup"
+        self.watches = (Watch(self.path),)
+        self.rw = ReadYourWrites()
+
+    # per kind
+    def scope(self, obj: dict) -> tuple[str, str, str]:  # (operation kind, project, location)
+        raise NotImplementedError
+
+    def get(self, obj: dict):
+        raise NotImplementedError
+
+    def insert(self, obj: dict) -> str:
+        raise NotImplementedError
+
+    def delete(self, obj: dict) -> str:
+        raise NotImplementedError
+
+    def observe(self, obj: dict, res) -> tuple[dict, tuple[str, str, str], float | None]:
+        """(extra status fields, (Ready status, reason, message), requeue_after)."""
+        return {}, ("True", "Created", f"{self.kind} {obj['metadata']['name']} exists in GCE"), None
+
+    # shared
+    def _obj_path(self, obj: dict) -> str:
+        md = obj["metadata"]
+        return custom_path(GROUP, VERSION, self.plural, md["namespace"], md["name"])
+
+    def _write_status(self, key: str, obj: dict, status: dict) -> dict:
+        written = update_status(self.client, self._obj_path(obj), obj, status)
+        if written is None:
+            return obj
+        self.rw.remember(key, obj, written)
+        return written
+
+    def _status(self, obj: dict, ready: tuple[str, str, str], **fields) -> dict:
+        st = {k: v for k, v in (obj.get("status") or {}).items() if k not in ("operationName", "operationType")}
+        st.update({k: v for k, v in fields.items() if v is not None})
+        for k in [k for k, v in fields.items() if v is None]:
+            st.pop(k, None)
+        st["conditions"] = condition(st.get("conditions") or [], "Ready", *ready,
+                                     generation=obj["metadata"].get("generation"))
+        return st
+
+    def reconcile(self, key: str) -> Result | None:
+        obj = self.rw.current(key, self.cache.get(self.path, key))
+        if obj is None:
+            self.rw.forget(key)
+            return None
+        md = obj["metadata"]
+        if md.get("deletionTimestamp"):
+            return self._teardown(key, obj)
+        if self.finalizer not in (md.get("finalizers") or []):
+            written = update_if_changed(self.client, self._obj_path(obj), obj,
+                                        lambda o: o["metadata"].setdefault("finalizers", []).append(self.finalizer))
+            self.rw.remember(key, obj, written)
+            obj = written
+        status = obj.get("status") or {}
+        kind, project, location = self.scope(obj)
+        if status.get("operationName") and status.get("operationType") == "CREATE":
+            op = self.gce.operation(kind, project, location, status["operationName"])
+            if not op.done:
+                return Result(requeue_after=self.settings.poll)
+            if op.error_code:
+                self._write_status(key, obj, self._status(obj, ("False", "OperationFailed",
+                                                                f"GCE {op.error_code}: {op.error_message}")))
+                log.warning("GCE operation failed", extra=kv(kind=self.kind, key=key, code=op.error_code,
+                                                              error=op.error_message))
+                return None
+            # done: the status written below (with the resource's URI) drops the operation
+        ready = get_condition(obj, "Ready")
+        if ready.get("reason") in TERMINAL_REASONS and ready.get("observedGeneration") == md.get("generation"):
+            return None  # GCE refused this spec: retrying cannot help until it changes
+        res = self.get(obj)
+        if res is None:
+            try:
+                name = self.insert(obj)
+            except GCEError as e:
+                if not e.terminal:
+                    raise
+                self._write_status(key, obj, self._status(obj, ("False", "RequestRejected", f"GCE {e.code}: {e.message}"),
+                                                          **{self.uri_field: None}))
+                log.warning("GCE refused the request", extra=kv(kind=self.kind, key=key, code=e.code, error=e.message))
+                return None
+            log.info("GCE resource creating", extra=kv(kind=self.kind, key=key, operation=name))
+            st = self._status(obj, ("False", "Provisioning", f"creating {self.kind} {md['name']}"),
+                              **{self.uri_field: None})
+            st.update(operationName=name, operationType="CREATE")
+            self._write_status(key, obj, st)
+            return Result(requeue_after=self.settings.poll)
+        fields, ready, requeue = self.observe(obj, res)
+        self._write_status(key, obj, self._status(obj, ready, **{self.uri_field: res.self_link}, **fields))
+        return Result(requeue_after=requeue) if requeue else None
+
+    def _teardown(self, key: str, obj: dict) -> Result | None:
+        md = obj["metadata"]
+        if self.finalizer not in (md.get("finalizers") or []):
+            return None
+        status = obj.get("status") or {}
+        kind, project, location = self.scope(obj)
+        if status.get("operationName") and status.get("operationType") == "DELETE":
+            op = self.gce.operation(kind, project, location, status["operationName"])
+            if not op.done:
+                return Result(requeue_after=self.settings.poll)
+            if op.error_code and op.error_code != 404:
+                self._write_status(key, obj, self._status(obj, ("False", "OperationFailed",
+                                                                f"delete: GCE {op.error_code}: {op.error_message}")))
+                return Result(requeue_after=3 * self.settings.poll)  # in use a little longer: try again
+        res = self.get(obj)  # even with nothing recorded: a crash may have lost the operation's name
+        if res is not None:
+            try:
+                name = self.delete(obj)
+            except GCEError as e:
+                if e.not_found:
+                    name = None
+                elif e.terminal:
+                    self._write_status(key, obj, self._status(obj, ("False", "RequestRejected",
+                                                                    f"delete: GCE {e.code}: {e.message}")))
+                    return Result(requeue_after=3 * self.settings.poll)
+                else:
+                    raise
+            if name:
+                st = self._status(obj, ("False", "Deleting", f"deleting {self.kind} {md['name']}"))
+                st.update(operationName=name, operationType="DELETE")
+                self._write_status(key, obj, st)
+                log.info("GCE resource deleting", extra=kv(kind=self.kind, key=key, operation=name))
+                return Result(requeue_after=self.settings.poll)
+        self.client.request("PUT", self._obj_path(obj), body={
+            **obj, "metadata": {**md, "finalizers": [f for f in md.get("finalizers") or [] if f != self.finalizer]}})
+        self.rw.forget(key)
+        log.info("GCE resource deleted", extra=kv(kind=self.kind, key=key))
+        return None
+
+
+class WorkloadPolicyReconciler(ChildReconciler):
+    kind, plural = "WorkloadPolicy", "workloadpolicies"
+
+    def scope(self, obj):
+        return "regions", obj["spec"]["project"], obj["spec"]["region"]
+
+    def get(self, obj):
+        s = obj["spec"]
+        return self.gce.get_policy(s["project"], s["region"], obj["metadata"]["name"])
+
+    def insert(self, obj):
+        s = obj["spec"]
+        return self.gce.insert_policy(s["project"], s["region"], obj["metadata"]["name"],
+                                      s.get("type") or "HIGH_THROUGHPUT", s["acceleratorTopology"])
+
+    def delete(self, obj):
+        s = obj["spec"]
+        return self.gce.delete_policy(s["project"], s["region"], obj["metadata"]["name"])
+
+
+class InstanceTemplateReconciler(ChildReconciler):
+    kind, plural = "InstanceTemplate", "instancetemplates"
+
+    def scope(self, obj):
+        return "global", obj["spec"]["project"], ""
+
+    def get(self, obj):
+        return self.gce.get_template(obj["spec"]["project"], obj["metadata"]["name"])
+
+    def insert(self, obj):
+        s = obj["spec"]
+        return self.gce.insert_template(s["project"], obj["metadata"]["name"], s, dict(s.get("metadata") or {}))
+
+    def delete(self, obj):
+        return self.gce.delete_template(obj["spec"]["project"], obj["metadata"]["name"])
+
+
+class ManagedInstanceGroupReconciler(ChildReconciler):
+    kind, plural, uri_field = "ManagedInstanceGroup", "managedinstancegroups", "url"
+
+    def scope(self, obj):
+        return "zones", obj["spec"]["project"], obj["spec"]["location"]
+
+    def get(self, obj):
+        s = obj["spec"]
+        return self.gce.get_mig(s["project"], s["location"], obj["metadata"]["name"])
+
+    def insert(self, obj):
+        s = obj["spec"]
+        return self.gce.insert_mig(s["project"], s["location"], obj["metadata"]["name"], s)
+
+    def delete(self, obj):
+        s = obj["spec"]
+        return self.gce.delete_mig(s["project"], s["location"], obj["metadata"]["name"])
+
+    def observe(self, obj, res):
+        if res.status.is_stable:
+            return {"isStable": True}, ("True", "Created", f"{obj['metadata']['name']} is stable"), None
+        s = obj["spec"]
+        errors = []
+        for mi in self.gce.managed_instances(s["project"], s["location"], obj["metadata"]["name"]):
+            for e in mi.last_attempt.errors.errors:
+                errors.append(f"{short(mi.instance) or mi.name}: {e.code}: {e.message}")
+        if errors:
+            return ({"isStable": False}, ("False", "InstancesCreationFailed", "; ".join(sorted(set(errors)))[:4000]),
+                    self.settings.poll)
+        return {"isStable": False}, ("False", "Unstable", "instances are being created"), self.settings.poll
+
+
+# ---------------------------------------------------------------------------------------------
+# the group
+
+
+def device_plugin_daemonset(namespace: str, image: str) -> dict:
+    """Our device plugin (daemonsets/device-plugin.yaml) on every node a group labelled."""
+    labels = {"app.kubernetes.io/name": DEVICE_PLUGIN, "app.kubernetes.io/part-of": "accelnode"}
+    mounts = [("dev", "/dev", False, "Directory"), ("sys", "/sys", True, "Directory"),
+              ("device-plugins", "/var/lib/kubelet/device-plugins", False, "DirectoryOrCreate"),
+              ("udev", "/run/udev", True, "DirectoryOrCreate")]
+    return {
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": DEVICE_PLUGIN, "namespace": namespace, "labels": {**labels, **MANAGED_BY}},
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/name": DEVICE_PLUGIN}},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "priorityClassName": "system-node-critical", "hostNetwork": True,
+                    "automountServiceAccountToken": False,
+                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [
+                            {"key": LABEL_ACCELERATOR, "operator": "Exists"}]}]}}},
+                    "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},
+                                    {"operator": "Exists", "effect": "NoExecute"}],
+                    "containers": [{
+                        "name": "device-plugin", "image": image, "command": ["accelnode", "device-plugin"],
+                        "env": [{"name": "ACCELNODE_SYSFS_ROOT", "value": "/sys"},
+                                {"name": "ACCELNODE_DEV_ROOT", "value": "/dev"},
+                                {"name": "ACCELNODE_KUBELET_DIR", "value": "/var/lib/kubelet/device-plugins"},
+                                {"name": "ACCELNODE_METRICS_ADDRESS", "value": "127.0.0.1:2112"}],
+                        "resources": {"requests": {"cpu": "20m", "memory": "48Mi"}, "limits": {"memory": "96Mi"}},
+                        "securityContext": {"runAsUser": 0, "allowPrivilegeEscalation": False,
+                                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": [{"name": n, "mountPath": p, **({"readOnly": True} if ro else {})}
+                                         for n, p, ro, _ in mounts]}],
+                    "volumes": [{"name": n, "hostPath": {"path": p, "type": t}} for n, p, _, t in mounts]}}}}
+
+
+def kube_labels(value: str) -> dict[str, str]:
+    """The ``kube-labels`` metadata value (``k=v,k2=v2``) as a dict; malformed pairs skipped."""
+    out = {}
+    for pair in (value or "").split(","):
+        k, sep, v = pair.strip().partition("=")
+        if sep and k:
+            out[k] = v
+    return out
+
+
+STARTUP_SCRIPT = """#!/bin/sh
+# accelnode TPU node group {group}: join the cluster with kubeadm, Kubernetes {version}
+# (the image carries kubeadm and kubelet of that version; docs/bootstrap.md).
+exec /usr/local/bin/accelnode bootstrap --log-format text
+"""
+
+
+class TPUNodeGroupReconciler(Reconciler):
+    name = "tpunodegroups"
+
+    def __init__(self, client: Client, gce: GCE, settings: Settings, tokens=None):
+        self.client, self.gce, self.settings = client, gce, settings
+        self.rw = ReadYourWrites()
+        self._tokens = tokens  # controller.nodegroups.jointokens.JoinTokens, made on first use
+        self._lock = threading.Lock()
+        self._by_provider: dict[str, str] = {}  # providerID -> group key
+        self._withdrawn: set[str] = set()  # providerIDs whose join metadata is known gone
+        self._tokens_live: dict[str, bool] = {}  # group key -> tokens may exist (unknown: True)
+        self._pending_meta: dict[str, str] = {}  # instance path -> setMetadata operation
+        self._labels: dict[str, dict] = {}  # providerID -> the VM's kube-labels
+        self._machine: dict[str, str] = {}  # group key -> machine type of an instanceTemplateURI group
+        self.children = {p: custom_path(GROUP, VERSION, p)
+                         for p in ("workloadpolicies", "instancetemplates", "managedinstancegroups")}
+        owner = lambda o: [f"{o['metadata']['namespace']}/{r['name']}"  # noqa: E731
+                           for r in o["metadata"].get("ownerReferences") or []
+                           if r.get("kind") == "TPUNodeGroup" and r.get("apiVersion", "").startswith(GROUP)]
+        self.watches = (
+            Watch(TNG),
+            *(Watch(p, keys=owner) for p in self.children.values()),
+            Watch(NODES, keys=self._node_keys),
+            Watch(f"/apis/apps/v1/namespaces/{settings.namespace}/daemonsets",
+                  query={"fieldSelector": f"metadata.name={DEVICE_PLUGIN}"},
+                  keys=lambda _o: [object_key(g) for g in self.cache.list(TNG)]),
+        )
+
+    # -- mapping -------------------------------------------------------------------------------
+
+    def _node_keys(self, node: dict) -> list[str]:
+        keys = set()
+        pid = (node.get("spec") or {}).get("providerID")
+        with self._lock:
+            if pid in self._by_provider:
+                keys.add(self._by_provider[pid])
+        value = (node["metadata"].get("labels") or {}).get(LABEL_GROUP)
+        if value:
+            keys.update(object_key(g) for g in self.cache.list(TNG)
+                        if f"{g['metadata']['namespace']}-{g['metadata']['name']}" == value)
+        return sorted(keys)
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        ns, name = split_key(key)
+        return custom_path(GROUP, VERSION, "tpunodegroups", ns, name)
+
+    def _update(self, key: str, g: dict, mutate) -> dict:
+        written = update_if_changed(self.client, self._path(key), g, mutate)
+        if written is None:
+            return g
+        self.rw.remember(key, g, written)
+        return written
+
+    def _set_status(self, key: str, g: dict, conds: list[dict], summary: dict | None = None) -> dict:
+        status = dict(g.get("status") or {})
+        status["conditions"] = conds
+        if summary is not None:
+            status["nodeSummary"] = summary
+        written = update_status(self.client, self._path(key), g, status)
+        if written is None:
+            return g
+        self.rw.remember(key, g, written)
+        return written
+
+    # -- reconcile -------------------------------------------------------------------------------
+
+    def reconcile(self, key: str) -> Result | None:
+        g = self.rw.current(key, self.cache.get(TNG, key))
+        if g is None:
+            self.rw.forget(key)
+            return None
+        if g["metadata"].get("deletionTimestamp"):
+            return self._teardown(key, g)
+        if GROUP_FINALIZER not in (g["metadata"].get("finalizers") or []):
+            g = self._update(key, g, lambda o: o["metadata"].setdefault("finalizers", []).append(GROUP_FINALIZER))
+        try:
+            return self._reconcile(key, g)
+        except GCEError as e:
+            if e.terminal:  # e.g. the instanceTemplateURI does not exist, permissions
+                conds = condition((g.get("status") or {}).get("conditions") or [], "Ready", "False",
+                                  "ReconcileError", str(e), g["metadata"].get("generation"))
+                self._set_status(key, g, conds)
+                return Result(requeue_after=30 * self.settings.poll)
+            raise
+
+    def _reconcile(self, key: str, g: dict) -> Result | None:
+        spec, md = g["spec"], g["metadata"]
+        gen = md.get("generation")
+        conds = list((g.get("status") or {}).get("conditions") or [])
+        ns, name = split_key(key)
+        project, zone = spec["project"], spec["nodeLocation"]
+        region = zone.rsplit("-", 1)[0]
+        h = hashlib.sha256(md["uid"].encode()).hexdigest()[:8]
+        machine = (spec.get("instanceConfig") or {}).get("machineType")
+        if machine is None:
+            machine = self._template_machine(key, spec)
+        problems = generations.check(machine, spec["topology"], int(spec["nodeCount"])) if machine else []
+        if problems:
+            conds = condition(conds, "Ready", "False", "InvalidSpec", "; ".join(problems), gen)
+            self._set_status(key, g, conds)
+            return None
+        mt = generations.machine_type(machine)
+        group_label = f"{ns}-{name}"
+        labels = {LABEL_ACCELERATOR: mt.generation.accelerator, LABEL_COUNT: str(mt.chips),
+                  LABEL_TOPOLOGY: spec["topology"], LABEL_GROUP: group_label}
+        waiting = []
+        bulk = spec.get("targetSizePolicyMode") == "BULK" and int(spec["nodeCount"]) > 1
+        policy_url = None
+        if bulk:
+            child = self._ensure_child(g, "workloadpolicies", "WorkloadPolicy", f"{name}-policy-{h}", {
+                "project": project, "region": region, "acceleratorTopology": spec["topology"],
+                "type": "HIGH_THROUGHPUT"})
+            policy_url = (child.get("status") or {}).get("uri")
+            conds = self._child_condition(conds, "WorkloadPolicyReady", child, policy_url, gen)
+            waiting += [] if policy_url else ["WorkloadPolicy"]
+        if spec.get("instanceConfig"):
+            ic = spec["instanceConfig"]
+            metadata = dict(ic.get("metadata") or {})
+            metadata["kube-labels"] = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            if spec.get("bootstrapKubernetes"):
+                metadata["startup-script"] = STARTUP_SCRIPT.format(group=key,
+                                                                   version=spec["bootstrapKubernetes"]["version"])
+            tspec = {"project": project, **{k: v for k, v in ic.items() if k != "metadata"}, "metadata": metadata}
+            child = self._ensure_child(g, "instancetemplates", "InstanceTemplate", f"{name}-template-{h}", tspec)
+            template_url = (child.get("status") or {}).get("uri")
+            conds = self._child_condition(conds, "InstanceTemplateReady", child, template_url, gen)
+            waiting += [] if template_url else ["InstanceTemplate"]
+        else:
+            template_url = BASE + spec["instanceTemplateURI"]
+        if waiting:
+            conds = condition(conds, "Ready", "False", "AwaitingNodeJoin", f"waiting for {', '.join(waiting)}", gen)
+            self._set_status(key, g, conds)
+            return Result(requeue_after=self.settings.poll)
+        mig_name = f"{name}-mig-{h}"
+        mspec = {"project": project, "location": zone, "instanceTemplate": template_url,
+                 "targetSize": int(spec["nodeCount"]), "defaultActionOnFailure": "DO_NOTHING"}
+        if spec.get("targetSizePolicyMode"):
+            mspec["targetSizePolicyMode"] = spec["targetSizePolicyMode"]
+        if policy_url:
+            mspec["workloadPolicy"] = policy_url
+        child = self._ensure_child(g, "managedinstancegroups", "ManagedInstanceGroup", mig_name, mspec)
+        mig_url = (child.get("status") or {}).get("url")
+        conds = self._child_condition(conds, "ManagedInstanceGroupReady", child, mig_url, gen)
+        if not mig_url:
+            conds = condition(conds, "Ready", "False", "AwaitingNodeJoin", "waiting for ManagedInstanceGroup", gen)
+            self._set_status(key, g, conds)
+            return Result(requeue_after=self.settings.poll)
+        summary, message, again = self._nodes(key, g, project, zone, mig_name, labels)
+        self._ensure_device_plugin()
+        n = int(spec["nodeCount"])
+        if summary["ready"] >= n:
+            conds = condition(conds, "Ready", "True", "Ready", "All nodes are ready", gen)
+        elif summary["failed"]:
+            conds = condition(conds, "Ready", "False", "InstancesCreationFailed", message, gen)
+        else:
+            conds = condition(conds, "Ready", "False", "AwaitingNodeJoin",
+                              f"Waiting for {n - summary['ready']} of {n} nodes to join and become ready"
+                              + (f": {message}" if message else ""), gen)
+        self._set_status(key, g, conds, summary)
+        if summary["ready"] >= n and not again:
+            return None
+        return Result(requeue_after=min(again or self.settings.poll, self.settings.poll))
+
+    def _template_machine(self, key: str, spec: dict) -> str | None:
+        if key not in self._machine:
+            res = self.gce.get_template_url(BASE + spec["instanceTemplateURI"])
+            if res is None:
+                raise GCEError(404, f"instance template {spec['instanceTemplateURI']} does not exist")
+            self._machine[key] = res.properties.machine_type
+        return self._machine[key]
+
+    def _ensure_child(self, g: dict, plural: str, kind: str, name: str, spec: dict) -> dict:
+        ns = g["metadata"]["namespace"]
+        path = self.children[plural]
+        child = self.cache.get(path, f"{ns}/{name}")
+        owner = {"apiVersion": API_VERSION, "kind": "TPUNodeGroup", "name": g["metadata"]["name"],
+                 "uid": g["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+        if child is None:
+            body = {"apiVersion": API_VERSION, "kind": kind,
+                    "metadata": {"name": name, "namespace": ns, "ownerReferences": [owner],
+                                 "labels": {LABEL_GROUP: f"{ns}-{g['metadata']['name']}"[:63].rstrip("-._")}},
+                    "spec": spec}
+            try:
+                child = self.client.request("POST", custom_path(GROUP, VERSION, plural, ns), body=body)
+                log.info("child created", extra=kv(group=object_key(g), kind=kind, name=name))
+            except KubeError as e:
+                if e.code != 409:
+                    raise
+                child = self.client.request("GET", custom_path(GROUP, VERSION, plural, ns, name))
+            return child
+        if any(child["spec"].get(k) != v for k, v in spec.items()):
+            written = update_if_changed(self.client, custom_path(GROUP, VERSION, plural, ns, name), child,
+                                        lambda o: o["spec"].update(spec))
+            return written or child
+        return child
+
+    @staticmethod
+    def _child_condition(conds, kind, child, uri, gen):
+        if uri:
+            return condition(conds, kind, "True", "Ready", f"{child['kind']} {child['metadata']['name']}: {uri}", gen)
+        ready = get_condition(child, "Ready")
+        return condition(conds, kind, "False", ready.get("reason") or "Provisioning",
+                         ready.get("message") or f"{child['kind']} {child['metadata']['name']} is being created", gen)
+
+    # -- instances and nodes -------------------------------------------------------------------
+
+    def _nodes(self, key: str, g: dict, project: str, zone: str, mig: str, labels: dict):
+        spec = g["spec"]
+        boot = spec.get("bootstrapKubernetes")
+        nodes = {(n.get("spec") or {}).get("providerID"): n for n in self.cache.list(NODES)}
+        ready = reconciling = failed = 0
+        problems, again, joining = [], None, False
+        for mi in self.gce.managed_instances(project, zone, mig):
+            inst = short(mi.instance) if mi.instance else mi.name
+            errors = [f"{inst}: {e.code}: {e.message}" for e in mi.last_attempt.errors.errors]
+            if errors and not mi.instance_status:
+                failed += 1
+                problems += errors
+                continue
+            pid = f"gce://{project}/{zone}/{inst}"
+            with self._lock:
+                self._by_provider[pid] = key
+            node = nodes.get(pid)
+            if node is None:
+                reconciling += 1
+                status = mi.instance_status or "PROVISIONING"
+                if boot and status == "RUNNING":
+                    joining = True
+                    ip, port = boot["controlPlaneIP"], self.settings.api_server_port
+                    endpoint = ip if port == 6443 else (f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+                    again = self._offer_join(key, project, zone, inst, endpoint) or again
+                elif status != "RUNNING":
+                    problems.append(f"{inst} is {status}")
+                continue
+            if boot and pid not in self._withdrawn:
+                self._withdraw_join(project, zone, inst, pid)
+            self._label(node, pid, project, zone, inst, labels)
+            conds = (node.get("status") or {}).get("conditions") or []
+            if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds):
+                ready += 1
+            else:
+                reconciling += 1
+        if boot and not joining and self._tokens_live.get(key, True):
+            self._join_tokens().revoke(key)
+            self._tokens_live[key] = False
+        return {"ready": ready, "reconciling": reconciling, "failed": failed}, "; ".join(problems)[:4000], again
+
+    def _join_tokens(self):
+        if self._tokens is None:
+            from controller.nodegroups.jointokens import JoinTokens
+
+            cm = self.client.request("GET", "/api/v1/namespaces/kube-system/configmaps/kube-root-ca.crt")
+            self._tokens = JoinTokens(self.client, ca_pem=cm["data"]["ca.crt"].encode())
+        return self._tokens
+
+    def _meta_op_pending(self, project: str, zone: str, inst: str) -> bool:
+        path = f"{project}/{zone}/{inst}"
+        op = self._pending_meta.get(path)
+        if op is None:
+            return False
+        if self.gce.operation("zones", project, zone, op).done:
+            del self._pending_meta[path]
+            return False
+        return True
+
+    def _set_items(self, project: str, zone: str, inst: str, change) -> bool:
+        """Apply ``change(items) -> items`` to the instance's metadata with its fingerprint;
+        a 412 (someone wrote in between) re-reads and tries again. Whether it wrote."""
+        for _ in range(5):
+            res = self.gce.get_instance(project, zone, inst)
+            if res is None:
+                return False
+            items = {i.key: i.value for i in res.metadata.items}
+            wanted = change(dict(items))
+            if wanted == items:
+                return False
+            try:
+                op = self.gce.set_metadata(project, zone, inst, res.metadata.fingerprint, wanted)
+            except GCEError as e:
+                if e.code == 412:
+                    continue
+                raise
+            self._pending_meta[f"{project}/{zone}/{inst}"] = op
+            return True
+        raise GCEError(503, f"instance {inst}: metadata kept changing under five attempts (412)")
+
+    def _offer_join(self, key: str, project: str, zone: str, inst: str, control_plane: str) -> float | None:
+        if self._meta_op_pending(project, zone, inst):
+            return 1.0
+        tokens = self._join_tokens()
+        info = tokens.ensure(key, control_plane)
+        self._tokens_live[key] = True
+        if not tokens.signed(info):  # the bootstrap signer signs cluster-info within seconds
+            return 1.0
+        if self._set_items(project, zone, inst, lambda items: {**items, **info.metadata_items()}):
+            log.info("join metadata offered", extra=kv(group=key, instance=inst, bootstrap_id=info.token_id))
+        return None
+
+    def _withdraw_join(self, project: str, zone: str, inst: str, pid: str) -> None:
+        if self._meta_op_pending(project, zone, inst):
+            return
+        if self._set_items(project, zone, inst, lambda items: {k: v for k, v in items.items() if k not in METADATA_KEYS}):
+            log.info("join metadata withdrawn", extra=kv(instance=inst))
+            return
+        self._withdrawn.add(pid)
+
+    def _label(self, node: dict, pid: str, project: str, zone: str, inst: str, labels: dict) -> None:
+        if pid not in self._labels:
+            res = self.gce.get_instance(project, zone, inst)
+            items = {i.key: i.value for i in res.metadata.items} if res is not None else {}
+            self._labels[pid] = kube_labels(items.get("kube-labels", ""))
+        wanted = {**self._labels[pid], **labels}
+
+        def mutate(n):
+            n["metadata"].setdefault("labels", {}).update(wanted)
+            taints = n.setdefault("spec", {}).setdefault("taints", [])
+            if not any(t.get("key") == TAINT["key"] and t.get("effect") == TAINT["effect"] for t in taints):
+                taints.append(dict(TAINT))
+        if update_if_changed(self.client, f"{NODES}/{node['metadata']['name']}", node, mutate) is not None:
+            log.info("node labelled", extra=kv(node=node["metadata"]["name"], group=labels[LABEL_GROUP]))
+
+    def _ensure_device_plugin(self) -> None:
+        path = f"/apis/apps/v1/namespaces/{self.settings.namespace}/daemonsets"
+        if self.cache.get(path, f"{self.settings.namespace}/{DEVICE_PLUGIN}") is not None:
+            return
+        try:
+            self.client.request("POST", path, body=device_plugin_daemonset(self.settings.namespace,
+                                                                           self.settings.device_plugin_image))
+            log.info("device plugin DaemonSet created", extra=kv(namespace=self.settings.namespace))
+        except KubeError as e:
+            if e.code != 409:
+                raise
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def _group_nodes(self, key: str, g: dict) -> list[dict]:
+        ns, name = split_key(key)
+        value = f"{ns}-{name}"
+        with self._lock:
+            pids = {p for p, k in self._by_provider.items() if k == key}
+        return [n for n in self.cache.list(NODES)
+                if (n["metadata"].get("labels") or {}).get(LABEL_GROUP) == value
+                or (n.get("spec") or {}).get("providerID") in pids]
+
+    def _teardown(self, key: str, g: dict) -> Result | None:
+        md = g["metadata"]
+        if GROUP_FINALIZER not in (md.get("finalizers") or []):
+            return None
+        ns, name = split_key(key)
+        conds = list((g.get("status") or {}).get("conditions") or [])
+        gen = md.get("generation")
+
+        def step(reason: str, message: str) -> Result:
+            self._set_status(key, g, condition(conds, "Ready", "False", reason, message, gen))
+            return Result(requeue_after=self.settings.poll)
+
+        nodes = self._group_nodes(key, g)
+        for n in nodes:  # cordon: spec.unschedulable, as kubectl cordon does
+            update_if_changed(self.client, f"{NODES}/{n['metadata']['name']}", n,
+                              lambda o: o.setdefault("spec", {}).update(unschedulable=True))
+        if nodes:
+            started = (md.get("annotations") or {}).get(DRAIN_ANNOTATION)
+            if started is None:
+                g = self._update(key, g, lambda o: o["metadata"].setdefault("annotations", {}).update(
+                    {DRAIN_ANNOTATION: str(int(time.time()))}))
+                started = g["metadata"]["annotations"][DRAIN_ANNOTATION]
+            left = self._drain(nodes)
+            if left and time.time() - float(started) < self.settings.drain_timeout:
+                return step("DrainingNodes", f"evicting {len(left)} pod(s): {', '.join(left[:5])}")
+            if left:
+                log.warning("drain timed out; deleting the VMs anyway", extra=kv(group=key, pods=left[:20]))
+        for plural, reason in (("managedinstancegroups", "DeletingMIG"), ("instancetemplates", "DeletingTemplate"),
+                               ("workloadpolicies", "DeletingPolicy")):
+            children = [c for c in self.cache.list(self.children[plural])
+                        if c["metadata"]["namespace"] == ns and any(
+                            r.get("uid") == md["uid"] for r in c["metadata"].get("ownerReferences") or [])]
+            if children:
+                for c in children:
+                    if not c["metadata"].get("deletionTimestamp"):
+                        try:
+                            self.client.request("DELETE", custom_path(GROUP, VERSION, plural, ns,
+                                                                      c["metadata"]["name"]))
+                        except KubeError as e:
+                            if e.code != 404:
+                                raise
+                return step(reason, f"deleting {children[0]['kind']} {children[0]['metadata']['name']}: "
+                                    + (get_condition(children[0], "Ready").get("message") or "waiting"))
+        for n in nodes:
+            try:
+                self.client.request("DELETE", f"{NODES}/{n['metadata']['name']}")
+            except KubeError as e:
+                if e.code != 404:
+                    raise
+        if g["spec"].get("bootstrapKubernetes"):
+            self._join_tokens().revoke(key)
+        others = [o for o in self.cache.list(TNG) if object_key(o) != key and not o["metadata"].get("deletionTimestamp")]
+        if not others:
+            path = f"/apis/apps/v1/namespaces/{self.settings.namespace}/daemonsets"
+            ds = self.cache.get(path, f"{self.settings.namespace}/{DEVICE_PLUGIN}")
+            if ds is not None and (ds["metadata"].get("labels") or {}).get("app.kubernetes.io/managed-by") == \
+                    MANAGED_BY["app.kubernetes.io/managed-by"]:
+                try:
+                    self.client.request("DELETE", f"{path}/{DEVICE_PLUGIN}")
+                except KubeError as e:
+                    if e.code != 404:
+                        raise
+        self.client.request("PUT", self._path(key), body={
+            **g, "metadata": {**md, "finalizers": [f for f in md.get("finalizers") or [] if f != GROUP_FINALIZER]}})
+        with self._lock:
+            for p in [p for p, k in self._by_provider.items() if k == key]:
+                del self._by_provider[p]
+                self._withdrawn.discard(p)
+                self._labels.pop(p, None)
+        self._tokens_live.pop(key, None)
+        self._machine.pop(key, None)
+        self.rw.forget(key)
+        log.info("node group deleted", extra=kv(group=key))
+        return None
+
+    def _drain(self, nodes: list[dict]) -> list[str]:
+        """Evict the pods on ``nodes`` through the Eviction API (PodDisruptionBudgets decide);
+        the pods still there."""
+        left = []
+        for n in nodes:
+            pods = self.client.request("GET", "/api/v1/pods",
+                                       query={"fieldSelector": f"spec.nodeName={n['metadata']['name']}"})
+            for p in pods.get("items") or []:
+                pm = p["metadata"]
+                if any(r.get("kind") == "DaemonSet" for r in pm.get("ownerReferences") or []):
+                    continue
+                if "kubernetes.io/config.mirror" in (pm.get("annotations") or {}):
+                    continue
+                if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                    continue
+                left.append(f"{pm['namespace']}/{pm['name']}")
+                if pm.get("deletionTimestamp"):
+                    continue
+                try:
+                    self.client.request("POST", f"/api/v1/namespaces/{pm['namespace']}/pods/{pm['name']}/eviction",
+                                        body={"apiVersion": "policy/v1", "kind": "Eviction",
+                                              "metadata": {"name": pm["name"], "namespace": pm["namespace"]}})
+                except KubeError as e:
+                    if e.code not in (404, 429):  # 429: a PodDisruptionBudget says not now
+                        raise
+        return left
+
+
+def reconcilers(client: Client, settings: Settings, gce: GCE) -> list[Reconciler]:
+    return [WorkloadPolicyReconciler(client, gce, settings), InstanceTemplateReconciler(client, gce, settings),
+            ManagedInstanceGroupReconciler(client, gce, settings), TPUNodeGroupReconciler(client, gce, settings)]

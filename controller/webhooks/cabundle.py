@@ -1,0 +1,114 @@
+"""The ``caBundle`` of our webhook configurations, kept equal to the trust bundle (``ca.crt``) of
+the self-managed webhook Secret (:mod:`controller.webhooks.certs`; docs/webhook-certificates.md).
+
+A reconciler (run by the leader only, like every reconciler: one writer, so replicas whose
+copy of the Secret lags never write an older bundle over a newer one). It watches
+
+* Mutating- and ValidatingWebhookConfigurations labelled ``app.kubernetes.io/part-of:
+  accelnode`` (a new one, or an edit that reverts ``caBundle``, is an event: fixed at once, and
+  at every resync);
+* the webhook Secret (by name): a renewed CA re-queues every configuration.
+
+In each configuration it sets ``caBundle`` on the webhooks whose ``clientConfig.service`` is our
+Service (name and namespace) and on no other; it writes (``PUT`` with the read
+``resourceVersion``) only when a value differs, so in steady state it makes no write. A
+configuration carrying cert-manager's ``cert-manager.io/inject-ca-from`` annotation is
+cert-manager's to fill and is left alone. A Secret whose ``ca.crt`` is not a bundle of CA
+certificates is never copied (the cert loop repairs it first).
+
+Keys are ``mutating/<name>`` and ``validating/<name>`` (both kinds may use one name).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+
+from accelnode.kube.client import Client
+from accelnode.log import kv
+
+from controller.webhooks.certs import parse_bundle
+from controller.runtime.reconciler import Reconciler, Result, Watch
+from controller.runtime.writes import ReadYourWrites, update_if_changed
+
+log = logging.getLogger("accelnode.controller.cabundle")
+
+PART_OF = "app.kubernetes.io/part-of=accelnode"
+CERT_MANAGER_ANNOTATION = "cert-manager.io/inject-ca-from"
+KINDS = {
+    "mutating": "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations",
+    "validating": "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations",
+}
+
+
+def ours(hook: dict, service: str, namespace: str) -> bool:
+    svc = (hook.get("clientConfig") or {}).get("service") or {}
+    return svc.get("name") == service and svc.get("namespace") == namespace
+
+
+def set_ca_bundle(config: dict, bundle_b64: str, service: str, namespace: str) -> None:
+    """Set ``caBundle`` on every webhook of ``config`` (in place) that calls our Service."""
+    for hook in config.get("webhooks") or []:
+        if ours(hook, service, namespace):
+            hook["clientConfig"]["caBundle"] = bundle_b64
+
+
+class CABundleReconciler(Reconciler):
+    name = "webhook-cabundle"
+
+    def __init__(self, client: Client, *, secret_namespace: str, secret: str, service: str, service_namespace: str):
+        self.client = client
+        self.secret, self.service, self.service_namespace = secret, service, service_namespace
+        self.secrets_path = f"/api/v1/namespaces/{secret_namespace}/secrets"
+        self.secret_key = f"{secret_namespace}/{secret}"
+        self.written = ReadYourWrites()
+        self.watches = tuple(
+            Watch(path, {"labelSelector": PART_OF}, keys=lambda obj, kind=kind: (f"{kind}/{obj['metadata']['name']}",))
+            for kind, path in KINDS.items()) + (
+            Watch(self.secrets_path, {"fieldSelector": f"metadata.name={secret}"}, keys=self._every_config,
+                  keep=_ca_only),)
+
+    def _every_config(self, _secret: dict) -> list[str]:
+        return [f"{kind}/{obj['metadata']['name']}" for kind, path in KINDS.items() for obj in self.cache.list(path)]
+
+    def bundle(self) -> str | None:
+        """``ca.crt`` of the Secret, base64 as ``caBundle`` carries it; None while there is no
+        Secret or its bundle is not one."""
+        secret = self.cache.get(self.secrets_path, self.secret_key)
+        encoded = ((secret or {}).get("data") or {}).get("ca.crt")
+        if not encoded:
+            return None
+        try:
+            parse_bundle(base64.b64decode(encoded))
+        except ValueError as e:
+            log.warning("the webhook Secret's ca.crt is not a CA bundle; not copying it",
+                        extra=kv(secret=self.secret_key, error=str(e)))
+            return None
+        return encoded
+
+    def reconcile(self, key: str) -> Result | None:
+        kind, _, name = key.partition("/")
+        path = KINDS[kind]
+        obj = self.written.current(key, self.cache.get(path, name))
+        if obj is None:
+            self.written.forget(key)
+            return None
+        if CERT_MANAGER_ANNOTATION in ((obj.get("metadata") or {}).get("annotations") or {}):
+            return None
+        bundle = self.bundle()
+        if bundle is None:
+            return None  # the Secret's arrival re-queues every configuration
+        written = update_if_changed(self.client, f"{path}/{name}", obj,
+                                    lambda o: set_ca_bundle(o, bundle, self.service, self.service_namespace))
+        if written is not None:
+            self.written.remember(key, obj, written)
+            log.info("caBundle written",
+                     extra=kv(configuration=key, service=f"{self.service_namespace}/{self.service}"))
+        return None
+
+
+def _ca_only(secret: dict) -> dict:
+    """What the reconciler keeps of the Secret: its name and the public bundle, never the keys."""
+    md = secret.get("metadata") or {}
+    return {"metadata": {k: md.get(k) for k in ("name", "namespace", "resourceVersion")},
+            "data": {"ca.crt": (secret.get("data") or {}).get("ca.crt")}}
