@@ -85,14 +85,14 @@ class Reporter:
         self._dirty = threading.Event()
         poke = self.poke
         beat = lambda what: health.heartbeat(f"watch {what}", grace)  # noqa: E731
-        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), on_change=poke, keep=_trim_cache,
+        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), on_change=poke, trim=_trim_cache,
                                 beat=beat("GKMCaches"))
         self.cluster_caches = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"), on_change=poke,
-                                        keep=_trim_cache, beat=beat("ClusterGKMCaches"))
-        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke, keep=_trim_node,
+                                        trim=_trim_cache, beat=beat("ClusterGKMCaches"))
+        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke, trim=_trim_node,
                                   beat=beat("Node"))
         self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"}, on_change=poke,
-                              keep=_trim_pod, beat=beat("Pods"))
+                              trim=_trim_pod, beat=beat("Pods"))
         self._reflectors = (self.caches, self.cluster_caches, self.node_obj, self.pods)
         # touched by the reconcile thread only
         self._written: dict[str, _Written] | None = None  # None until read back from the API

@@ -41,7 +41,7 @@ class CacheView:
         """``reflector_options`` go to both reflectors (tests: ``watch_seconds``, ``stall_after``)."""
         health = health or Health()
         self.namespaced, self.cluster = (
-            Reflector(client, custom_path(GROUP, VERSION, plural), keep=trim,
+            Reflector(client, custom_path(GROUP, VERSION, plural), trim=trim,
                       beat=health.heartbeat(f"watch {kind}", GRACE_DEFAULT), **reflector_options)
             for kind, plural in KINDS)
         self._stop = threading.Event()

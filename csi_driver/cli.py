@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     reg_servicer = registration.RegistrationServer(args.kubelet_endpoint or sock, on_status)
     reg_server = None
 
-    def keep_registration_socket(server):
+    def ensure_registration_socket(server):
         """Serve the registration socket again when it is gone (kubelet sees only new sockets)."""
         reg_sock = registration.socket_path(reg_dir)
         if server is not None and reg_sock.is_socket():
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     while True:
         loop.beat(REGISTRATION_CHECK_SECONDS + GRACE_DEFAULT)
         if reg_dir is not None:
-            reg_server = keep_registration_socket(reg_server)
+            reg_server = ensure_registration_socket(reg_server)
         if stop.wait(REGISTRATION_CHECK_SECONDS):
             break
     log.info("CSI driver stopping")

@@ -51,14 +51,14 @@ class Reflector:
 
     With ``name`` set, the reflector follows that one object: GET instead of list (for
     identities that may get and watch but not list), watch with ``metadata.name=<name>``.
-    ``keep(obj)`` trims an object before it is stored (memory: keep what you read).
+    ``trim(obj)`` trims an object before it is stored (memory: keep only what you read).
     """
 
     MIN_WATCH = 5.0  # a watch that ends sooner without events counts as a failure (no hot loop)
 
     def __init__(self, client: Client, path: str, *, on_change: Callable[[], None] | None = None,
                  on_event: Callable[[str, dict], None] | None = None, query: dict | None = None,
-                 name: str | None = None, keep: Callable[[dict], dict] = lambda o: o,
+                 name: str | None = None, trim: Callable[[dict], dict] = lambda o: o,
                  watch_seconds: int = 300, max_backoff: float = 30.0, beat: Heartbeat = NOBEAT,
                  stall_after: float | None = None):
         self.client, self.path, self.name = client, path, name
@@ -70,7 +70,7 @@ class Reflector:
         if name:
             self.query["fieldSelector"] = f"metadata.name={name}"
         self.on_change = on_change or (lambda: None)
-        self.on_event, self.keep = on_event, keep
+        self.on_event, self.trim = on_event, trim
         self.watch_seconds, self.max_backoff = watch_seconds, max_backoff
         self._items: dict[str, dict] = {}
         self._lock = threading.Lock()  # items are read by the reporter's thread
@@ -144,7 +144,7 @@ class Reflector:
             items, rv = doc.get("items") or [], _rv(doc)
         if not rv:
             raise Malformed(f"the answer to GET {self.path} has no metadata.resourceVersion to watch from")
-        fresh = {self._key(o): self.keep(o) for o in items}
+        fresh = {self._key(o): self.trim(o) for o in items}
         with self._lock:
             old, self._items = self._items, fresh
         self.resource_version = rv
@@ -196,9 +196,9 @@ class Reflector:
             kept = None
             with self._lock:
                 if kind in ("ADDED", "MODIFIED"):
-                    kept = self._items[self._key(obj)] = self.keep(obj)
+                    kept = self._items[self._key(obj)] = self.trim(obj)
                 elif kind == "DELETED":
-                    kept = self._items.pop(self._key(obj), None) or self.keep(obj)
+                    kept = self._items.pop(self._key(obj), None) or self.trim(obj)
             self.resource_version = rv
             if self.on_event is not None and kept is not None:
                 self.on_event(kind, kept)

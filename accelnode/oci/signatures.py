@@ -79,7 +79,7 @@ WRONG_IDENTITY = "WrongIdentity"
 _RANK = (DIGEST_MISMATCH, BAD_SIGNATURE, WRONG_IDENTITY, UNTRUSTED_CERT, WRONG_KEY, KEYLESS_UNSUPPORTED, UNSIGNED)
 
 
-class KeyError_(ValueError):
+class InvalidKey(ValueError):
     """A trusted key that cannot be loaded (bad PEM, unsupported algorithm)."""
 
 
@@ -93,15 +93,15 @@ class TrustedKey:
         try:
             key = serialization.load_pem_public_key(pem.encode())
         except (ValueError, UnsupportedAlgorithm, TypeError) as e:
-            raise KeyError_(f"key {name!r}: not a PEM public key: {e}") from None
+            raise InvalidKey(f"key {name!r}: not a PEM public key: {e}") from None
         if isinstance(key, ec.EllipticCurvePublicKey):
             if not isinstance(key.curve, (ec.SECP256R1, ec.SECP384R1, ec.SECP521R1)):
-                raise KeyError_(f"key {name!r}: curve {key.curve.name} is not one cosign uses")
+                raise InvalidKey(f"key {name!r}: curve {key.curve.name} is not one cosign uses")
         elif isinstance(key, rsa.RSAPublicKey):
             if key.key_size < 2048:
-                raise KeyError_(f"key {name!r}: RSA keys under 2048 bits are refused")
+                raise InvalidKey(f"key {name!r}: RSA keys under 2048 bits are refused")
         elif not isinstance(key, ed25519.Ed25519PublicKey):
-            raise KeyError_(f"key {name!r}: {type(key).__name__} is not a key type cosign signs with")
+            raise InvalidKey(f"key {name!r}: {type(key).__name__} is not a key type cosign signs with")
         return cls(name, key)
 
     @property
@@ -144,12 +144,12 @@ class Identity:
 
     def __post_init__(self):
         if not self.issuer or not (self.subject or self.subject_regexp):
-            raise KeyError_("a keyless identity needs an issuer and a subject (or subjectRegExp)")
+            raise InvalidKey("a keyless identity needs an issuer and a subject (or subjectRegExp)")
         if self.subject_regexp:
             try:
                 re.compile(self.subject_regexp)
             except re.error as e:
-                raise KeyError_(f"subjectRegExp {self.subject_regexp!r}: {e}") from None
+                raise InvalidKey(f"subjectRegExp {self.subject_regexp!r}: {e}") from None
 
     def matches(self, issuer: str | None, subjects: list[str]) -> bool:
         if issuer != self.issuer:
@@ -167,7 +167,7 @@ def load_certs(name: str, pem: str) -> list[x509.Certificate]:
     try:
         certs = x509.load_pem_x509_certificates(pem.encode())
     except (ValueError, TypeError) as e:
-        raise KeyError_(f"{name}: not PEM certificates: {e}") from None
+        raise InvalidKey(f"{name}: not PEM certificates: {e}") from None
     return certs
 
 

@@ -38,7 +38,7 @@ from accelnode.kube.client import Client, KubeError, custom_path
 from accelnode.log import kv
 
 from controller.caches import volumes as co
-from controller.caches.reconciler import Mentions, keep_cache, now_rfc3339
+from controller.caches.reconciler import Mentions, trim_cache, now_rfc3339
 from controller.caches.pinning import GROUP, VERSION
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
@@ -60,7 +60,7 @@ def pv_path(name: str) -> str:
     return f"{PVS}/{quote(name, safe='')}"
 
 
-def keep_namespace(obj: dict) -> dict:
+def trim_namespace(obj: dict) -> dict:
     md = obj.get("metadata") or {}
     return {"metadata": {k: md[k] for k in ("name", "resourceVersion", "deletionTimestamp") if k in md},
             "status": {"phase": (obj.get("status") or {}).get("phase")}}
@@ -83,12 +83,12 @@ class ClaimsReconciler(Reconciler):
         selected = {"labelSelector": co.selector(cluster)}
         self.pvcs, self.pvs = Mentions(), Mentions()  # object key -> the cache key it was made for
         self.watches = [
-            Watch(self.caches_path, keep=keep_cache),
-            Watch(PVCS, query=selected, keys=lambda o: self._claim_changed(PVCS, self.pvcs, o), keep=keep_cache),
-            Watch(PVS, query=selected, keys=lambda o: self._claim_changed(PVS, self.pvs, o), keep=keep_cache),
+            Watch(self.caches_path, trim=trim_cache),
+            Watch(PVCS, query=selected, keys=lambda o: self._claim_changed(PVCS, self.pvcs, o), trim=trim_cache),
+            Watch(PVS, query=selected, keys=lambda o: self._claim_changed(PVS, self.pvs, o), trim=trim_cache),
         ]
         if cluster:  # a GKMCache's namespace exists while it does; a terminating one refuses the claim
-            self.watches.append(Watch(NAMESPACES, keys=self._namespace_changed, keep=keep_namespace))
+            self.watches.append(Watch(NAMESPACES, keys=self._namespace_changed, trim=trim_namespace))
         self._index_lock = threading.Lock()  # a reflector event and a resync may map at once
         self._lock = threading.Lock()
         self._written = ReadYourWrites()
@@ -206,7 +206,7 @@ class ClaimsReconciler(Reconciler):
         else:
             wanted = co.pv_wants_update(pv, cache, wns, uid, capacity)
             if wanted is not None:
-                pv = keep_cache(self.client.request("PUT", pv_path(pv["metadata"]["name"]), body=wanted))
+                pv = trim_cache(self.client.request("PUT", pv_path(pv["metadata"]["name"]), body=wanted))
                 log.info("claim volume updated", extra=kv(reconciler=self.name, cache=cache.key, namespace=wns,
                                                           pv=pv["metadata"]["name"], capacity=capacity))
         return co.binding(pv, pvc)
@@ -240,7 +240,7 @@ class ClaimsReconciler(Reconciler):
                     self._conflicts.discard((cache.key, wns))
                 log.info("claim made", extra=kv(reconciler=self.name, cache=cache.key, namespace=wns,
                                                 pvc=cache.name, pv=co.pv_name(cache, wns)))
-                return keep_cache(made), None
+                return trim_cache(made), None
         if co.is_ours(existing, cache):
             with self._lock:
                 self._conflicts.discard((cache.key, wns))
@@ -258,7 +258,7 @@ class ClaimsReconciler(Reconciler):
 
     def _get(self, path: str) -> dict | None:
         try:
-            return keep_cache(self.client.request("GET", path))
+            return trim_cache(self.client.request("GET", path))
         except KubeError as e:
             if e.code == 404:
                 return None
@@ -269,7 +269,7 @@ class ClaimsReconciler(Reconciler):
         body = co.pv_body(cache, wns, pvc_uid, capacity)
         name = body["metadata"]["name"]
         try:
-            made = keep_cache(self.client.request("POST", PVS, body=body))
+            made = trim_cache(self.client.request("POST", PVS, body=body))
             log.info("claim volume made", extra=kv(reconciler=self.name, cache=cache.key, namespace=wns, pv=name))
             return made, None
         except KubeError as e:
@@ -281,7 +281,7 @@ class ClaimsReconciler(Reconciler):
         if co.is_ours(existing, cache):  # the watch has not brought it yet
             wanted = co.pv_wants_update(existing, cache, wns, pvc_uid, capacity)
             if wanted is not None:
-                existing = keep_cache(self.client.request("PUT", pv_path(name), body=wanted))
+                existing = trim_cache(self.client.request("PUT", pv_path(name), body=wanted))
             return existing, None
         return None, (co.REASON_CONFLICT, f"PersistentVolume {name} exists and was not made by the controller for "
                                           f"{cache}; it is left as it is")
@@ -331,7 +331,7 @@ class ClaimsReconciler(Reconciler):
     def _remember(self, key: str, before: dict, written: dict | None) -> dict:
         if written is None:
             return before
-        written = keep_cache(written)
+        written = trim_cache(written)
         self._written.remember(key, before, written)
         return written
 

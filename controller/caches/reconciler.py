@@ -26,7 +26,7 @@ from accelnode.oci.errors import ImageError
 from controller.caches import status as cs
 from controller.caches.pinning import GROUP, VERSION, Pin, Resolver
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
-from controller.caches.signatures import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Signer, keep_policy, parse_policy
+from controller.caches.signatures import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Signer, trim_policy, parse_policy
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
 
 log = logging.getLogger("accelnode.controller")
@@ -39,14 +39,14 @@ def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def keep_cache(obj: dict) -> dict:
+def trim_cache(obj: dict) -> dict:
     """What the cache of cache objects stores: all but ``managedFields`` (an update without
     them keeps the server's)."""
     md = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "managedFields"}
     return {**obj, "metadata": md}
 
 
-def keep_node(obj: dict) -> dict:
+def trim_node(obj: dict) -> dict:
     """What the cache of node objects stores: name, namespace, resourceVersion and, per cache
     and digest, the state, message and pods."""
     md = obj.get("metadata") or {}
@@ -105,9 +105,9 @@ class CacheReconciler(Reconciler):
         self.caches_path = custom_path(GROUP, VERSION, self.plural)
         self.nodes_path = custom_path(GROUP, VERSION, "clustergkmcachenodes" if cluster else "gkmcachenodes")
         self.policies_path = custom_path(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)
-        self.watches = [Watch(self.caches_path, keep=keep_cache),
-                        Watch(self.nodes_path, keys=self._node_changed, keep=keep_node),
-                        Watch(self.policies_path, keys=self._policy_changed, keep=keep_policy)]
+        self.watches = [Watch(self.caches_path, trim=trim_cache),
+                        Watch(self.nodes_path, keys=self._node_changed, trim=trim_node),
+                        Watch(self.policies_path, keys=self._policy_changed, trim=trim_policy)]
         self.mentions = Mentions()
         self._mentions_lock = threading.Lock()  # a reflector event and a resync may map at once
         self._lock = threading.Lock()
@@ -162,7 +162,7 @@ class CacheReconciler(Reconciler):
         # write interval (a second conflict is an error, retried with backoff)
         ns, name = split_key(key)
         fresh = self.client.request("GET", custom_path(GROUP, VERSION, self.plural, ns, name))
-        return self._sync(key, keep_cache(fresh))
+        return self._sync(key, trim_cache(fresh))
 
     def _sync(self, key: str, obj: dict) -> Result | None:
         """Pin, verify and count ``obj``; write what changed."""
@@ -236,7 +236,7 @@ class CacheReconciler(Reconciler):
             for step in steps:
                 written = step(current)
                 if written is not None:
-                    current = keep_cache(written)
+                    current = trim_cache(written)
         finally:
             if current is not obj:  # a refused write (409) is no write: it does not delay the next
                 with self._lock:

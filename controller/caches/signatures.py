@@ -69,7 +69,7 @@ def parse_policy(obj: dict) -> Policy:
     for i, k in enumerate(spec.get("keys") or ()):
         try:
             keys.append(sg.TrustedKey.from_pem(str(k.get("name") or f"key{i}"), str(k.get("publicKey") or "")))
-        except (sg.KeyError_, AttributeError) as e:
+        except (sg.InvalidKey, AttributeError) as e:
             error = str(e)
     keyless = None
     try:
@@ -82,16 +82,16 @@ def parse_policy(obj: dict) -> Policy:
             if r.get("intermediates"):
                 inter += sg.load_certs(f"intermediates of {name!r}", str(r["intermediates"]))
         if idents and not roots:
-            raise sg.KeyError_("keyless identities need at least one trust root (spec.trustRoots)")
+            raise sg.InvalidKey("keyless identities need at least one trust root (spec.trustRoots)")
         if idents:
             keyless = sg.KeylessTrust(idents, tuple(roots), tuple(inter))
-    except (sg.KeyError_, AttributeError) as e:
+    except (sg.InvalidKey, AttributeError) as e:
         error = str(e)
     return Policy(md.get("name", ""), int(md.get("generation") or 0), tuple(spec.get("namespaces") or ()),
                   bool(spec.get("clusterCaches")), bool(spec.get("requireSignature")), tuple(keys), error, keyless)
 
 
-def keep_policy(obj: dict) -> dict:
+def trim_policy(obj: dict) -> dict:
     md = obj.get("metadata") or {}
     return {"metadata": {k: md[k] for k in ("name", "generation") if k in md}, "spec": obj.get("spec") or {}}
 

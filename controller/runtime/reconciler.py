@@ -44,12 +44,12 @@ class Result:
 class Watch:
     """One collection to follow: ``path`` (e.g. ``/api/v1/configmaps`` or a namespaced path),
     ``query`` (label/field selectors), ``keys(obj)`` -> the keys to reconcile when ``obj``
-    changes, ``keep(obj)`` -> what the cache stores of it (memory: keep what you read)."""
+    changes, ``trim(obj)`` -> what the cache stores of it (memory: keep only what you read)."""
 
     path: str
     query: dict = field(default_factory=dict)
     keys: Callable[[dict], Iterable[str]] = lambda obj: (object_key(obj),)
-    keep: Callable[[dict], dict] = lambda obj: obj
+    trim: Callable[[dict], dict] = lambda obj: obj
 
 
 class Cache:

@@ -65,7 +65,7 @@ class Controller:
         for w in reconciler.watches:
             if w.path in self.reflectors:
                 raise ValueError(f"{self.name}: {w.path} is watched twice")
-            self.reflectors[w.path] = Reflector(client, w.path, query=w.query, keep=w.keep,
+            self.reflectors[w.path] = Reflector(client, w.path, query=w.query, trim=w.trim,
                                                 on_event=lambda _type, obj, w=w: self._enqueue_for(w, obj))
         reconciler.cache = Cache(self.reflectors)
         metrics.depth.labels(self.name).set_function(lambda: len(self.queue))

@@ -26,7 +26,7 @@ log = logging.getLogger("accelnode.controller")
 STATEFULSETS = "/apis/apps/v1/statefulsets"
 
 
-def keep_statefulset(obj: dict) -> dict:
+def trim_statefulset(obj: dict) -> dict:
     """All but ``managedFields`` and ``status`` (an update writes neither)."""
     md = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "managedFields"}
     return {**{k: v for k, v in obj.items() if k != "status"}, "metadata": md}
@@ -38,7 +38,7 @@ class StatefulSetEnvReconciler(Reconciler):
     def __init__(self, client: Client):
         self.client = client
         self.watches = [Watch(STATEFULSETS, {"labelSelector": f"{tpuenv.INJECT_LABEL}={tpuenv.INJECT_VALUE}"},
-                              keep=keep_statefulset)]
+                              trim=trim_statefulset)]
 
     def reconcile(self, key: str) -> Result | None:
         obj = self.cache.get(STATEFULSETS, key)

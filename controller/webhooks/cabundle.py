@@ -66,7 +66,7 @@ class CABundleReconciler(Reconciler):
             Watch(path, {"labelSelector": PART_OF}, keys=lambda obj, kind=kind: (f"{kind}/{obj['metadata']['name']}",))
             for kind, path in KINDS.items()) + (
             Watch(self.secrets_path, {"fieldSelector": f"metadata.name={secret}"}, keys=self._every_config,
-                  keep=_ca_only),)
+                  trim=_ca_only),)
 
     def _every_config(self, _secret: dict) -> list[str]:
         return [f"{kind}/{obj['metadata']['name']}" for kind, path in KINDS.items() for obj in self.cache.list(path)]

@@ -144,7 +144,7 @@ def test_registry_down_is_an_outage_not_a_verdict(cosign):
 
 
 def test_bad_keys_refused_on_load():
-    with pytest.raises(sg.KeyError_):
+    with pytest.raises(sg.InvalidKey):
         sg.TrustedKey.from_pem("junk", "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
 
 

@@ -175,7 +175,7 @@ def test_keyless_without_identities_refused(registry, cosign, ca, fmt):
 
 
 def test_identity_never_any():
-    with pytest.raises(sg.KeyError_):
+    with pytest.raises(sg.InvalidKey):
         sg.Identity(ISSUER, "")
-    with pytest.raises(sg.KeyError_):
+    with pytest.raises(sg.InvalidKey):
         sg.Identity("", EMAIL)

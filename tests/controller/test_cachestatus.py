@@ -8,7 +8,7 @@ import pytest
 
 from accelnode.oci import errors
 from controller.caches import status as cs
-from controller.caches.reconciler import Mentions, keep_node
+from controller.caches.reconciler import Mentions, trim_node
 from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
 
 D1 = "sha256:" + "1" * 64
@@ -211,5 +211,5 @@ def test_node_objects_are_stored_trimmed():
            "status": {"nodeName": "n1", "gpus": [{"gpuType": "tpu/v5e", "ids": [0]}], "counts": {},
                       "caches": {"c": {D1: {"state": "Running", "pods": pods("a"), "volumeSize": 9,
                                             "lastUpdated": NOW, "compatibleGPUs": [0]}}}}}
-    assert keep_node(obj) == {"metadata": {"name": "n1", "namespace": "ns", "resourceVersion": "5"},
+    assert trim_node(obj) == {"metadata": {"name": "n1", "namespace": "ns", "resourceVersion": "5"},
                               "status": {"caches": {"c": {D1: {"state": "Running", "pods": pods("a")}}}}}
