@@ -26,6 +26,10 @@ def test_the_app_layer_is_reproducible_and_holds_the_command(tmp_path):
     site = images.SITE.lstrip("/")
     for pkg in images.SOURCE_DIRS:
         assert f"{site}/{pkg}/__init__.py" in names, pkg
+    # runtime code only: the packages of the wheel and their metadata, never the rigs, tests or tools
+    tops = {n[len(site) + 1:].split("/")[0] for n in names if n.startswith(site + "/") and n != site}
+    assert {t for t in tops if not t.endswith(".dist-info")} == set(images.SOURCE_DIRS)
+    assert not [n for n in names if "/testing/" in n or "/rigs/" in n or n.endswith("protogen.py")]
     assert any(n.endswith(".pyc") for n in names)  # byte code compiled in: roots are read-only
 
 
