@@ -1,17 +1,14 @@
 """The agent's work, free of any transport: the gRPC service, the status reporter and the
-prefetcher all call this (docs/agent-store.md, docs/csi.md).
-
-Invariants kept here:
+prefetcher all call this (docs/agent-store.md, docs/csi.md). Invariants:
 
 * one pull per digest at a time (later callers join it), at most ``max_pulls`` at once; a caller
   never blocks past ``wait_seconds``: a pull still running or queued answers PULLING;
-* an ``anonymous`` ensure never shares a pull or installed content with a credentialed one,
-  except for a digest an anonymous request has been served (:attr:`Agent._public`), so registry
-  credentials cannot leak to an image a pod author named;
+* an ``anonymous`` ensure never joins a credentialed pull (nor the reverse) and is handed
+  installed content only for a digest whose manifest an anonymous request has been served
+  (:attr:`Agent._public`), so registry credentials never serve an image a pod author named;
 * a volume id holds one digest at one target path (:func:`_refusal`); references are the store's
-  durable ones, so they survive restarts.
-
-Refusals are :class:`Refused`, named by the status code a caller answers with.
+  durable ones, so they survive restarts. Refusals are :class:`Refused`, named by the status
+  code a caller answers with.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The node's content-addressed kernel-cache store (docs/agent-store.md: layout, capacity,
-collection).
-
-Invariants:
+collection). Invariants:
 
 * a cache directory either exists complete and verified, or not at all: a pull stages under
   ``tmp/`` while holding the digest's lock (one download across processes), flushes, and renames

@@ -9,8 +9,8 @@ that only the controller writes it (docs/cache-webhooks.md).
 * Who the controller is comes from ``userInfo.username`` against the username learnt at start
   (a SelfSubjectReview), never from anything in the object.
 
-The decisions (:func:`plan_pin`, :func:`check_pin`, :func:`annotation_patch`) are pure and take
-the resolution as a callable; :class:`CacheHooks` adds identity, time bounds and the routes.
+Pure decisions (:func:`plan_pin`, :func:`check_pin`, :func:`annotation_patch`) take the
+resolution as a callable; :class:`CacheHooks` adds identity, time bounds and the routes.
 """
 
 from __future__ import annotations
