@@ -1,26 +1,13 @@
-"""What ``/healthz`` and ``/readyz`` report: a daemon's essential threads and servers, alive or not.
+"""What ``/healthz`` and ``/readyz`` report: a daemon's essential threads and servers, alive or not
+(docs/health.md).
 
-A :class:`Health` holds named heartbeats and checks:
+A :class:`Heartbeat` belongs to one long-running thread, which promises with ``beat(within)`` to
+beat again within ``within`` seconds; a thread that waits with a timeout promises that timeout
+plus slack, so a healthy idle wait never breaks its promise. A heartbeat is stuck once its
+promise is overdue, dead once its thread ended without :meth:`Heartbeat.close`. A check is a
+callable returning None or a problem. Not alive implies not ready.
 
-* a :class:`Heartbeat` belongs to one long-running thread (a watch, a reflector, a health loop,
-  a registrar). Each time round its loop the thread calls ``beat(within)``: a promise to beat
-  again within ``within`` seconds. A thread that waits on something with a timeout promises that
-  timeout plus its slack, so a healthy idle wait never breaks its promise (a watch promises the
-  server-side watch timeout plus the client's read timeout; a loop waiting on a queue wakes up
-  every so often to beat). The heartbeat is **stuck** once the promise is overdue, and **dead**
-  once its thread has ended without :meth:`Heartbeat.close` (an exception killed it);
-* a check is a callable returning None when all is well, else a problem (a gRPC server that no
-  longer accepts connections on its socket: :func:`accelnode.grpcutil.serving_problem`).
-
-:meth:`Health.liveness` is (True, "") or (False, "<name> <problem>; ..."); ``/healthz`` answers
-503 with that text, which names the thread and how long since its last beat. ``/readyz``
-(:class:`accelnode.httpserve.MetricsServer`) is liveness first, then the daemon's own
-``ready()`` (registered with kubelet, first list read...): a daemon that is not alive is not
-ready either, and the 503 says what is missing.
-
-A heartbeat registered but not yet beaten counts from its registration with its default bound.
-Everything here is thread-safe; a beat costs one monotonic read, a probe that plus its checks
-(a gRPC handshake on a local socket: milliseconds).
+Thread-safe; a beat costs one monotonic read.
 """
 
 from __future__ import annotations

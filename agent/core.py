@@ -1,33 +1,14 @@
-"""The agent's work, free of any transport: the gRPC service (:mod:`agent.service`) and the
-status reporter and prefetcher (:mod:`agent.reporter`, :mod:`agent.prefetch`) all call this.
+"""The agent's work, free of any transport: the gRPC service, the status reporter and the
+prefetcher all call this (docs/agent-store.md, docs/csi.md). Invariants:
 
-* :meth:`Agent.ensure` answers from what is installed when it can. Otherwise it starts one
-  background pull per reference digest (later callers join it) and waits at most
-  ``wait_seconds`` for it, answering PULLING when the pull is still running. A failed pull is
-  reported to everyone who waited on it; the next ``ensure`` starts a fresh one.
-* At most ``max_pulls`` pulls run at once; the others wait in a FIFO queue and are answered
-  PULLING too (message ``queued (N ahead)``), so callers retry them as they retry a pull in
-  progress. :meth:`Agent.caches` lists a queued pull as PULLING with that message.
-* Disk: the store checks free space before each pull and collects unreferenced caches by
-  watermarks (:class:`agent.store.Capacity`); :meth:`Agent.collect_to_watermark` is the
-  periodic check. A full disk fails the pull (failure INTERNAL, message "no space left on
-  device ...") and the next ensure tries again.
-* An ``anonymous`` ensure (an image a pod author named, not a cache object) pulls without any
-  registry credentials. Credentials must not reach it by sharing, so it is kept apart by digest
-  *and* anonymity: it never joins a credentialed pull (nor a credentialed caller an anonymous
-  one, whose failure would not be theirs), and content installed is handed to it only for a
-  digest whose manifest an anonymous request has been served (:attr:`Agent._public`, learned by
-  an anonymous pull; the store asks the repository the content was installed from, see
-  ``CacheStore.ensure``). A credentialed pull of the same digest may run beside it; the store's
-  digest lock installs it once.
-* References are the store's durable references, so they survive restarts of the agent and of
-  the CSI driver. A volume id holds one digest at one target path; asking again with other
-  values is ALREADY_EXISTS, and asking for an exclusive volume at a second target path is
-  FAILED_PRECONDITION (:func:`_refusal`).
-
-Refusals are :class:`Refused` with the name of the status code a caller answers with (the gRPC
-and CSI vocabulary: ``INVALID_ARGUMENT``, ``NOT_FOUND``, ``ALREADY_EXISTS``,
-``FAILED_PRECONDITION``).
+* one pull per digest at a time (later callers join it), at most ``max_pulls`` at once; a caller
+  never blocks past ``wait_seconds``: a pull still running or queued answers PULLING;
+* an ``anonymous`` ensure never joins a credentialed pull (nor the reverse) and is handed
+  installed content only for a digest whose manifest an anonymous request has been served
+  (:attr:`Agent._public`), so registry credentials never serve an image a pod author named;
+* a volume id holds one digest at one target path (:func:`_refusal`); references are the store's
+  durable ones, so they survive restarts. Refusals are :class:`Refused`, named by the status
+  code a caller answers with.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""Streaming, hostile-input-safe extraction of image layers, and the merge of layers in order.
+"""Streaming, hostile-input-safe extraction of image layers, and the merge of layers in order
+(docs/cache-format.md lists what is refused).
 
-Each layer is decompressed and unpacked straight from its (digest-checked) blob stream into
-its own directory, so layers can download and unpack in parallel; :func:`merge` then applies
-them in order onto the first, honouring OCI whiteouts (``.wh.NAME``, ``.wh..wh..opq``), with
-renames only. Nothing here ever follows a symlink: every parent of a path is checked with
-``lstat`` as a real directory before anything is created under it.
+Each layer unpacks from its digest-checked stream into its own directory (layers unpack in
+parallel); :func:`merge` applies them in order, whiteouts honoured, with renames only.
 
-Refused: absolute names, ``..``, names the kernel cannot hold (a component over 255 bytes, a
-path over 4095), writing through a symlink, symlinks or hardlinks that leave the tree, device
-nodes, FIFOs, sparse files and any other special entry, negative sizes, oversized or deeply
-chained tar metadata headers, and anything beyond the :class:`Limits` (total bytes, entries -
-whiteouts and implied parent directories included -, compression ratio). Setuid, setgid, sticky
-and group/world-write bits are dropped: files become 0644 or 0755, dirs 0755 (whatever the
-process umask), owned by the extracting process, never by the uid/gid in the tar.
-
-The in-memory ``entries`` of a layer always mirror what is on disk (replacing a directory
-drops everything recorded under it), and every destructive operation re-checks with ``lstat``
-that no parent of its path is a symlink - so a whiteout or hardlink can never reach outside.
+Invariants: nothing here follows a symlink (every parent is checked with ``lstat`` before
+anything is created or removed under it), so no entry, whiteout or hardlink reaches outside the
+tree; a layer's in-memory ``entries`` always mirror what is on disk; modes and owners come from
+us, never from the tar. Everything is bounded by :class:`Limits`.
 """
 
 from __future__ import annotations

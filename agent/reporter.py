@@ -1,23 +1,11 @@
 """The node's cache status in the Kubernetes API: one ``GKMCacheNode`` per (namespace, node) and
 one ``ClusterGKMCacheNode`` per node, written by this node's agent only (docs/agent-status.md).
 
-Inputs, all kept current without polling the API server:
-
-* the ``GKMCache``/``ClusterGKMCache`` objects (watched: they are few), this node's ``Node``
-  (labels, for prefetch node selectors) and the pods on this node (``spec.nodeName``), each a
-  :class:`~accelnode.kube.reflector.Reflector`;
-* the agent's own view - installed digests, pulls in progress or failed, the CSI references -
-  read from the agent core (local, cheap: :func:`local_view`) whenever :meth:`Reporter.poke` is
-  called and every ``resync`` seconds.
-
-:func:`agent.nodestatus.node_statuses` turns them into the wanted status of each object; the
-reporter writes an object only when its wanted status differs from what it last wrote (one
-``PUT .../status`` per change, plus a ``POST`` the first time an object is needed). Caches this node should hold are
-pulled before any pod asks (:class:`~agent.prefetch.Prefetcher`).
-
-Health (:mod:`accelnode.health`): each watch (``watch GKMCaches``, ``watch ClusterGKMCaches``,
-``watch Node``, ``watch Pods``), the ``status writer`` loop and the ``prefetch`` loop beat a
-heartbeat; :meth:`Reporter.ready` says which watch has not listed yet.
+Inputs are kept current without polling the API server (watches, and the agent's local view on
+:meth:`Reporter.poke` and every ``resync``); :func:`agent.nodestatus.node_statuses` computes the
+wanted status, and an object is written only when that differs from what was last written. The
+caches meant for this node are pulled before any pod asks (:class:`~agent.prefetch.Prefetcher`).
+Each watch and loop beats a heartbeat; :meth:`Reporter.ready` names a watch not listed yet.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
-"""The node's content-addressed kernel-cache store.
+"""The node's content-addressed kernel-cache store (docs/agent-store.md: layout, capacity,
+collection). Invariants:
 
-Layout under ``root``::
-
-    caches/sha256-<hex>/content/     the unpacked image (what gets bind-mounted read-only)
-    caches/sha256-<hex>/meta.json    image, kind, targets, labels, size
-    caches/sha256-<hex>/files.json   every path with type, mode, size and sha256 (for verify)
-    indexes/sha256-<hex>.json        image indexes seen, so a pinned index resolves offline
-    refs/<hash of holder>.json       durable references: holder -> digest + metadata
-    locks/<hex>.lock                 one flock per digest: a single download across processes
-    tmp/                             staging; leftovers of interrupted pulls are removed at start
-
-A pull stages everything in ``tmp/<hex>.<random>/`` while holding the digest's lock, flushes
-it to disk and renames it into ``caches/`` - so a cache directory either exists complete and
-verified, or not at all; a failed pull (a full disk included) removes its staging directory.
-The directory's mtime is its last use, set by the store itself on every hand-out, reference
-taken and reference dropped (for LRU garbage collection; mount options do not matter).
-
-Capacity (:class:`Capacity`): before a pull unpacks anything, the image's declared size (its
-``cache-size-bytes`` label, at least the sum of its layer sizes) plus a headroom must fit in
-the file system's free space, after a watermark collection when that is on; else
-:class:`~agent.errors.NoSpace`. With watermarks set, :meth:`CacheStore.collect_to_watermark`
-removes unreferenced caches, least recently used first, once the file system's usage (plus a
-pull about to start) passes the high watermark, until it is back under the low one. Neither
-kind of collection removes a referenced cache or one whose pull holds its digest lock.
+* a cache directory either exists complete and verified, or not at all: a pull stages under
+  ``tmp/`` while holding the digest's lock (one download across processes), flushes, and renames
+  it into ``caches/``; a failed pull removes its staging directory;
+* a cache's mtime is its last use, set by the store itself (LRU collection does not depend on
+  mount options);
+* no collection (:class:`Capacity`, :meth:`CacheStore.collect_to_watermark`) removes a referenced
+  cache or one whose pull holds its digest lock; a pull that cannot fit raises
+  :class:`~agent.errors.NoSpace` before unpacking anything.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """The node side of the pull-model join (``accelnode bootstrap``, docs/bootstrap.md).
 
-A fresh VM of a node group waits for the controller to put three attributes into its metadata
-(``kubeadm-join-token``, ``kubeadm-control-plane-ip``, ``kubeadm-ca-hash``), then joins:
+Wait for the join values in the GCE metadata (:func:`wait_for_join_values`, a long poll), verify
+the API server as kubeadm's token discovery does (:func:`discover`), then ``kubeadm join``
+(:class:`Joiner`). Invariants:
 
-1. **wait** (:func:`wait_for_join_values`): long-poll the attributes directory
-   (``wait_for_change=true`` with the ``last_etag`` of the previous answer), so the token is
-   seen the moment the controller writes it;
-2. **discover** (:func:`discover`), as kubeadm's token discovery does, before any credential is
-   sent: read ``kube-public/cluster-info`` anonymously over TLS *without* trusting the server,
-   check its detached JWS ``jws-kubeconfig-<token-id>`` (HS256 keyed by the token's secret: only
-   someone holding the token could have signed it), pin the CA it carries by the metadata's
-   hash (``sha256`` of the SubjectPublicKeyInfo) and read it again over TLS verified against
-   that CA. A CA whose hash differs is refused loudly (:class:`CAMismatch`); a token the API
-   server does not know (expired, revoked) has no signature (:class:`TokenNotSigned`);
-3. **join** (:class:`Joiner`): ``kubeadm join --config`` with a ``JoinConfiguration``
-   (``kubeadm.k8s.io/v1beta4``: the token, the pinned hash, the node name and
-   ``provider-id`` in ``nodeRegistration.kubeletExtraArgs``) written ``0600`` into a private
-   temporary directory, never on the command line; kubeadm's output is passed on with the
-   token's secret masked. A failed attempt is followed by ``kubeadm reset -f`` and a doubling
-   backoff.
-
-The token is never logged: :class:`JoinValues` hides it from ``repr`` and log lines name the
-token id only.
+* no credential is sent before the CA is pinned by the metadata's hash and the cluster-info
+  signature proves the server knows the token (:class:`CAMismatch`, :class:`TokenNotSigned`);
+* the token never appears on a command line or in a log: the JoinConfiguration is a ``0600``
+  file in a private directory, kubeadm's output is masked, and :class:`JoinValues` hides it
+  from ``repr``.
 """
 
 from __future__ import annotations

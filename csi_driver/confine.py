@@ -1,20 +1,15 @@
-"""Where the driver may mount, and which mounts it may take away.
+"""Where the driver may mount, and which mounts it may take away (docs/csi.md).
 
 The driver runs privileged with kubelet's pods directory mounted Bidirectional, so a path it is
-handed decides where a mount appears on the host. Two rules bound that (defence in depth: kubelet
-is the only expected caller of the CSI socket):
+handed decides where a mount appears on the host (defence in depth: kubelet is the only expected
+caller). Two rules:
 
-* A target path must be where kubelet publishes a CSI volume, for inline and persistent volumes
-  alike: ``<kubelet-dir>/pods/<pod-uid>/volumes/kubernetes.io~csi/<volume-name>/mount``
-  (:data:`SHAPE`). It is checked as written (absolute, no ``.`` or ``..``, that shape, the pod
-  uid a UUID or, for static pods, 32 hex digits) and as resolved: the real path of its parent
-  must be ``realpath(<kubelet-dir>/pods)/<pod-uid>/volumes/kubernetes.io~csi/<volume-name>``, so
-  a symlink anywhere along it cannot lead elsewhere. Anything else: INVALID_ARGUMENT.
-* A mount is ours when the directory it shows is a cache directory of the node's store, by
-  identity (st_dev, st_ino) (:class:`StoreDirs`). Unpublish takes nothing else away.
+* a target path must have kubelet's CSI shape (:data:`SHAPE`), as written and as resolved, so a
+  symlink anywhere along it cannot lead elsewhere; anything else is INVALID_ARGUMENT;
+* a mount is ours only when it shows a cache directory of the node's store, by identity
+  (st_dev, st_ino; :class:`StoreDirs`); unpublish takes nothing else away.
 
-Both cost a bounded number of system calls per call, whatever the number of mounts on the node,
-of caches in the store or of references the agent holds.
+Both cost a bounded number of system calls, whatever the number of mounts, caches or references.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Read-only bind mounts through mount(2)/umount2(2), and questions about one mount point that
-cost the same whatever the size of the node's mount table.
+cost the same whatever the size of the node's mount table (docs/csi.md).
 
-A busy node's mount table holds a thousand entries or more (every pod's secret and projected
-volumes), so publish and unpublish never read /proc/self/mountinfo:
-
-* whether a path is a mount point, and the identity (st_dev, st_ino) of the directory its top
-  mount shows: one statx(2) (:func:`mounted_root`). A bind mount of a directory on the same
-  filesystem keeps the parent's st_dev (``os.path.ismount`` cannot see it); statx's
-  STATX_ATTR_MOUNT_ROOT can (Linux 5.8+; older kernels fall back to reading the mount table);
-* the options the visible mount carries: statvfs(2)'s f_flag (:func:`options_at`; ST_RDONLY,
-  ST_NOSUID, ST_NODEV, ST_NOEXEC have the MS_* values).
-
-The mount table is read only to describe a mount in an error (:func:`describe`), on old kernels,
-and by tests. The kernel writes it fully resolved (no symlinks) with space, tab, newline and
-backslash octal-escaped, so paths are compared in that form (:func:`resolve`).
+Invariant: publish and unpublish never read /proc/self/mountinfo (a busy node holds thousands of
+mounts). Whether a path is a mount point and what it shows is one statx(2)
+(:func:`mounted_root`; ``STATX_ATTR_MOUNT_ROOT`` sees a same-filesystem bind mount that
+``os.path.ismount`` cannot); its options are statvfs(2)'s (:func:`options_at`). The mount table
+is read only on kernels before 5.8, to describe a mount in an error, and by tests; paths are
+compared in its escaped, resolved form (:func:`resolve`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Which cache a volume names, and which image holds it.
+"""Which cache a volume names, and which image holds it (docs/csi.md).
 
-A volume (inline ``csi:`` volume or a PV made by the controller) carries the same attributes:
-
-* ``csi.gkm.io/GKMCache`` — the cache's name (required);
-* ``csi.gkm.io/namespace`` — its namespace; absent for a ``ClusterGKMCache``;
-* ``csi.gkm.io/image`` — an image the pod's author names. Refused unless the driver runs with
-  ``--trust-pod-image-attribute`` (clusters without the controller), and even then pulled
-  without the node's registry credentials: whoever writes a pod may name any image.
-
-:class:`ApiResolver` looks the cache object up in a watch-backed local view of the API
-(:mod:`csi_driver.cacheview`) and takes the image and the namespace from that object alone; it
-enforces a ClusterGKMCache's ``workloadNamespaces``, waits for the controller's pin
-(``status.resolvedDigest``) and refuses a cache whose signature check failed.
-:class:`VolumeResolver` picks between it and the attribute for each volume. The driver only
-depends on the :class:`Resolver` protocol.
+Invariant: the image comes from the cache object, never from the pod. :class:`ApiResolver`
+reads the object from a watch-backed view (:mod:`csi_driver.cacheview`), enforces namespace
+rules, waits for the controller's pin and refuses a cache whose signature check failed. The
+``csi.gkm.io/image`` attribute is honoured only with ``--trust-pod-image-attribute``, and then
+pulled without the node's registry credentials. :class:`VolumeResolver` picks between them per
+volume; the driver depends only on the :class:`Resolver` protocol.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """What wakes the device plugin: events first - inotify on the dev root, ``dev/vfio`` and the
-kubelet dir, udev where it runs - and a slow sysfs tick for what gives no event.
+kubelet dir, udev where it runs - and a slow sysfs tick for what gives no event
+(docs/device-plugin.md).
 
-:class:`Watcher` runs one loop on its own thread, asleep in ``select`` on the inotify fd, the udev
-monitor (when ``/run/udev`` exists and the sysfs root is the real ``/sys``) and a wake pipe:
-
-* a chip's device node created or removed (``accel*`` in the dev root, anything in ``dev/vfio``,
-  ``dev/vfio`` itself), a udev ``pci``/``vfio``/``accel`` event, or a lost-events overflow
-  rescans the inventory at once, and once more :data:`SETTLE` seconds later (an event often comes
-  in the middle of a change: on hot-unplug the node goes before the PCI function);
-* every ``tick`` seconds it rescans anyway: the PCI ``vendor`` and AER counters are sysfs
-  attributes, which give no inotify event, so a chip falling off the bus or an AER error is seen
-  on the tick;
-* changed chip lists go to ``on_devices``; inotify events in the kubelet dir to ``on_kubelet``.
-
-Between events the thread sleeps until the next tick: an idle plugin wakes once per tick. It
-beats its :class:`~accelnode.health.Heartbeat` each time round, promising the next beat within
-the time to its next wake-up plus ``grace`` (a scan that hangs on sysfs breaks the promise).
+:class:`Watcher` runs one loop on its own thread. An event rescans at once and again
+:data:`SETTLE` seconds later, because events often arrive mid-change; the tick exists because
+PCI ``vendor`` and AER counters are sysfs attributes, which give no inotify event. An idle
+plugin wakes once per tick, and its heartbeat promise covers the time to the next wake-up, so a
+scan that hangs on sysfs breaks it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Chip health, and the inventory of chips a host has right now.
+"""Chip health, and the inventory of chips a host has right now (docs/device-plugin.md).
 
-A chip is Unhealthy while any of these holds, and Healthy again once none does:
-* a device node of the chip is missing or is not a character device;
-* its PCI ``vendor`` attribute cannot be read or reads 0xffff (the chip fell off the bus);
-* no driver is bound to it (``driver`` symlink gone);
-* its AER fatal-error count (``aer_dev_fatal``, TOTAL_ERR_FATAL) is above the lowest count seen
-  since the chip appeared. Counters only fall on a function reset, which therefore clears it.
-
-sysfs attributes give no inotify events, so :meth:`Inventory.scan` is cheap enough to run every
-few tens of milliseconds: it lists the PCI bus, skips functions known not to be chips, probes the
-rest (so device nodes follow IOMMU group and driver changes) and then reads the health attributes
-of each chip - the vendor only of a chip that no longer probes, since probing read it already.
+A chip is Unhealthy while its device node is missing, its PCI ``vendor`` is unreadable or
+0xffff, no driver is bound, or its AER fatal count is above the lowest seen since it appeared;
+Healthy again once none holds. sysfs attributes give no inotify events, so
+:meth:`Inventory.scan` stays cheap enough to run every few tens of milliseconds: it skips
+functions known not to be chips and reads only what a probe did not already read.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""A small Kubernetes API client: JSON over HTTPS.
+"""A small Kubernetes API client: JSON over HTTPS (docs/controller.md, "Kubernetes client").
 
-The node daemons need a handful of verbs on a few resources, so this speaks the REST API directly
-with urllib3 (already loaded for registries) instead of the official client, whose generated
-models cost about 20 MB of memory on every node.
-
-* :class:`Config` - where the API server is and the credentials: a kubeconfig's current context
-  or the pod's service account. https only, the server certificate always verified; a token,
-  token file or client certificate only (a user with ``exec``, ``auth-provider`` or basic auth
-  is refused, not sent out anonymous); inline secrets stay in memory (a client key is written
-  to a private temporary file only for as long as ``ssl`` needs to load it) and out of ``repr``.
-* :class:`Client` - ``request()`` (JSON in and out; ``timeout`` per call for callers with a
-  deadline, such as leader election), raising :class:`KubeError` (with the
-  Status ``code``/``reason``/``message`` of the answer) or :class:`Unreachable`. A token file
-  is re-read every minute and after a 401 (kubelet rotates projected tokens); tokens never
-  appear in errors or logs.
-
-Watches that survive are :class:`accelnode.kube.reflector.Reflector`.
+Written against urllib3 instead of the official client, whose generated models cost about 20 MB
+of memory on every node. Invariants: https only, the server certificate always verified; a user
+whose credentials we cannot send (``exec``, ``auth-provider``, basic auth) is refused, not sent
+out anonymous; tokens and keys stay out of errors, logs and ``repr`` (a client key touches disk
+only in a private file while ``ssl`` loads it); a token file is re-read every minute and after
+a 401. :class:`Client` raises :class:`KubeError` or :class:`Unreachable`; watches are
+:class:`accelnode.kube.reflector.Reflector`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """A local copy of one collection (or one named object) of the Kubernetes API: list, then watch
-from the list's resourceVersion with bookmarks; a dropped watch resumes from the last
-resourceVersion seen; ``410 Gone`` re-lists; any other failure (a kind not served yet because
-its CRD is missing, an unreachable server, a watch that ends at once) retries with capped
-exponential backoff. It never raises out of :meth:`Reflector.run`.
+with resume, ``410 Gone`` re-lists (docs/controller.md, "Kubernetes client"; docs/agent-status.md).
 
-Malformed answers are failures like the others, never a dead thread: a list without
-``metadata.resourceVersion`` is retried with backoff, and a watch event whose object lacks
-``metadata.name`` or ``metadata.resourceVersion`` is logged, not applied, and ends the watch
-with a re-list (after backoff), so the copy is rebuilt from a whole answer instead of drifting
-(a ``BOOKMARK`` without one is ignored: it carries nothing else).
-
-Two ways to hear of changes: ``on_change()`` (something changed; the agent re-reads its
-snapshots) and ``on_event(type, obj)`` (which object changed: ``ADDED``, ``MODIFIED`` or
-``DELETED`` with the object as stored; a controller turns it into a work-queue key). A re-list
-reports what differs from the copy it replaces, so an object deleted while the watch was down
-still arrives as ``DELETED``.
-
-Liveness: the reflector beats its heartbeat (``beat``, :mod:`accelnode.health`) before each
-list-and-watch or backoff and on each event, promising the next beat within ``stall_after``
-seconds (default: a list's timeout, then the server-side watch timeout plus the client's read
-slack, and a grace), so a
-quiet watch waiting on the network never breaks its promise; only a reflector stuck in a callback
-or dead of a bug does.
+Invariants: :meth:`Reflector.run` never raises, and every failure, malformed answers included,
+is retried with backoff, never a dead thread; the copy is rebuilt from a whole answer rather
+than patched from a doubtful event; a re-list reports what differs from the copy it replaces,
+so a deletion missed while the watch was down still arrives as ``DELETED``. The heartbeat's
+promise (``stall_after``) covers a quiet watch waiting on the network, so only a reflector stuck
+in a callback or dead of a bug breaks it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The kernel-cache image format (see docs/cache-format.md): kinds, labels, targets, index choice.
 
-A cache image is an ordinary OCI (or Docker schema 2) image whose root holds one cache tree:
-
-    io.triton.cache/  + io.triton.manifest/manifest.json   (Triton, as GKM/MCV build them)
-    io.vllm.cache/    + io.vllm.manifest/manifest.json     (vLLM / torch.compile)
-    io.jax.cache/     + io.jax.manifest/manifest.json      (JAX/XLA persistent compilation cache)
-
-and whose config labels describe it: ``cache.<kind>.image/summary`` (JSON
-``{"targets": [{"backend", "arch", "warp_size"?, ...}]}``), ``cache.<kind>.image/cache-size-bytes``
-and ``cache.<kind>.image/entry-count``; JAX caches also record the versions they were compiled
-with (``cache.jax.image/jax-version``, ``jaxlib-version``, ``libtpu-version``) and the TPU
-accelerator type.
+A cache image is an ordinary OCI (or Docker schema 2) image whose root holds one cache tree
+(``io.<kind>.cache/`` and its ``io.<kind>.manifest/manifest.json``) and whose config labels
+(``cache.<kind>.image/...``) describe it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """OCI distribution client: the HTTP protocol with one registry, blob streaming included, on top
-of oras-py's session and auth backends.
+of oras-py's session and auth backends (docs/registries.md, docs/cache-format.md).
 
-oras-py's own request path retries for minutes and has no timeouts, so every request here goes
-through :meth:`Registry.request`: one deadline for the whole operation, per-request socket
-timeouts derived from it, and our own retry with backoff on connection failures and 5xx. Auth
-uses oras-py's backends (bearer tokens, anonymous or from credentials; basic auth) with the
-credentials of a Docker config file (also the shape of a ``kubernetes.io/dockerconfigjson``
-Secret), which we read ourselves: keys may carry a scheme or path, ``--registry-config`` wins
-over ``~/.docker/config.json``, and no credential-helper program named in a file is ever run.
-Blobs are streamed through :class:`BlobStream`, which verifies size and digest while the bytes
-flow and resumes a cut connection with an HTTP range request. Every read returns what one
-``recv`` brought, so a server that drips bytes cannot hold a pull past its deadline. Redirects
-(blob storage on another host) are followed by requests, which drops our Authorization header
-whenever the host, port or scheme changes. A registry host with a mirror
-(:attr:`RegistryOptions.mirrors`) is talked to only at its mirror's endpoint, under the image's
-own name: the same repository paths and digest checks, credentials for the mirror first and then
-for the original host, and no fallback to the original host (docs/registries.md).
+Invariants: every request goes through :meth:`Registry.request`, so one deadline bounds the
+whole operation (oras-py's own path retries for minutes without timeouts), and every read
+returns what one ``recv`` brought, so a dripping server cannot hold a pull past it; blobs are
+checked for size and digest as they flow (:class:`BlobStream`); no credential-helper program is
+ever run; the Authorization header never follows a redirect to another host; a mirrored host is
+talked to only at its mirror, never falling back to the original.
 """
 
 from __future__ import annotations

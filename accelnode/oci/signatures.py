@@ -1,33 +1,13 @@
 """Cosign signatures of an image digest, fetched from the registry and verified against public keys
 (docs/signatures.md). Library layer: no component imports.
 
-Two formats, as cosign writes them:
-
-* ``cosign-v2`` (simple signing): an OCI manifest under the tag ``sha256-<hex>.sig`` of the same
-  repository; each layer is a JSON payload (``application/vnd.dev.cosign.simplesigning.v1+json``)
-  whose ``critical.image.docker-manifest-digest`` names the signed digest, and its annotation
-  ``dev.cosignproject.cosign/signature`` holds the base64 signature over the payload bytes.
-* ``cosign-v3`` (Sigstore bundle v0.3): an OCI artifact whose ``subject`` is the signed manifest
-  and whose layer is the bundle JSON; found through the referrers API
-  (``/v2/<repo>/referrers/<digest>``) or, where the registry lacks it (Debian's
-  ``docker-registry``), through the fallback tag ``sha256-<hex>`` (an index listing referrers).
-  The bundle carries a DSSE envelope (an in-toto statement whose subject names the digest;
-  signature over the DSSE pre-authentication encoding) or a plain message signature.
-
-:func:`verify` answers a :class:`Verdict`: accepted when one signature verifies under one of the
-trusted keys *and* its signed payload names exactly the digest asked about. Reasons of a refusal:
-``Unsigned``, ``BadSignature`` (no trusted key verifies it, the payload was altered),
-``WrongKey`` (a signature exists but only for keys not trusted), ``DigestMismatch`` (a valid
-signature of another digest), ``UntrustedCertificate`` (a keyless signature whose certificate
-chains to none of the admin's trust roots, or is expired / not for code signing),
-``WrongIdentity`` (the chain is fine, its issuer + subject are not in the policy),
-``KeylessUnsupported`` (a keyless signature and a policy with no keyless identities). A registry that cannot be reached raises
-:class:`~accelnode.oci.errors.RegistryUnavailable` (the caller keeps its last verdict).
-
-Keyless (certificate) signatures are verified offline against the trust roots (PEM CA
-certificates) the admin puts in the policy: the chain, the leaf's code-signing EKU, its identity
-(SAN email / URI and Fulcio's OIDC-issuer extension) and the signature with the leaf's key. No
-transparency-log or SCT check: cosign's ``--insecure-ignore-tlog --insecure-ignore-sct`` mode.
+Both formats cosign writes are read: ``cosign-v2`` (simple signing under the tag
+``sha256-<hex>.sig``) and ``cosign-v3`` (Sigstore bundles found through the referrers API, or
+its fallback tag where the registry lacks it). :func:`verify` accepts only a signature that
+verifies under a trusted key or identity *and* whose signed payload names exactly the digest
+asked about; every refusal has its own reason. Keyless signatures are checked offline against
+the admin's trust roots, with no transparency-log or SCT check. An unreachable registry raises
+:class:`~accelnode.oci.errors.RegistryUnavailable`, so the caller can keep its last verdict.
 """
 
 from __future__ import annotations

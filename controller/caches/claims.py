@@ -1,31 +1,15 @@
-"""The claims reconciler (docs/cache-claims.md): a CSI-backed PersistentVolume and a
-PersistentVolumeClaim named after the cache in each of its workload namespaces, so a pod may
-mount a cache by ``persistentVolumeClaim.claimName`` on any cluster, whatever its StorageClasses.
+"""The claims reconciler: a pre-bound PersistentVolume and PersistentVolumeClaim named after the
+cache in each of its workload namespaces (docs/cache-claims.md).
 
-One :class:`ClaimsReconciler` per kind (:func:`gkmcache_claims_reconciler`,
-:func:`clustergkmcache_claims_reconciler`), watching its cache kind and the PVs and PVCs it made
-(label-selected by kind: ``gkm.io/cache-kind``); the ClusterGKMCache one also watches the
-namespaces (a workload namespace that appears, or starts terminating, is noticed at once; a
-GKMCache's own namespace exists as long as the cache does, and one that is terminating refuses
-the claim). Which PVs and PVCs belong to which cache is
-kept in two reverse indexes (:class:`controller.caches.reconciler.Mentions`) fed by the watches; a reconcile
-reads the local copies and writes only what differs.
+One :class:`ClaimsReconciler` per cache kind. It reads only its watches' local copies (reverse
+indexes: :class:`controller.caches.reconciler.Mentions`) and writes only what differs. Kept:
 
-Per cache, in this order:
-
-1. the finalizer ``gkm.io/claims`` goes on a cache with workload namespaces, before anything is
-   made for it;
-2. in each workload namespace that exists and is not terminating: the PVC (made first, so the
-   PV can be pre-bound to its uid), then the PV; a PVC of that name that the controller did not
-   make for this cache is never touched: the namespace is reported ``Conflict`` and looked at
-   again every :data:`CONFLICT_RECHECK` seconds;
-3. in a namespace no longer listed (or every namespace, once the cache is being deleted): the
-   PVC is deleted, and only once it is gone (kube-controller-manager's pvc-protection keeps it
-   while a pod uses it) the PV; once nothing is left, the finalizer comes off;
-4. ``status.pvcStatus`` (and ``status.pvcOwner``) is written when it changed, through the
-   status subresource, carrying the read resourceVersion and everything else in the status as
-   read (the cache reconciler's pin, counts and conditions): a stale read fails with 409 and the
-   key is retried.
+* the finalizer goes on before anything is made, and comes off only once nothing is left;
+* a PVC of that name that the controller did not make for this cache is never touched
+  (``Conflict``, looked at again every :data:`CONFLICT_RECHECK` seconds);
+* the PV is deleted only after its PVC is gone (pvc-protection keeps a PVC a pod uses);
+* ``status.pvcStatus`` is written with the read resourceVersion and the rest of the status as
+  read, so a stale read fails with 409 instead of undoing the cache reconciler's writes.
 """
 
 from __future__ import annotations

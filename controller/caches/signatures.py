@@ -1,18 +1,10 @@
 """Signature verification of kernel caches against the admin's trust policies (docs/signatures.md).
 
-A ``ClusterCacheTrustPolicy`` (accelnode.io/v1alpha1, cluster-scoped) names trusted public keys,
-keyless identities (issuer + subject) with the CA certificates they chain to, and which caches it covers (``spec.namespaces``, ``spec.clusterCaches``). A cache must be
-verified when it carries the label ``gkm.io/signature-format`` (``cosign-v2`` / ``cosign-v3``:
-that format only), when it is a ClusterGKMCache covered by a policy (both formats looked for,
-as GKM does), or when a policy covering it says ``requireSignature: true``. A cache that must
-be verified and that no policy covers is refused (``NoPolicy``): never "any signer".
-
-:class:`Signer` decides the ``Verified`` condition of one cache for its resolved digest, once per
-(digest, covering policies and their generations): the verdict is remembered in memory and in
-the condition's message (``[digest ...; policies name@generation,...]``), so the controller's
-own status writes, a resync or a restart never verify again. A registry outage keeps the last
-verdict for this digest with reason ``VerificationStale`` (no flapping); with no verdict yet the
-condition is Unknown (``RegistryUnavailable``) and nothing is pulled.
+Invariants: a cache that must be verified and that no ``ClusterCacheTrustPolicy`` covers is
+refused (``NoPolicy``), never "any signer"; :class:`Signer` verifies once per (digest, covering
+policies and their generations) and records the verdict in memory and in the ``Verified``
+condition's message, so status writes, resyncs and restarts never verify again; a registry
+outage keeps the last verdict (``VerificationStale``), and with none yet nothing is pulled.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The PersistentVolume / PersistentVolumeClaim pair the claims reconciler makes for a cache in
-each workload namespace (docs/cache-claims.md), and the ``status.pvcStatus`` that reports it;
-pure.
+each workload namespace, and the ``status.pvcStatus`` that reports it (docs/cache-claims.md).
 
-* :class:`CacheId`: which cache (kind, namespace, name, uid) and its key.
-* :func:`pv_name`, :func:`volume_handle`, :func:`volume_attributes`: the shared contract's names
-  (the CSI driver reads the attributes exactly as it reads an inline volume's).
-* :func:`pv_body` / :func:`pvc_body`: the objects to create, statically pre-bound to each other
-  (PV ``claimRef`` with the claim's uid, PVC ``volumeName``, ``storageClassName: ""``), so they
-  bind without a provisioner whatever StorageClasses the cluster has.
-* :func:`is_ours`: whether a PV/PVC was made by the controller for this very cache.
-* :func:`entry` / :func:`claims_status`: the per-namespace status entry and the status to write.
-
-Nothing here talks to a server; :mod:`controller.caches.claims` reads the inputs and writes the result.
+Pure: nothing here talks to a server (:mod:`controller.caches.claims` reads and writes). The
+pair is statically pre-bound, so it binds without a provisioner whatever StorageClasses exist;
+its volume attributes are those of an inline volume, read the same way by the CSI driver;
+:func:`is_ours` decides whether a PV/PVC was made by the controller for this very cache.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """Admission webhooks of GKMCache and ClusterGKMCache: the digest pin at admission, and the rule
 that only the controller writes it (docs/cache-webhooks.md).
 
-* Mutating (CREATE, UPDATE): pins ``spec.image`` with the process's
-  :class:`~controller.caches.pinning.Resolver` into the annotations ``gkm.io/resolvedDigest`` and
-  ``gkm.io/cache-size-bytes`` (when the size is known). What a user wrote there is overwritten.
-  An UPDATE that keeps ``spec.image`` keeps the existing pin without asking the registry (a tag
-  that moved does not move a pinned cache; rolling means changing ``spec.image``). A registry
-  that does not answer, or an image it does not have, admits the object without a pin and with
-  a warning: the reconciler pins it later. An image reference we could never pull is denied.
-  A second call for the same request (reinvocation) finds the pin in place and patches nothing.
-* Validating (CREATE, UPDATE, and the ``status`` subresource): ``spec.image`` must be a
-  reference we can pull; for anyone but the controller, ``status.resolvedDigest`` must not
-  change, and the pin annotations must be absent, unchanged (with ``spec.image`` unchanged) or
-  exactly what the Resolver answers for ``spec.image`` (cached from the mutating call: no second
-  registry request). This holds when the mutating webhook was skipped.
-* Who the controller is comes from the request's ``userInfo.username`` compared with the
-  username the API server told this process at start (a SelfSubjectReview): never from
-  anything in the object. The controller's own requests (finalizers, mirroring the pin) pass
-  both webhooks untouched.
+* Mutating: pins ``spec.image`` into the pin annotations; an UPDATE that keeps ``spec.image``
+  keeps its pin without asking the registry; a registry that does not answer admits the object
+  unpinned (the reconciler pins it later).
+* Validating: holds even when the mutating webhook was skipped; for anyone but the controller
+  the pin may only be absent, unchanged or exactly what the Resolver answers.
+* Who the controller is comes from ``userInfo.username`` against the username learnt at start
+  (a SelfSubjectReview), never from anything in the object.
 
 Pure decisions (:func:`plan_pin`, :func:`check_pin`, :func:`annotation_patch`) take the
-resolution as a callable, so they are tested without a server; :class:`CacheHooks` adds the
-identity, a time bound on registry calls, and the routes for
-:class:`~controller.webhooks.server.AdmissionServer`.
+resolution as a callable; :class:`CacheHooks` adds identity, time bounds and the routes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The GCE Compute API as the TPU node-group reconcilers use it, through Google's official
-``google-cloud-compute`` client (imported on first use: other commands do not pay its memory).
+``google-cloud-compute`` client, imported on first use (docs/tpu-node-groups.md).
 
-* Mutations return the operation's name at once; the reconcilers keep it in their object's
-  status and poll it with :meth:`GCE.operation` on later reconciles (the client's own
-  ``ExtendedOperation.result()`` would block a worker, and polls the public host whatever the
-  endpoint).
-* Calls carry a deadline and no retry of the client's own (its default retries a 503 for up to
-  10 minutes inside one call, holding a worker): a failure comes back at once and the core
-  retries the key with its backoff.
-* Errors become :class:`GCEError`: ``terminal`` for 400/403/404/409/412 (the request itself is
-  wrong: retrying cannot help; the message goes into a condition), transient otherwise
-  (429, 5xx, no answer: the core retries the key with backoff).
-* ``endpoint`` (``--gce-endpoint``) points every client at another host, e.g. the emulator in
-  ``make gce-emulator`` (tests/rigs/gce.py); it uses anonymous credentials. Without it the clients use
-  Application Default Credentials (the node's or the workload identity's service account).
-* :attr:`GCE.writes` / :attr:`GCE.reads` count calls (metrics and the benchmark).
+Invariant: no call holds a worker. Mutations return the operation's name at once and the
+reconcilers poll it with :meth:`GCE.operation` (the client's ``ExtendedOperation.result()``
+would block); calls carry a deadline and none of the client's own retries, so the runtime's
+per-key backoff retries instead. :class:`GCEError` says whether a failure is ``terminal`` (the
+request is wrong) or transient. ``endpoint`` points every client at another host with anonymous
+credentials (the emulator, tests/rigs/gce.py).
 """
 
 from __future__ import annotations

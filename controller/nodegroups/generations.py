@@ -1,24 +1,11 @@
 """TPU generations on GCE: machine type -> GKE's ``cloud.google.com/gke-tpu-accelerator`` value,
-chips per VM, and which slice topologies can exist (../shared/reference/tpu-stack.md §4).
+chips per VM, and which slice topologies can exist (docs/tpu-node-groups.md has the table).
 
 The CRD refuses what cannot exist with CEL rules that encode the same table
 (daemonsets/crds/tpu.google.com.yaml); :func:`check` is the controller's own copy, used for
-groups whose machine type comes from an existing instance template, and in tests against the
-CRD's answers.
-
-GKE's values (not the upstream operator's, which are wrong for ct5p/ct4p and non-bulk ct5lp):
-
-=========  ==========================  ===========================  =====
-gen        machine types               gke-tpu-accelerator          dims
-=========  ==========================  ===========================  =====
-v4         ct4p-hightpu-4t             tpu-v4-podslice              3
-v5e        ct5lp-hightpu-{1,4,8}t      tpu-v5-lite-podslice         2
-v5e serve  ct5l-hightpu-{1,4,8}t       tpu-v5-lite-device           2
-v5p        ct5p-hightpu-4t             tpu-v5p-slice                3
-v6e        ct6e-standard-{1,4,8}t      tpu-v6e-slice                2
-v7x        tpu7x-standard-{1,4}t       tpu7x                        3
-v7         tpu7-standard-{1,4}t        tpu7                         3
-=========  ==========================  ===========================  =====
+groups whose machine type comes from an existing instance template, and tested against the
+CRD's answers. The values are GKE's, not the upstream operator's (wrong for ct5p/ct4p and
+non-bulk ct5lp).
 """
 
 from __future__ import annotations

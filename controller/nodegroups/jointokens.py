@@ -1,28 +1,13 @@
 """kubeadm bootstrap tokens for node groups: the controller side of the pull-model join
 (docs/bootstrap.md).
 
-A node group's fresh VMs join with ``kubeadm join`` and a bootstrap token the controller puts
-into their metadata (``kubeadm-join-token``, ``kubeadm-control-plane-ip``, ``kubeadm-ca-hash``).
-:class:`JoinTokens` keeps one token per group as the API server wants it:
+:class:`JoinTokens` keeps one bootstrap-token Secret per group, in the form the API server and
+kubeadm expect, labelled :data:`GROUP_LABEL` so the group's tokens can be found, reused and
+revoked. A token is reused only while enough of its lifetime is left for a VM that reads it to
+join; :meth:`JoinTokens.revoke` deletes them all once the group's nodes have joined or the
+group goes. The CA hash is what ``kubeadm join --discovery-token-ca-cert-hash`` checks.
 
-* a Secret ``kube-system/bootstrap-token-<token-id>`` of type ``bootstrap.kubernetes.io/token``
-  with ``token-id``, ``token-secret``, ``expiration`` (RFC 3339, ``ttl_s`` from creation),
-  ``usage-bootstrap-authentication`` and ``usage-bootstrap-signing`` (the bootstrap signer then
-  signs ``kube-public/cluster-info`` with it: token discovery) and ``auth-extra-groups``
-  ``system:bootstrappers:kubeadm:default-node-token`` (kubeadm's RBAC for joining nodes);
-* labelled :data:`GROUP_LABEL` (and annotated with the full group name) so the group's tokens
-  can be found, reused and revoked.
-
-:meth:`JoinTokens.ensure` reuses the group's token with the most time left when at least
-``ttl_s / 6`` (10 minutes of an hour) remains, so a VM that reads it has time to join, and
-creates a new one otherwise; expired ones of the group are deleted on the way (the API
-server's token cleaner would too, later). :meth:`JoinTokens.revoke` deletes every token of
-the group (once its nodes have joined, or when the group goes).
-
-The CA hash is what ``kubeadm join --discovery-token-ca-cert-hash`` checks: ``sha256:`` and the
-hex SHA-256 of the cluster CA certificate's DER SubjectPublicKeyInfo.
-
-A token's secret half is never logged: :class:`JoinInfo`'s repr leaves it out and the log lines
+A token's secret half is never logged: :class:`JoinInfo`'s repr leaves it out and log lines
 carry the token id only (which is public: it names the Secret).
 """
 

@@ -1,29 +1,15 @@
-"""TPU node groups on GCE (docs/tpu-node-groups.md): the parent ``TPUNodeGroup`` reconciler and
-its three child reconcilers, ``WorkloadPolicy``, ``InstanceTemplate`` and
-``ManagedInstanceGroup``, each its own :class:`~controller.runtime.reconciler.Reconciler`.
+"""TPU node groups on GCE: the parent ``TPUNodeGroup`` reconciler and its three child reconcilers,
+``WorkloadPolicy``, ``InstanceTemplate`` and ``ManagedInstanceGroup`` (docs/tpu-node-groups.md).
 
-Children (:class:`ChildReconciler`) own one GCE resource each: GET it; absent -> insert it and
-keep the operation's name in ``status.operationName``; poll the operation on later reconciles
-(``poll`` seconds apart) until DONE; record ``status.uri`` (``url`` for a MIG) and ``Ready``.
-A GCE 400/403/404/409 answer (or an operation finishing with one) is terminal: ``Ready=False``
-with reason ``RequestRejected`` / ``OperationFailed`` and GCE's message, and no retry for that
-generation; 429/5xx/no answer raise, and the core retries the key with backoff. A finalizer
-(``tpu.google.com/<kind>-cleanup``) deletes the GCE resource and waits for its operation.
-
-The parent creates the children with owner references, waits for each (per-child conditions
-``WorkloadPolicyReady``, ``InstanceTemplateReady``, ``ManagedInstanceGroupReady``), then per
-managed instance: matches its Node by ``spec.providerID == gce://<project>/<zone>/<name>``;
-offers a RUNNING instance whose Node has not joined the join metadata
-(:class:`controller.nodegroups.jointokens.JoinTokens`, ``instances.setMetadata`` with the fingerprint,
-412 re-read and retried) and takes it back once the Node exists (the tokens are revoked when no
-instance of the group still waits); labels and taints the Node; keeps our device-plugin
-DaemonSet. ``Ready`` carries the upstream reasons (``AwaitingNodeJoin``, ``Ready``,
-``ReconcileError``, ``InvalidSpec``, ``InstancesCreationFailed``; while deleting
-``CordoningNodes``, ``DrainingNodes``, ``DeletingMIG``, ``DeletingTemplate``, ``DeletingPolicy``,
-``DeletingNodes``, ``DeletingDevicePlugin``).
-
-Every write is made only when something changed: in steady state neither GCE nor the API
-server sees one.
+* A child (:class:`ChildReconciler`) owns one GCE resource: insert, keep the operation's name in
+  its status, poll it on later reconciles (a worker never blocks on GCE), delete it through a
+  finalizer. A terminal GCE answer is a ``Ready=False`` condition, not retried for that
+  generation; a transient one raises and the runtime retries with backoff.
+* The parent offers the join metadata (:class:`controller.nodegroups.jointokens.JoinTokens`) to
+  a RUNNING instance whose Node has not joined, takes it back once the Node exists, and labels
+  and taints the Node.
+* Every write is made only when something changed: in steady state neither GCE nor the API
+  server sees one.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
-"""Leader election on a ``coordination.k8s.io/v1`` Lease, with client-go's semantics.
+"""Leader election on a ``coordination.k8s.io/v1`` Lease, with client-go's semantics
+(docs/controller.md, "Leader election").
 
-The Lease's spec is the record: ``holderIdentity``, ``leaseDurationSeconds``, ``acquireTime``,
-``renewTime``, ``leaseTransitions``. Every write is an update carrying the resourceVersion
-read just before (or a create when there is no Lease), so two candidates never both win: the
-loser gets ``409 Conflict`` and tries again later.
-
-Clocks are never compared across machines. A candidate remembers the last record it saw and
-the moment (its own monotonic clock) it first saw that record; the holder's lease is expired
-when the record has not changed for ``leaseDurationSeconds`` of local time. A Lease with an
-empty ``holderIdentity`` (released) may be taken at once.
-
-:meth:`LeaderElector.run`:
-
-1. acquire: try every ``retry_period`` (with up to 20% jitter) until this candidate holds the
-   Lease; then ``on_started_leading()``;
-2. renew every ``retry_period``. Each attempt is bounded by what is left of ``renew_deadline``
-   since the last successful renew; when no renew succeeds within ``renew_deadline``, this
-   candidate stops leading: ``on_stopped_leading()`` is called and ``run`` returns False. The
-   deadline is shorter than the lease, so a leader that cannot renew knows it before anyone may
-   take over; the caller must stop working at once (``accelnode controller`` exits non-zero,
-   as client-go's leaders do);
-3. ``stop`` set (SIGTERM): ``run`` returns True. The caller stops its work, then calls
-   :meth:`LeaderElector.release`: ``holderIdentity`` empty, ``leaseDurationSeconds`` 1, as
-   client-go's ReleaseOnCancel does, so a standby takes over on its next try instead of
-   waiting out the lease (and never while this process still works).
+Invariants: every write carries the resourceVersion read just before, so two candidates never
+both win; clocks are never compared across machines (a lease expires after
+``leaseDurationSeconds`` of *local* monotonic time without a change of record); the renew
+deadline is shorter than the lease, so a leader that cannot renew knows it before anyone may
+take over, and :meth:`LeaderElector.run` returns False for the caller to stop at once. On
+``stop`` it returns True; :meth:`LeaderElector.release` then hands the Lease over as client-go's
+ReleaseOnCancel does.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """What a reconciler is: the contract between one piece of cluster logic and the core that runs
-it (:class:`controller.runtime.runner.Controller`), in controller-runtime's terms.
+it (:class:`controller.runtime.runner.Controller`), in controller-runtime's terms
+(docs/controller.md, "Reconcilers").
 
-A reconciler is level-based: ``reconcile(key)`` looks at the world as it is now (the watched
-objects in :attr:`Reconciler.cache`, the API server for anything else) and makes it as it should
-be. It must be idempotent: the same key may be reconciled any number of times (a watch event, a
-periodic resync, a retry), never twice at once. It answers with
-
-* ``None`` or ``Result()``: done until something changes;
-* ``Result(requeue_after=s)``: look again in ``s`` seconds (backoff is reset: not a failure);
-* ``Result(requeue=True)``: look again after the key's backoff delay (not an error, but slow down);
-* an exception: an error, logged and retried after the key's backoff delay.
-
-Keys are ``namespace/name``, or ``name`` for a cluster-scoped object. Each :class:`Watch` says
-which collection to follow and which keys an object's change queues (by default its own key;
-a reconciler of one kind that also watches related kinds maps them to the owner's key).
+A reconciler is level-based and idempotent: ``reconcile(key)`` makes the world as it should be
+from how it is now, may run any number of times for a key, never twice at once, and answers
+``None``/``Result()``, ``Result(requeue_after=s)``, ``Result(requeue=True)`` or an exception.
+Keys are ``namespace/name`` (``name`` when cluster-scoped); a :class:`Watch` maps an object's
+change to the keys it affects.
 """
 
 from __future__ import annotations

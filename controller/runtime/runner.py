@@ -1,20 +1,11 @@
 """The core that runs reconcilers (:mod:`controller.runtime.reconciler`): watches feed a work queue,
-workers reconcile keys from it.
+workers reconcile keys from it (docs/controller.md, "Reconcilers").
 
-One :class:`Controller` per reconciler:
-
-* a :class:`~accelnode.kube.reflector.Reflector` per :class:`~controller.runtime.reconciler.Watch`;
-  every object event queues the keys the watch maps it to;
-* a resync every ``resync`` seconds queues every key of every watched object again (level-based:
-  a missed event or an outside change is caught within one resync);
-* ``workers`` threads take keys from the :class:`~controller.runtime.queue.WorkQueue` (a key is never
-  reconciled twice at once) and act on the :class:`~controller.runtime.reconciler.Result`: done,
-  requeue after a delay (backoff reset), or requeue with the key's exponential backoff (an
-  error or ``requeue=True``); a success resets the backoff;
-* :meth:`Controller.stop`: no new keys, watches ended, workers finish the key in hand and exit.
-
-:class:`Metrics` (one set per process, labelled by reconciler name): reconciles by result,
-their durations, the queue depth, retries.
+One :class:`Controller` per reconciler. Invariants: level-based (a periodic resync requeues
+every watched key, so a missed event is caught within one resync); a key is never reconciled
+twice at once (:class:`~controller.runtime.queue.WorkQueue`); an error or ``requeue=True`` backs
+off per key, and a success resets it; :meth:`Controller.stop` lets workers finish the key in
+hand. :class:`Metrics` is one set per process, labelled by reconciler name.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The TPU worker environment of a slice, as JSON Patches (docs/tpu-env.md). Pure: an object in,
 patch operations out; no I/O, no API reads.
 
-Two levels, so that no admission needs a GET:
+Two levels, so that no admission needs a GET: what every worker shares goes into the workload's
+pod template (:func:`statefulset_patch`, :func:`job_patch`), with :data:`STATE_ANNOTATION`
+recording what we set and what the pod level needs; per-pod values come from :func:`pod_patch`,
+only for pods whose template carries that annotation.
 
-* Workload level (:func:`statefulset_patch`, :func:`job_patch`): the values every worker of a
-  slice shares go into the pod TEMPLATE of the StatefulSet or Job: ``TPU_WORKER_HOSTNAMES``,
-  on TPU7x ``TPU_PROCESS_ADDRESSES``, and ``MEGASCALE_COORDINATOR_ADDRESS``,
-  ``MEGASCALE_NUM_SLICES``, ``MEGASCALE_SLICE_ID``, ``MEGASCALE_PORT`` (set for a single slice
-  too: JAX asks the GCE metadata server for any of them that is missing). The template's
-  annotation :data:`STATE_ANNOTATION` records what we set (each value's digest) and what the
-  pod level needs: the first ordinal, the number of workers, TPU processes per pod and the base
-  process port.
-* Pod level (:func:`pod_patch`): per container, ``TPU_WORKER_ID`` (the pod's index in the slice,
-  times N plus i for the i-th of N TPU containers on TPU7x) and on TPU7x ``TPU_PROCESS_PORT``.
-  Only pods whose template carries the annotation are touched.
-
-Rules on every level: only containers that request ``google.com/tpu`` get the variables (all
-containers when none does); a variable already present is left as it is, unless the
-annotation records it as ours with that very value (then it is kept current, or removed when
-no longer wanted); applying a patch and computing again gives no patch. An object this module
-cannot read as the kind it claims to be raises :class:`Refused` with the field named.
+Invariants: a variable we did not set is never changed; applying a patch and computing again
+gives no patch. An object that is not the kind it claims raises :class:`Refused` with the field.
 """
 
 from __future__ import annotations

@@ -2,15 +2,9 @@
 are :mod:`controller.tpuenv.patches`'s, these are the routes of
 :class:`~controller.webhooks.server.AdmissionServer`).
 
-* ``/mutate-tpu-env-statefulset``: apps/v1 StatefulSets, CREATE and UPDATE (a replicas change
-  recomputes the hostnames).
-* ``/mutate-tpu-env-job``: batch/v1 Jobs, CREATE (a Job's template cannot change afterwards).
-* ``/mutate-tpu-env-pod``: v1 Pods, CREATE.
-
-A request of another kind, version or operation than the route's is admitted unchanged (the
-webhook configuration decides what reaches us; nothing else is ours to judge). An object that
-is not what its kind says is denied with the field named (code 422). No API reads: everything
-comes from the object in the request.
+A request of another kind, version or operation than its route's is admitted unchanged (the
+webhook configuration decides what reaches us); an object that is not what its kind says is
+denied with the field named (code 422). No API reads: everything comes from the request.
 """
 
 from __future__ import annotations

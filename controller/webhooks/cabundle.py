@@ -1,22 +1,11 @@
 """The ``caBundle`` of our webhook configurations, kept equal to the trust bundle (``ca.crt``) of
 the self-managed webhook Secret (:mod:`controller.webhooks.certs`; docs/webhook-certificates.md).
 
-A reconciler (run by the leader only, like every reconciler: one writer, so replicas whose
-copy of the Secret lags never write an older bundle over a newer one). It watches
-
-* Mutating- and ValidatingWebhookConfigurations labelled ``app.kubernetes.io/part-of:
-  accelnode`` (a new one, or an edit that reverts ``caBundle``, is an event: fixed at once, and
-  at every resync);
-* the webhook Secret (by name): a renewed CA re-queues every configuration.
-
-In each configuration it sets ``caBundle`` on the webhooks whose ``clientConfig.service`` is our
-Service (name and namespace) and on no other; it writes (``PUT`` with the read
-``resourceVersion``) only when a value differs, so in steady state it makes no write. A
-configuration carrying cert-manager's ``cert-manager.io/inject-ca-from`` annotation is
-cert-manager's to fill and is left alone. A Secret whose ``ca.crt`` is not a bundle of CA
-certificates is never copied (the cert loop repairs it first).
-
-Keys are ``mutating/<name>`` and ``validating/<name>`` (both kinds may use one name).
+A reconciler, so it runs on the leader only: one writer, and a replica whose copy of the Secret
+lags never writes an older bundle over a newer one. It touches only webhooks whose
+``clientConfig.service`` is our Service, leaves cert-manager's configurations alone, never
+copies a ``ca.crt`` that is not a bundle of CA certificates, and writes only when a value
+differs. Keys are ``mutating/<name>`` and ``validating/<name>`` (both kinds may use one name).
 """
 
 from __future__ import annotations

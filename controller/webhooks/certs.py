@@ -2,29 +2,13 @@
 one Secret, renewed before expiry, installed as files the admission server reloads
 (docs/webhook-certificates.md).
 
-The Secret (``type: kubernetes.io/tls``, in the controller's namespace) holds
-
-* ``tls.crt`` / ``tls.key``: the serving certificate (EC P-256, PEM) for the Service's names
-  ``<svc>``, ``<svc>.<ns>``, ``<svc>.<ns>.svc``, ``<svc>.<ns>.svc.cluster.local``;
-* ``ca.crt``: the trust bundle, every CA not yet expired, newest first: this is what goes into
-  the webhook configurations' ``caBundle`` (:mod:`controller.webhooks.cabundle`);
-* ``ca.key``: the newest CA's key (the only key that signs).
-
-:func:`plan` is the pure decision (Secret data and the time in, new data or nothing out): a new
-CA at ``RENEW_AT`` of its lifetime (the old one stays in ``ca.crt`` until it expires), a new
-serving certificate at ``RENEW_AT`` of its lifetime or at once when it is unusable (missing, not
-matching its key, wrong names, not issued by a CA of the bundle, expired). A CA younger than
-:attr:`Policy.grace` signs only a serving certificate that is needed at once: a renewal waits
-until the new CA has had time to reach every ``caBundle``, so that no API server ever sees a
-certificate from a CA it does not trust yet.
-
-:class:`ServingCerts` is what every replica runs (every replica serves the webhooks): read the
-Secret, create it when missing (``409``: another replica won, read again), write a renewal with
-the read ``resourceVersion`` (``409``: someone else renewed, read again), and install the
-serving pair as files in a private directory (key ``0600``), which
-:class:`~controller.webhooks.server.AdmissionServer` reloads on the next connection. It reads the
-Secret every ``check_interval`` (another replica's renewal reaches this one within it) and when
-the plan says the next change is due; a Secret that is as it should be is never written.
+:func:`plan` is the pure decision (Secret data and the time in, new data or nothing out).
+Invariant: no API server ever sees a serving certificate from a CA it does not trust yet, so
+a CA younger than :attr:`Policy.grace` signs only a certificate that is needed at once, and an
+old CA stays in ``ca.crt`` until it expires. :class:`ServingCerts` runs on every replica (every
+replica serves the webhooks): every write carries the read ``resourceVersion`` (409: someone
+else won, read again), a Secret that is as it should be is never written, and the key file is
+``0600`` in a private directory.
 """
 
 from __future__ import annotations

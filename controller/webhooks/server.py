@@ -1,25 +1,11 @@
-"""The HTTPS server every admission webhook of the suite is served by (admission.k8s.io/v1).
+"""The HTTPS server every admission webhook of the suite is served by (admission.k8s.io/v1;
+docs/controller.md, "Admission server").
 
-* Routes: URL path -> ``handler(request) -> Response``, where ``request`` is the
-  AdmissionReview's ``request`` dict (uid, kind, operation, object, oldObject, namespace, ...).
-  The API server's ``?timeout=`` query is ignored for routing.
-* Answers: the request's ``uid`` echoed; :func:`allow` may carry a JSON Patch (a list of
-  operations), sent base64-encoded with ``patchType: JSONPatch``; :func:`deny` carries a
-  ``status`` with code and message.
-* Hostile or broken input never crashes the server or hangs a connection: a body that is not an
-  admission.k8s.io/v1 AdmissionReview with a request uid is ``400`` with a message saying what
-  is wrong; a body over ``max_body`` is ``413``; a handler that raises answers ``allowed: false``
-  with status code 500 (the traceback goes to the log); reads and the TLS handshake have a
-  timeout.
-* TLS 1.2 at least. The certificate and key files are checked (mtime, inode, size) on every
-  new connection; when they change, new handshakes use the new pair without a restart (a
-  Secret volume swaps its files by renaming a symlink). A pair that fails to load (a half
-  written file, a key that does not match) is logged and the previous pair kept.
-* Metrics (:class:`AdmissionMetrics`, made once per process so they exist before the server
-  starts): ``accelnode_controller_admission_requests_total{path, answer}``
-  (``answer``: allowed, patched, denied, error — the handler raised —, malformed, too_large,
-  no_route) and ``accelnode_controller_admission_seconds{path}`` (body read to answer written,
-  the part of the API server's wait this process controls).
+Invariants: hostile or broken input never crashes the server or hangs a connection (bad body:
+400, too large: 413, a handler that raises: ``allowed: false`` with code 500, reads and the TLS
+handshake time out); a changed certificate pair is picked up on the next connection without a
+restart, and one that fails to load keeps the previous pair. :class:`AdmissionMetrics` is made
+once per process so the metrics exist before the server starts (docs/monitoring.md).
 """
 
 from __future__ import annotations
