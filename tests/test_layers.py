@@ -1,4 +1,4 @@
-"""The layout rule (docs/development.md, "Layers"), checked on every import statement of the tree.
+"""The layout rule (docs/architecture.md, "Layers"), checked on every import statement of the tree.
 
 * Components (device_plugin, csi_driver, agent, bootstrap, controller) never import each other.
 * Inside the controller, the capabilities (caches, tpuenv, nodegroups) use the runtime and the
