@@ -74,7 +74,7 @@ from accelnode.oci import signatures as sg
 from tests.cache.cosign import Cosign
 from tests.cache.test_store import triton_tree
 from tests.conftest import ROOT, TOOLS_BIN, accelnode_cmd, tool
-from tests.controller.test_admission import CA
+from tests.controller.test_webhook_server import CA
 from tests.csi.conftest import free_ports
 from tests.fixtures.registry import RunningRegistry
 

@@ -174,7 +174,7 @@ def run_mode(port: int, ctx: ssl.SSLContext, keepalive: bool, bodies) -> tuple[l
 def main() -> None:
     import psutil
 
-    from tests.controller.test_admission import CA
+    from tests.controller.test_webhook_server import CA
 
     bodies = reviews()
     with tempfile.TemporaryDirectory(prefix="bench-webhook-") as tmp:

@@ -17,7 +17,7 @@ EXAMPLES = ROOT / "examples"
 NODE = "tests/node/test_examples.py"  # the real kubelet
 E2E_GKM = "tests/e2e/test_gkm_examples.py"  # GKM's manifests applied unchanged, controller + CSI driver
 CRDS = "tests/crds/test_crds.py"  # applied unchanged and read back
-ENVHOOKS = "tests/controller/test_envhooks.py"  # created through the TPU env webhooks
+ENVHOOKS = "tests/controller/test_tpuenv_webhooks.py"  # created through the TPU env webhooks
 MANIFESTS = "tests/test_manifests.py"  # server-side dry-run only
 KRO = "tests/e2e/test_kro.py"  # on the real kro controller
 THIS = "tests/test_examples.py"
@@ -31,11 +31,11 @@ EXERCISED: dict[str, list[str]] = {
     "gkm/workloads/deployment-by-claim.yaml": [NODE],
     "gkm/workloads/deployment-inline.yaml": [NODE],
     "gkm/workloads/gkm-daemonset.yaml": [NODE],
-    "pod-claim-cache.yaml": ["tests/controller/test_claimobjects.py", NODE],
+    "pod-claim-cache.yaml": ["tests/controller/test_claim_volumes.py", NODE],
     "pod-inline-cache.yaml": [NODE],
     "signatures/policy-cosign-v2.yaml": [MANIFESTS],
     "signatures/policy-cosign-v3.yaml": [MANIFESTS],
-    "signatures/policy-keyless.yaml": ["tests/controller/test_signing.py"],
+    "signatures/policy-keyless.yaml": ["tests/controller/test_signatures.py"],
     "tpu-env/gke-indexed-job.yaml": [ENVHOOKS, NODE],
     "tpu-env/injector-readme-statefulset.yaml": [ENVHOOKS, NODE],
     "tpu/children.yaml": [CRDS],

@@ -115,7 +115,7 @@ class HostileAPI:
         import threading
         from urllib.parse import parse_qs, urlparse
 
-        from tests.controller.test_admission import CA
+        from tests.controller.test_webhook_server import CA
 
         ca = CA()
         self.ca_file = tmp_path / "ca.pem"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from controller.tpuenv import patches as t
 from controller.webhooks.server import AdmissionServer
 from controller.tpuenv.webhooks import MUTATE_JOB, MUTATE_POD, MUTATE_STATEFULSET, routes
-from tests.controller.test_admission import CA, post
+from tests.controller.test_webhook_server import CA, post
 
 OURS = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES",
         "MEGASCALE_SLICE_ID", "MEGASCALE_PORT", "TPU_WORKER_ID", "TPU_PROCESS_PORT")

@@ -54,7 +54,7 @@ from tests.agent.conftest import eventually, make_cache
 from tests.cache.cosign import Cosign
 from tests.conftest import ROOT, require_root
 from tests.controller.conftest import ControllerProc, lease_spec, remove_webhooks, serve_webhooks
-from tests.controller.test_admission import CA
+from tests.controller.test_webhook_server import CA
 from tests.controller.test_caches import GKM, cond, status
 from tests.controller.test_claims import Cluster, pv_name, reason_in
 from tests.csi.conftest import Node, Volume, free_ports

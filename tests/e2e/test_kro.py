@@ -34,7 +34,7 @@ from tests.rigs.gce import Server
 from tests.agent.conftest import make_cache
 from tests.conftest import ROOT, TOOLS_BIN, eventually, http_get, require, tool
 from tests.controller.conftest import ControllerProc, lease_spec, remove_webhooks, serve_webhooks
-from tests.controller.test_admission import CA
+from tests.controller.test_webhook_server import CA
 from tests.controller.test_nodegroups import _register, cond, get
 from tests.csi.conftest import free_ports
 from tests.fixtures.cluster import wait_established

@@ -1,7 +1,7 @@
 """controller/caches/signatures.py's decisions without a server: which caches need a signature, the verdict
 kept across a restart (read back from the condition), the last verdict kept through an outage,
 policies that cannot be used. The registry round trip is a counting stand-in here; the real one
-is tests/controller/test_signing.py and tests/cache/test_signatures.py."""
+is tests/controller/test_signatures.py and tests/cache/test_signatures.py."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from controller.caches.pinning import DIGEST_ANNOTATION as D
 from controller.caches.pinning import SIZE_ANNOTATION as S
 from controller.caches.pinning import Resolver
 from tests.cache.test_store import triton_tree
-from tests.controller.test_admission import CA
+from tests.controller.test_webhook_server import CA
 from tests.csi.conftest import free_ports
 
 G, V = "gkm.io", "v1alpha1"
@@ -400,7 +400,7 @@ def test_accelnode_controller_serves_the_cache_webhooks(env, controllers, fresh_
     import http.client
     import ssl
 
-    from tests.controller.test_admission import review
+    from tests.controller.test_webhook_server import review
 
     image, digest = push(env, "hooks/cli", "v1", b"cli")
     cert, key, _ = env.ca.serving(tmp_path, "accelnode-controller")

@@ -27,7 +27,7 @@ import yaml
 from controller.webhooks.server import AdmissionServer
 from controller.tpuenv.webhooks import routes
 from controller.tpuenv.patches import INJECT_LABEL, STATE_ANNOTATION
-from tests.controller.test_admission import CA
+from tests.controller.test_webhook_server import CA
 from tests.controlplane.test_controllers import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
