@@ -83,6 +83,10 @@ def _percent(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from accelnode.malloc import limit_arenas
+
+    limit_arenas()  # before any thread starts: one malloc arena (accelnode/malloc.py)
+
     import logging
     import signal
     import threading

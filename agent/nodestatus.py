@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from accelnode.oci.reference import Reference
-from accelnode.oci.signatures import pull_refusal
+from accelnode.oci.refusal import pull_refusal
 
 from . import fit
 

@@ -6,7 +6,8 @@ Metrics:
 * ``writes_per_change``: API writes per cache state change, over 20 changes (a pod taking or
   dropping a cache, seen as Extracted <-> Running);
 * ``idle_writes``: API writes during an idle window (``BENCH_AGENT_IDLE_S``, default 300 s);
-* ``rss_mb``: the agent's RSS with 100 caches known and reported (and ``pss_mb``);
+* ``rss_mb``: the agent's RSS with 100 caches known and reported (and ``pss_mb``, ``uss_mb``:
+  bench/memory.py);
 * ``present_install_ms``: median EnsureCache of an installed cache over the agent's unix
   socket, as the CSI driver asks before every publish;
 * memory under pulls: RSS after one pull of ``BIG_MIB`` MiB (``rss_after_1_pull_mb``), after
@@ -31,6 +32,7 @@ import psutil
 from kubernetes import client, config
 
 from accelnode import grpcutil
+from bench import memory
 from tests.rigs.devcluster import ControlPlane
 from agent.api import agent as agent_api
 from agent.api import agent_grpc
@@ -124,8 +126,7 @@ def run(tmp: Path) -> None:
         wait(lambda: sum(e["state"] == "Extracted" for e in entries().values()) == CACHES, "100 caches prefetched")
         time.sleep(2)  # let the last cues drain
         p = psutil.Process(proc.pid)
-        emit("rss_mb", p.memory_info().rss / 2**20, ".1f")
-        emit("pss_mb", p.memory_full_info().pss / 2**20, ".1f")
+        memory.emit_all(emit, "", memory.of(proc.pid))
 
         stub = agent_grpc.AgentStub(grpcutil.unix_channel(sock))
         digest = images[0].rsplit("@", 1)[1]
@@ -153,7 +154,10 @@ def run(tmp: Path) -> None:
         time.sleep(IDLE_S)
         emit("idle_writes", agent_writes(cp) - before, "d")
         emit("idle_window_s", IDLE_S, ".0f")
-        emit("rss_mb_after_idle", p.memory_info().rss / 2**20, ".1f")
+        mem = memory.of(proc.pid)
+        emit("rss_mb_after_idle", mem.rss_mb, ".1f")
+        emit("pss_mb_after_idle", mem.pss_mb, ".1f")
+        emit("uss_mb_after_idle", mem.uss_mb, ".1f")
     finally:
         if proc is not None:
             proc.terminate()
@@ -202,6 +206,9 @@ def memory_under_pulls(stub, p: psutil.Process, images: list[str]) -> None:
         sampler.join()
     emit("rss_after_1_pull_mb", one / 2**20, ".1f")
     emit(f"rss_after_{len(images)}_pulls_mb", after / 2**20, ".1f")
+    mem = memory.of(p.pid)
+    emit(f"pss_after_{len(images)}_pulls_mb", mem.pss_mb, ".1f")
+    emit(f"uss_after_{len(images)}_pulls_mb", mem.uss_mb, ".1f")
     emit("rss_growth_mb", (after - one) / 2**20, ".1f")
     emit("pull_peak_rss_mb", max(peak[0], after) / 2**20, ".1f")
     emit("pull_mib_each", BIG_MIB, "d")

@@ -10,7 +10,8 @@ Metrics:
   cache store's pull of the same image alone, in the same run;
 * 50 concurrent publishes of one uncached digest: registry downloads of its blobs (counted on
   the wire by a proxy) and pulls the agent started — both must be 1;
-* idle memory of csi + agent together: RSS, and PSS (shared library pages counted once).
+* idle memory of csi + agent together and of each: RSS, PSS (shared library pages counted once) and
+  USS (bench/memory.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import time
 from pathlib import Path
 
 import grpc
-import psutil
 
 from agent.store import CacheStore
+from bench import memory
 from csi_driver import mounts
 from csi_driver.api import csi
 from tests.csi.conftest import Node, SlowProxy, make_cache, unmount_below
@@ -247,12 +248,12 @@ def idle_memory(tmp: Path) -> None:
         node.csi.start()
         node.identity_stub().Probe(csi.ProbeRequest(), timeout=10)
         time.sleep(2)
-        procs = [psutil.Process(d.proc.pid) for d in (node.agent, node.csi)]
-        infos = [p.memory_full_info() for p in procs]
-        emit("idle_rss_mb", sum(i.rss for i in infos) / 2**20)
-        emit("idle_pss_mb", sum(i.pss for i in infos) / 2**20)
-        emit("idle_rss_agent_mb", infos[0].rss / 2**20)
-        emit("idle_rss_csi_mb", infos[1].rss / 2**20)
+        agent, driver = (memory.of(d.proc.pid) for d in (node.agent, node.csi))
+        memory.emit_all(emit, "idle_", agent + driver, ".2f")
+        for name, mem in (("agent", agent), ("csi", driver)):
+            emit(f"idle_rss_{name}_mb", mem.rss_mb)
+            emit(f"idle_pss_{name}_mb", mem.pss_mb)
+            emit(f"idle_uss_{name}_mb", mem.uss_mb)
     finally:
         node.close()
 

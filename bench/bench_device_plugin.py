@@ -7,8 +7,8 @@ restored -> kubelet holds the new health) and the tick path (the chip's AER fata
 or reset, which gives no event -> seen on the next tick, so within the interval) -, the idle CPU
 of the plugin process over a quiet window (streams open, nothing changing), kubelet-restart
 re-registration (harness restart -> plugin registered again and its list received), Allocate
-latency, steady RSS (and USS, the part not shared with other processes: about 20 MB of the RSS
-are grpcio's and libpython's shared library pages).
+latency, steady RSS, PSS and USS (bench/memory.py: USS is the part not shared with other
+processes; much of the rest are grpcio's and libpython's library pages).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 
+from bench import memory
 from tests.rigs.kubelet_harness import KubeletHarness
 from tests.rigs.simhost import SimHost
 
@@ -44,8 +45,8 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def emit(metric: str, value: float) -> None:
-    print(f"BENCH {G} {metric}={value:.2f}", flush=True)
+def emit(metric: str, value: float, fmt: str = ".2f") -> None:
+    print(f"BENCH {G} {metric}={value:{fmt}}", flush=True)
     if metric in TARGETS:
         print(f"BENCH {G} target_{metric}{TARGETS[metric]}", flush=True)
 
@@ -123,9 +124,7 @@ def run(host: SimHost, kubelet: KubeletHarness, pid: int) -> None:
     emit("allocate_p99_ms", pct(calls, 99))
 
     time.sleep(1.0)  # steady state: streams open, nothing changing
-    mem = psutil.Process(pid).memory_full_info()
-    emit("rss_mb", mem.rss / 2**20)
-    emit("uss_mb", mem.uss / 2**20)  # private to the plugin: RSS minus pages shared with others
+    memory.emit_all(emit, "", memory.of(pid), ".2f")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,10 @@ def api_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from accelnode.malloc import limit_arenas
+
+    limit_arenas()  # before any thread starts: one malloc arena (accelnode/malloc.py)
+
     import logging
     import signal
     import threading

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from accelnode.oci.errors import InvalidReference
-from accelnode.oci.signatures import pull_refusal
+from accelnode.oci.refusal import pull_refusal
 from accelnode.oci.reference import Reference
 
 CACHE_KEY = "csi.gkm.io/GKMCache"

@@ -54,6 +54,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from accelnode.malloc import limit_arenas
+
+    limit_arenas()  # before any thread starts: one malloc arena (accelnode/malloc.py)
+
     import signal
     import threading
     from pathlib import Path

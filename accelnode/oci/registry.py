@@ -17,11 +17,11 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from http.cookiejar import DefaultCookiePolicy
 from types import MappingProxyType
 
 import oras.auth
 import oras.auth.utils
-import oras.provider
 import requests
 import urllib3
 
@@ -131,6 +131,17 @@ class _Backoff:
         self.delay = min(self.delay * 2, 5.0)
 
 
+class _Client:
+    """What we use of an oras-py client (``oras.provider.Registry``): its auth backend and the
+    session the backend sends token requests with, made as that class makes them (the
+    ``oras.auth`` backend for ``backend``, cookies refused) without importing ``oras.provider``,
+    which loads jsonschema and the rest of oras-py for the agent's pulls (about 4 MB RSS)."""
+
+    def __init__(self, auth, session: requests.Session):
+        session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))  # as oras-py: some registries
+        self.auth, self.session = auth, session  # take a cookie for a browser and ask for CSRF tokens
+
+
 class Registry:
     """Requests for the images of one registry host with a deadline, auth and retries. They go
     to ``endpoint``: the host's mirror when the options give one, else the host itself."""
@@ -142,7 +153,7 @@ class Registry:
         self.options = options
         self.deadline = deadline or Deadline(options.timeout)
         self.scheme = "http" if options.plain_http else "https"
-        self._oras: oras.provider.Registry | None = None
+        self._oras: _Client | None = None
 
     @property
     def server(self) -> str:
@@ -156,7 +167,7 @@ class Registry:
 
     # -- connection and auth -------------------------------------------------------------
 
-    def _client(self, image: str) -> oras.provider.Registry:
+    def _client(self, image: str) -> _Client:
         """Ping /v2/ once and pick the oras-py auth backend the registry's challenge asks for."""
         if self._oras is not None:
             return self._oras
@@ -164,12 +175,9 @@ class Registry:
         resp = self._send(requests.Session(), "GET", url, image, "contacting the registry", {})
         challenge = resp.headers.get("Www-Authenticate", "")
         backend = "basic" if resp.status_code == 401 and challenge.lower().startswith("basic") else "token"
-        client = oras.provider.Registry(hostname=self.endpoint, insecure=self.options.plain_http,
-                                        auth_backend=backend)
         session = _Session()
         session.deadline = self.deadline
-        session.cookies.set_policy(client.session.cookies.get_policy())
-        client.session = client.auth.session = session
+        client = _Client(oras.auth.get_auth_backend(backend, session, self.options.plain_http), session)
         creds = None if self.options.anonymous else self._credentials(image)
         if creds is not None:
             client.auth.set_basic_auth(*creds)

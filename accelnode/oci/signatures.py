@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
 from .errors import ImageNotFound, IntegrityError, RegistryUnavailable
+from .refusal import SIGNATURE_FORMAT_LABEL, pull_refusal  # noqa: F401 (here too: the names callers know)
 from .reference import Reference, check_digest
 from .registry import Deadline, Registry, RegistryOptions
 
@@ -481,22 +482,3 @@ def fingerprint(keys: list[TrustedKey]) -> str:
         h.update(k.name.encode() + b"\0" + k.key.public_bytes(serialization.Encoding.DER,
                                                                serialization.PublicFormat.SubjectPublicKeyInfo))
     return h.hexdigest()[:16]
-
-
-SIGNATURE_FORMAT_LABEL = "gkm.io/signature-format"
-
-
-def pull_refusal(labels: dict, conditions: list[dict]) -> tuple[str, str] | None:
-    """Why a node must not pull or mount a cache object now, or None: the rule the agent and the
-    CSI driver share. ``("False", ...)``: its signature was refused (condition ``Verified``
-    False, reason and message); ``("Unknown", ...)``: it needs a signature (a ``Verified``
-    condition that is not True, or the ``gkm.io/signature-format`` label) and has no verdict yet."""
-    cond = next((c for c in conditions or () if isinstance(c, dict) and c.get("type") == "Verified"), None)
-    if cond is not None and cond.get("status") == "False":
-        return "False", f"{cond.get('reason')}: {cond.get('message', '')}"
-    if cond is not None and cond.get("status") != "True":
-        return "Unknown", f"signature not verified yet ({cond.get('reason')}: {cond.get('message', '')})"
-    if cond is None and SIGNATURE_FORMAT_LABEL in (labels or {}):
-        return "Unknown", (f"label {SIGNATURE_FORMAT_LABEL} asks for a signature and the controller has not "
-                           "verified it yet")
-    return None
