@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from accelnode.health import GRACE_DEFAULT, Health
-from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path
+from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path, is_conflict, is_not_found
 from accelnode.kube.reflector import Reflector
 from accelnode.log import kv
 from accelnode.oci.manifest import inspect
@@ -240,7 +240,7 @@ class Reporter:
         try:
             return self.client.request("GET", self._path(ns))
         except KubeError as e:
-            if e.code == 404:
+            if is_not_found(e):
                 return None
             raise
 
@@ -262,10 +262,10 @@ class Reporter:
             try:
                 obj = self.client.request("PUT", self._path(ns, "status"), body=body)
             except KubeError as e:
-                if e.code == 409:
+                if is_conflict(e):
                     self.writes.conflicts += 1
                     current = self._get(ns)
-                elif e.code == 404:
+                elif is_not_found(e):
                     current = None
                 else:
                     raise
@@ -293,7 +293,7 @@ class Reporter:
             obj = self.client.request("POST", custom_path(GROUP, VERSION, _plural(ns), ns or None), body=body)
             self.writes.creates += 1
         except KubeError as e:
-            obj = self._get(ns) if e.code == 409 else None
+            obj = self._get(ns) if is_conflict(e) else None
             if obj is None:
                 raise
         return _Written(obj.get("status") or {}, obj["metadata"]["resourceVersion"])

@@ -48,6 +48,41 @@ class KubeError(Exception):
         self.code, self.reason, self.message = code, reason, message
 
 
+# What an API server error means, by its HTTP status, as client-go's apierrors.IsNotFound and
+# friends; each is false for anything that is not a KubeError.
+def is_unauthorized(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 401
+
+
+def is_forbidden(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 403
+
+
+def is_not_found(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 404
+
+
+def is_conflict(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 409
+
+
+def is_gone(e: BaseException) -> bool:
+    """410: a resourceVersion or continue token older than what the server still keeps."""
+    return isinstance(e, KubeError) and e.code == 410
+
+
+def is_precondition_failed(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 412
+
+
+def is_invalid(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 422
+
+
+def is_too_many_requests(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 429
+
+
 class Unreachable(Exception):
     """No answer from the API server (connection refused, reset, timed out)."""
 

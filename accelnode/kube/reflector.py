@@ -35,7 +35,7 @@ from urllib.parse import quote
 from accelnode.health import GRACE_DEFAULT, NOBEAT, Heartbeat
 from accelnode.log import kv
 
-from .client import WATCH_READ_SLACK, Client, KubeError, Unreachable
+from .client import Client, KubeError, Unreachable, WATCH_READ_SLACK, is_gone, is_not_found
 
 log = logging.getLogger("accelnode.kube")
 
@@ -112,10 +112,10 @@ class Reflector:
                 else:
                     delay = self._backoff(delay, "the watch ended at once without events")
             except KubeError as e:
-                if e.code == 410:  # our resourceVersion was compacted away: start over
+                if is_gone(e):  # our resourceVersion was compacted away: start over
                     log.info("watch expired, re-listing", extra=kv(path=self.path, message=e.message))
                     self.resource_version, delay = None, 0.0
-                elif e.code == 404 and not self.name:
+                elif is_not_found(e) and not self.name:
                     delay = self._backoff(delay, f"{self.path} is not served by the API server (is its "
                                                  f"CustomResourceDefinition installed?): {e}")
                 else:

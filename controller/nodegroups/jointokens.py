@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from accelnode.kube.bootstraptoken import ENDPOINT_RE, METADATA_KEYS, TOKEN_RE, ca_cert_hash
-from accelnode.kube.client import Client, KubeError
+from accelnode.kube.client import Client, KubeError, is_conflict, is_not_found
 from accelnode.log import kv
 
 log = logging.getLogger("accelnode.controller.jointoken")
@@ -154,7 +154,7 @@ class JoinTokens:
         try:
             cm = self.kube.request("GET", CLUSTER_INFO)
         except KubeError as e:
-            if e.code == 404:
+            if is_not_found(e):
                 return False
             raise
         return f"jws-kubeconfig-{info.token_id}" in (cm.get("data") or {})
@@ -210,7 +210,7 @@ class JoinTokens:
             try:
                 self.kube.request("POST", self._path, body=body)
             except KubeError as e:
-                if e.code == 409:
+                if is_conflict(e):
                     continue
                 raise
             log.info("join token created", extra=kv(group=group, bootstrap_id=tid, expiration=expiration))
@@ -221,7 +221,7 @@ class JoinTokens:
         try:
             self.kube.request("DELETE", f"{self._path}/{name}")
         except KubeError as e:
-            if e.code != 404:
+            if not is_not_found(e):
                 raise
             return
         log.info(f"join token {why}", extra=kv(group=group, bootstrap_id=name.removeprefix("bootstrap-token-")))

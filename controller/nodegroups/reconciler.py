@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 from accelnode.kube.bootstraptoken import METADATA_KEYS
-from accelnode.kube.client import Client, KubeError, custom_path
+from accelnode.kube.client import Client, KubeError, custom_path, is_conflict, is_not_found, is_too_many_requests
 from accelnode.log import kv
 
 from controller.nodegroups import generations
@@ -556,7 +556,7 @@ class TPUNodeGroupReconciler(Reconciler):
                 child = self.client.request("POST", custom_path(GROUP, VERSION, plural, ns), body=body)
                 log.info("child created", extra=kv(group=object_key(g), kind=kind, name=name))
             except KubeError as e:
-                if e.code != 409:
+                if not is_conflict(e):
                     raise
                 child = self.client.request("GET", custom_path(GROUP, VERSION, plural, ns, name))
             return child
@@ -700,7 +700,7 @@ class TPUNodeGroupReconciler(Reconciler):
                                                                            self.settings.device_plugin_image))
             log.info("device plugin DaemonSet created", extra=kv(namespace=self.settings.namespace))
         except KubeError as e:
-            if e.code != 409:
+            if not is_conflict(e):
                 raise
 
     # -- teardown ------------------------------------------------------------------------------
@@ -753,7 +753,7 @@ class TPUNodeGroupReconciler(Reconciler):
                             self.client.request("DELETE", custom_path(GROUP, VERSION, plural, ns,
                                                                       c["metadata"]["name"]))
                         except KubeError as e:
-                            if e.code != 404:
+                            if not is_not_found(e):
                                 raise
                 return step(reason, f"deleting {children[0]['kind']} {children[0]['metadata']['name']}: "
                                     + (get_condition(children[0], "Ready").get("message") or "waiting"))
@@ -761,7 +761,7 @@ class TPUNodeGroupReconciler(Reconciler):
             try:
                 self.client.request("DELETE", f"{NODES}/{n['metadata']['name']}")
             except KubeError as e:
-                if e.code != 404:
+                if not is_not_found(e):
                     raise
         if g["spec"].get("bootstrapKubernetes"):
             self._join_tokens().revoke(key)
@@ -774,7 +774,7 @@ class TPUNodeGroupReconciler(Reconciler):
                 try:
                     self.client.request("DELETE", f"{path}/{DEVICE_PLUGIN}")
                 except KubeError as e:
-                    if e.code != 404:
+                    if not is_not_found(e):
                         raise
         self.client.request("PUT", self._path(key), body={
             **g, "metadata": {**md, "finalizers": [f for f in md.get("finalizers") or [] if f != GROUP_FINALIZER]}})
@@ -812,7 +812,7 @@ class TPUNodeGroupReconciler(Reconciler):
                                         body={"apiVersion": "policy/v1", "kind": "Eviction",
                                               "metadata": {"name": pm["name"], "namespace": pm["namespace"]}})
                 except KubeError as e:
-                    if e.code not in (404, 429):  # 429: a PodDisruptionBudget says not now
+                    if not (is_not_found(e) or is_too_many_requests(e)):  # 429: a PodDisruptionBudget says not now
                         raise
         return left
 
