@@ -222,7 +222,7 @@ class Reporter:
         """What this node wrote before (survives agent restarts: no rewrite when unchanged)."""
         found = {}
         sel = {"labelSelector": f"{HOSTNAME_LABEL}={self.node}"}
-        items = self.client.request("GET", custom_path(GROUP, VERSION, "gkmcachenodes"), query=sel).get("items") or []
+        items = self.client.list(custom_path(GROUP, VERSION, "gkmcachenodes"), query=sel).get("items") or []
         cluster_obj = self._get(CLUSTER)
         for obj in items + ([cluster_obj] if cluster_obj else []):
             md = obj["metadata"]

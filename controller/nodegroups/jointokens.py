@@ -169,7 +169,7 @@ class JoinTokens:
     def _list(self, group: str) -> list[_Token]:
         """The group's well-formed token Secrets (one that is not is skipped with a warning:
         the API server would not accept it as a token either)."""
-        out = self.kube.request("GET", self._path, query={"labelSelector": f"{GROUP_LABEL}={group_label_value(group)}"})
+        out = self.kube.list(self._path, query={"labelSelector": f"{GROUP_LABEL}={group_label_value(group)}"})
         tokens = []
         for s in out.get("items") or []:
             meta = s.get("metadata") or {}

@@ -794,8 +794,7 @@ class TPUNodeGroupReconciler(Reconciler):
         the pods still there."""
         left = []
         for n in nodes:
-            pods = self.client.request("GET", "/api/v1/pods",
-                                       query={"fieldSelector": f"spec.nodeName={n['metadata']['name']}"})
+            pods = self.client.list("/api/v1/pods", query={"fieldSelector": f"spec.nodeName={n['metadata']['name']}"})
             for p in pods.get("items") or []:
                 pm = p["metadata"]
                 if any(r.get("kind") == "DaemonSet" for r in pm.get("ownerReferences") or []):
