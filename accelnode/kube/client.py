@@ -25,6 +25,7 @@ Watches that survive are :class:`accelnode.kube.reflector.Reflector`.
 from __future__ import annotations
 
 import base64
+import http
 import itertools
 import json
 import logging
@@ -358,9 +359,19 @@ def _retry_after(value: str | None) -> float | None:
 def _status_error(code: int, body: bytes) -> KubeError:
     try:
         st = json.loads(body)
-        return KubeError(code, st.get("reason", ""), st.get("message", ""))
     except ValueError:
-        return KubeError(code, "", body[:300].decode(errors="replace"))
+        st = None
+    if isinstance(st, dict):
+        return KubeError(code, st.get("reason", ""), st.get("message", ""))
+    # not a Status (APF's 429 is plain text): the HTTP reason phrase
+    return KubeError(code, _phrase(code), body[:300].decode(errors="replace").strip())
+
+
+def _phrase(code: int) -> str:
+    try:
+        return http.HTTPStatus(code).phrase.replace(" ", "")
+    except ValueError:
+        return ""
 
 
 def custom_path(group: str, version: str, plural: str, namespace: str | None = None, name: str | None = None,
