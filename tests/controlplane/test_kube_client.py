@@ -479,7 +479,8 @@ def widgets(control_plane):
 
     assert eventually(established), "the widgets CRD never became Established"
     assert eventually(lambda: _served(admin, custom_path(group, "v1", "widgets"))), "widgets never served"
-    return group
+    yield group
+    admin.request("DELETE", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.{group}")
 
 
 def _served(admin: Client, path: str) -> bool:
