@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from accelnode.health import GRACE_DEFAULT, Health
-from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path
+from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path, is_conflict, is_not_found
 from accelnode.kube.reflector import Reflector
 from accelnode.log import kv
 from accelnode.oci.manifest import inspect
@@ -210,7 +210,7 @@ class Reporter:
         """What this node wrote before (survives agent restarts: no rewrite when unchanged)."""
         found = {}
         sel = {"labelSelector": f"{HOSTNAME_LABEL}={self.node}"}
-        items = self.client.request("GET", custom_path(GROUP, VERSION, "gkmcachenodes"), query=sel).get("items") or []
+        items = self.client.list(custom_path(GROUP, VERSION, "gkmcachenodes"), query=sel).get("items") or []
         cluster_obj = self._get(CLUSTER)
         for obj in items + ([cluster_obj] if cluster_obj else []):
             md = obj["metadata"]
@@ -228,7 +228,7 @@ class Reporter:
         try:
             return self.client.request("GET", self._path(ns))
         except KubeError as e:
-            if e.code == 404:
+            if is_not_found(e):
                 return None
             raise
 
@@ -250,10 +250,10 @@ class Reporter:
             try:
                 obj = self.client.request("PUT", self._path(ns, "status"), body=body)
             except KubeError as e:
-                if e.code == 409:
+                if is_conflict(e):
                     self.writes.conflicts += 1
                     current = self._get(ns)
-                elif e.code == 404:
+                elif is_not_found(e):
                     current = None
                 else:
                     raise
@@ -281,7 +281,7 @@ class Reporter:
             obj = self.client.request("POST", custom_path(GROUP, VERSION, _plural(ns), ns or None), body=body)
             self.writes.creates += 1
         except KubeError as e:
-            obj = self._get(ns) if e.code == 409 else None
+            obj = self._get(ns) if is_conflict(e) else None
             if obj is None:
                 raise
         return _Written(obj.get("status") or {}, obj["metadata"]["resourceVersion"])

@@ -33,7 +33,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from bench_controller import CONTROLLER_USER, Audit, resource, wait_established, wait_for  # noqa: E402
 
-from accelnode.kube.client import Client, Config, KubeError, custom_path  # noqa: E402
+from accelnode.kube.client import Client, Config, KubeError, custom_path, is_conflict, is_not_found  # noqa: E402
 from tests.rigs import devcluster  # noqa: E402
 from tests.rigs.devcluster import ControlPlane  # noqa: E402
 from tests.rigs.gce import Server  # noqa: E402
@@ -78,7 +78,7 @@ class Kubelets(threading.Thread):
                                                       "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
                     self.admin.request("PUT", f"/api/v1/nodes/{name}/status", body=node)
                 except KubeError as e:
-                    if e.code != 409:
+                    if not is_conflict(e):
                         raise
                 self.joined.add(name)
 
@@ -92,7 +92,7 @@ def gone(admin: Client, name: str) -> bool:
     try:
         admin.request("GET", custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", "default", name))
     except KubeError as e:
-        return e.code == 404
+        return is_not_found(e)
     return False
 
 

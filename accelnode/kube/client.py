@@ -5,25 +5,32 @@ of memory on every node. Invariants: https only, the server certificate always v
 whose credentials we cannot send (``exec``, ``auth-provider``, basic auth) is refused, not sent
 out anonymous; tokens and keys stay out of errors, logs and ``repr`` (a client key touches disk
 only in a private file while ``ssl`` loads it); a token file is re-read every minute and after
-a 401. :class:`Client` raises :class:`KubeError` or :class:`Unreachable`; watches are
-:class:`accelnode.kube.reflector.Reflector`.
+a 401. :class:`Client` raises :class:`KubeError` (``is_not_found(e)`` and friends say what it
+means) or :class:`Unreachable`; ``list()`` pages (``limit``/``continue``, 500 a page) and a
+``429`` with ``Retry-After`` is waited out a bounded number of times, as client-go does; watches
+are :class:`accelnode.kube.reflector.Reflector`.
 """
 
 from __future__ import annotations
 
 import base64
+import http
+import itertools
 import json
 import logging
 import os
 import ssl
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from urllib.parse import quote, urlencode
 
 import urllib3
 
+from accelnode.log import kv
 
 log = logging.getLogger("accelnode.kube")
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -37,6 +44,41 @@ class KubeError(Exception):
     def __init__(self, code: int, reason: str, message: str):
         super().__init__(f"{code} {reason}: {message}")
         self.code, self.reason, self.message = code, reason, message
+
+
+# What an API server error means, by its HTTP status, as client-go's apierrors.IsNotFound and
+# friends; each is false for anything that is not a KubeError.
+def is_unauthorized(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 401
+
+
+def is_forbidden(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 403
+
+
+def is_not_found(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 404
+
+
+def is_conflict(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 409
+
+
+def is_gone(e: BaseException) -> bool:
+    """410: a resourceVersion or continue token older than what the server still keeps."""
+    return isinstance(e, KubeError) and e.code == 410
+
+
+def is_precondition_failed(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 412
+
+
+def is_invalid(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 422
+
+
+def is_too_many_requests(e: BaseException) -> bool:
+    return isinstance(e, KubeError) and e.code == 429
 
 
 class Unreachable(Exception):
@@ -138,16 +180,34 @@ def _ssl_context(config: Config) -> ssl.SSLContext:
 
 class Client:
     TOKEN_TTL = 60.0  # re-read a token file this often (kubelet rotates projected tokens)
+    PAGE_SIZE = 500  # items per list page (client-go's pager default)
+    THROTTLE_RETRIES = 10  # 429s with Retry-After waited out per call (client-go's rest client: 10)
+    RETRY_AFTER_CAP = 10.0  # seconds: the longest one Retry-After is waited
 
     def __init__(self, config: Config, *, timeout: float = 30.0, user_agent: str = "accelnode-agent",
-                 max_connections: int = 8):
-        """``max_connections``: kept open at once; each long-lived watch holds one."""
+                 max_connections: int = 8, page_size: int = PAGE_SIZE, throttle_retries: int = THROTTLE_RETRIES,
+                 retry_after_cap: float = RETRY_AFTER_CAP, sleep: Callable[[float], None] = time.sleep):
+        """``max_connections``: kept open at once; each long-lived watch holds one. ``page_size``:
+        items per page of :meth:`list`. ``throttle_retries``/``retry_after_cap``: how often and
+        how long (each time, seconds) a ``429`` with ``Retry-After`` is waited out before the call
+        fails; ``sleep`` does the waiting."""
+        _positive_int("page_size", page_size)
+        if isinstance(throttle_retries, bool) or not isinstance(throttle_retries, int) or throttle_retries < 0:
+            raise ValueError(f"throttle_retries must be an integer >= 0, not {throttle_retries!r}")
+        if isinstance(retry_after_cap, bool) or not isinstance(retry_after_cap, (int, float)) or \
+                not retry_after_cap >= 0:
+            raise ValueError(f"retry_after_cap must be a number of seconds >= 0, not {retry_after_cap!r}")
         self.config = config
         self.timeout = timeout
         self.user_agent = user_agent
+        self.page_size, self.throttle_retries, self.retry_after_cap = page_size, throttle_retries, retry_after_cap
+        self._sleep = sleep
         self._http = urllib3.PoolManager(num_pools=2, maxsize=max_connections, ssl_context=_ssl_context(config),
                                          retries=False)
         self._token: tuple[str, float] | None = None  # (token, monotonic time read)
+        self._count = threading.Lock()
+        self.sent = 0  # HTTP requests sent (retries and list pages each count)
+        self.throttled = 0  # 429s waited out
 
     def _bearer(self) -> str | None:
         if not self.config.token_file:
@@ -167,26 +227,80 @@ class Client:
         return h
 
     def _open(self, method: str, path: str, query: dict | None, body, timeout,
-              stream: bool) -> urllib3.BaseHTTPResponse:
+              stream: bool, deadline: float | None = None) -> urllib3.BaseHTTPResponse:
         url = self.config.server + path + ("?" + urlencode(query) if query else "")
         data = json.dumps(body).encode() if body is not None else None
-        try:
-            resp = self._http.request(method, url, body=data, headers=self._headers(body is not None), timeout=timeout,
-                                      preload_content=not stream)
-        except urllib3.exceptions.HTTPError as e:
-            raise Unreachable(f"{method} {path}: {e}") from None
-        if resp.status >= 400:
+        for retry in itertools.count():
+            with self._count:
+                self.sent += 1
+            try:
+                resp = self._http.request(method, url, body=data, headers=self._headers(body is not None),
+                                          timeout=timeout, preload_content=not stream)
+            except urllib3.exceptions.HTTPError as e:
+                raise Unreachable(f"{method} {path}: {e}") from None
+            if resp.status < 400:
+                return resp
             if resp.status == 401:
                 self._token = None  # a rotated token: read the file again next time
-            raise _status_error(resp.status, resp.read() if stream else resp.data)
-        return resp
+            err = _status_error(resp.status, resp.read() if stream else resp.data)
+            if stream:
+                resp.release_conn()
+            if resp.status != 429:
+                raise err
+            wait = _retry_after(resp.headers.get("Retry-After"))
+            if wait is None:
+                raise KubeError(429, err.reason, f"{err.message} ({method} {path}: no Retry-After, not retried)")
+            if retry >= self.throttle_retries:
+                raise KubeError(429, err.reason, f"{err.message} ({method} {path}: still throttled after "
+                                                 f"{retry} retries)")
+            wait = min(wait, self.retry_after_cap)
+            if deadline is not None and time.monotonic() + wait > deadline:
+                raise KubeError(429, err.reason, f"{err.message} ({method} {path}: Retry-After {wait:g}s is past "
+                                                 f"the call's timeout)")
+            log.info("throttled by the API server, retrying", extra=kv(method=method, path=path, retry_in=wait,
+                                                                       retry=retry + 1))
+            with self._count:
+                self.throttled += 1
+            self._sleep(wait)
+        raise AssertionError("unreachable")
 
     def request(self, method: str, path: str, *, query: dict | None = None, body=None,
                 timeout: float | None = None) -> dict:
         """One call with an optional JSON body; the answer's JSON. ``timeout`` (seconds) bounds
-        this call instead of the client's default."""
+        this call instead of the client's default, Retry-After waits included."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         return json.loads(self._open(method, path, query, body, self.timeout if timeout is None else timeout,
-                                     stream=False).data)
+                                     stream=False, deadline=deadline).data)
+
+    def list(self, path: str, *, query: dict | None = None, page_size: int | None = None,
+             timeout: float | None = None) -> dict:
+        """The whole collection at ``path`` as one list (``items``, ``metadata.resourceVersion``),
+        fetched ``page_size`` items at a time (``limit``/``continue``; default the client's
+        ``page_size``). The pages are one consistent snapshot: every continue reads at the first
+        page's resourceVersion. A continue token the server no longer honours (410, compacted
+        away) restarts the list in a single unpaginated request, as client-go's pager does.
+        ``timeout`` bounds each request."""
+        query = dict(query or {})
+        for key in ("limit", "continue", "watch"):
+            if key in query:
+                raise ValueError(f"list({path!r}): {key!r} is not a query parameter of list() (page_size "
+                                 f"sets the page size; continue tokens are its own)")
+        limit = self.page_size if page_size is None else _positive_int("page_size", page_size)
+        first = doc = self.request("GET", path, query=dict(query, limit=str(limit)), timeout=timeout)
+        items = list(first.get("items") or [])
+        while (token := (doc.get("metadata") or {}).get("continue")):
+            try:
+                doc = self.request("GET", path, query={**query, "limit": str(limit), "continue": token},
+                                   timeout=timeout)
+            except KubeError as e:
+                if not is_gone(e):
+                    raise
+                log.info("list continue token expired, listing again in one request",
+                         extra=kv(path=path, message=e.message))
+                return self.request("GET", path, query=query, timeout=timeout)
+            items.extend(doc.get("items") or [])
+        meta = {k: v for k, v in (first.get("metadata") or {}).items() if k not in ("continue", "remainingItemCount")}
+        return {**first, "metadata": meta, "items": items}
 
     def watch(self, path: str, query: dict, timeout_seconds: int, on_open=None):
         """Watch events (dicts) until the server ends the watch; ERROR events raise KubeError.
@@ -215,12 +329,38 @@ class Client:
             resp.release_conn()
 
 
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+    return value
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds of a ``Retry-After`` header as the API server writes it (whole seconds); None when
+    absent or not a number of seconds."""
+    try:
+        seconds = int((value or "").strip())
+    except ValueError:
+        return None
+    return float(seconds) if seconds >= 0 else None
+
+
 def _status_error(code: int, body: bytes) -> KubeError:
     try:
         st = json.loads(body)
-        return KubeError(code, st.get("reason", ""), st.get("message", ""))
     except ValueError:
-        return KubeError(code, "", body[:300].decode(errors="replace"))
+        st = None
+    if isinstance(st, dict):
+        return KubeError(code, st.get("reason", ""), st.get("message", ""))
+    # not a Status (APF's 429 is plain text): the HTTP reason phrase
+    return KubeError(code, _phrase(code), body[:300].decode(errors="replace").strip())
+
+
+def _phrase(code: int) -> str:
+    try:
+        return http.HTTPStatus(code).phrase.replace(" ", "")
+    except ValueError:
+        return ""
 
 
 def custom_path(group: str, version: str, plural: str, namespace: str | None = None, name: str | None = None,

@@ -1,5 +1,8 @@
 """A local copy of one collection (or one named object) of the Kubernetes API: list, then watch
 with resume, ``410 Gone`` re-lists (docs/controller.md, "Kubernetes client"; docs/agent-status.md).
+Lists are paged (:meth:`Client.list`); a ``410`` re-lists at once the first time, then after a
+jittered exponential backoff while 410s follow each other (a list served by a lagging cache must
+not become a hot list loop), reset by a watch that works.
 
 Invariants: :meth:`Reflector.run` never raises, and every failure, malformed answers included,
 is retried with backoff, never a dead thread; the copy is rebuilt from a whole answer rather
@@ -12,6 +15,7 @@ in a callback or dead of a bug breaks it.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from typing import Callable
@@ -20,13 +24,35 @@ from urllib.parse import quote
 from accelnode.health import GRACE_DEFAULT, NOBEAT, Heartbeat
 from accelnode.log import kv
 
-from .client import WATCH_READ_SLACK, Client, KubeError, Unreachable
+from .client import Client, KubeError, Unreachable, WATCH_READ_SLACK, is_gone, is_not_found
 
 log = logging.getLogger("accelnode.kube")
 
 
 class Malformed(ValueError):
     """An answer of the API server the reflector cannot use (retried like an unreachable one)."""
+
+
+class Backoff:
+    """Capped exponential delays with jitter: the n-th :meth:`next` is ``base * factor**(n-1)``,
+    at most ``cap``, shortened at random by up to ``jitter`` of itself (``rand()`` in [0, 1)) so
+    that many clients do not retry in step; :meth:`reset` starts over."""
+
+    def __init__(self, base: float = 0.8, cap: float = 30.0, *, factor: float = 2.0, jitter: float = 0.5,
+                 rand: Callable[[], float] = random.random):
+        if not 0 < base <= cap or factor < 1 or not 0 <= jitter < 1:
+            raise ValueError(f"backoff needs 0 < base <= cap, factor >= 1 and 0 <= jitter < 1 (base={base!r}, "
+                             f"cap={cap!r}, factor={factor!r}, jitter={jitter!r})")
+        self.base, self.cap, self.factor, self.jitter, self.rand = base, cap, factor, jitter, rand
+        self.steps = 0  # delays handed out since the last reset
+
+    def next(self) -> float:
+        delay = min(self.cap, self.base * self.factor ** min(self.steps, 64))
+        self.steps += 1
+        return delay * (1 - self.jitter * self.rand())
+
+    def reset(self) -> None:
+        self.steps = 0
 
 
 class Reflector:
@@ -37,6 +63,9 @@ class Reflector:
     With ``name`` set, the reflector follows that one object: GET instead of list (for
     identities that may get and watch but not list), watch with ``metadata.name=<name>``.
     ``trim(obj)`` trims an object before it is stored (memory: keep only what you read).
+    ``expired_backoff`` paces the re-lists of 410s in a row (the first one re-lists at once);
+    ``wait(stop, seconds)`` waits before each attempt and returns True to stop (default
+    ``stop.wait``; tests record the delays instead of waiting them out).
     """
 
     MIN_WATCH = 5.0  # a watch that ends sooner without events counts as a failure (no hot loop)
@@ -45,8 +74,11 @@ class Reflector:
                  on_event: Callable[[str, dict], None] | None = None, query: dict | None = None,
                  name: str | None = None, trim: Callable[[dict], dict] = lambda o: o,
                  watch_seconds: int = 300, max_backoff: float = 30.0, beat: Heartbeat = NOBEAT,
-                 stall_after: float | None = None):
+                 stall_after: float | None = None, expired_backoff: Backoff | None = None,
+                 wait: Callable[[threading.Event, float], bool] | None = None):
         self.client, self.path, self.name = client, path, name
+        self.expired_backoff = expired_backoff or Backoff(min(0.8, max_backoff), max_backoff)
+        self._wait = wait or (lambda stop, seconds: stop.wait(seconds))
         self.beat = beat
         if stall_after is None:  # a list (client timeout), then a watch that may be silent to its end
             stall_after = client.timeout + watch_seconds + WATCH_READ_SLACK + GRACE_DEFAULT
@@ -62,6 +94,8 @@ class Reflector:
         self.synced = threading.Event()
         self.resource_version: str | None = None
         self.relists = 0  # lists done (the first one included)
+        self.expired = 0  # 410s in a row (since the last watch that worked)
+        self._watch_events = 0  # events of the watch in flight
         self.retry_in = 0.0  # the current backoff (0 while all is well)
         self._resp = None
 
@@ -86,21 +120,30 @@ class Reflector:
         delay = 0.0
         while True:
             self.beat.beat(delay + self.stall_after)
-            if stop.wait(delay):
+            if self._wait(stop, delay):
                 return
+            self._watch_events = 0
             try:
                 if self.resource_version is None:
                     self._list()
                 started, events = time.monotonic(), self._watch(stop)
                 if events or time.monotonic() - started >= self.MIN_WATCH:
                     delay = 0.0  # the server ended a healthy watch: resume at once
+                    self.expired = 0
+                    self.expired_backoff.reset()
                 else:
                     delay = self._backoff(delay, "the watch ended at once without events")
             except KubeError as e:
-                if e.code == 410:  # our resourceVersion was compacted away: start over
-                    log.info("watch expired, re-listing", extra=kv(path=self.path, message=e.message))
-                    self.resource_version, delay = None, 0.0
-                elif e.code == 404 and not self.name:
+                if is_gone(e):  # our resourceVersion was compacted away: start over
+                    self.resource_version = None
+                    if self._watch_events:  # this watch worked before it expired: not one in a row
+                        self.expired = 0
+                        self.expired_backoff.reset()
+                    self.expired += 1
+                    delay = 0.0 if self.expired == 1 else self.expired_backoff.next()
+                    log.info("watch expired, re-listing", extra=kv(path=self.path, message=e.message,
+                                                                   in_a_row=self.expired, retry_in=delay))
+                elif is_not_found(e) and not self.name:
                     delay = self._backoff(delay, f"{self.path} is not served by the API server (is its "
                                                  f"CustomResourceDefinition installed?): {e}")
                 else:
@@ -125,7 +168,7 @@ class Reflector:
             obj = self.client.request("GET", f"{self.path}/{quote(self.name, safe='')}")
             items, rv = [obj], _rv(obj)
         else:
-            doc = self.client.request("GET", self.path, query=self.query)
+            doc = self.client.list(self.path, query=self.query)
             items, rv = doc.get("items") or [], _rv(doc)
         if not rv:
             raise Malformed(f"the answer to GET {self.path} has no metadata.resourceVersion to watch from")
@@ -164,6 +207,7 @@ class Reflector:
         n = 0
         for event in events:
             n += 1
+            self._watch_events = n
             self.beat.beat(self.stall_after)
             obj = event.get("object") or {}
             rv = _rv(obj)

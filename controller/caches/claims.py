@@ -18,7 +18,7 @@ import logging
 import threading
 from urllib.parse import quote
 
-from accelnode.kube.client import Client, KubeError, custom_path
+from accelnode.kube.client import Client, KubeError, custom_path, is_conflict, is_forbidden, is_not_found
 from accelnode.log import kv
 
 from controller.caches import volumes as co
@@ -207,12 +207,12 @@ class ClaimsReconciler(Reconciler):
                 made = self.client.request("POST", f"/api/v1/namespaces/{quote(wns, safe='')}/persistentvolumeclaims",
                                            body=co.pvc_body(cache, wns, capacity))
             except KubeError as e:
-                if e.code == 404:
+                if is_not_found(e):
                     return None, (co.REASON_NO_NAMESPACE, f"namespace {wns} does not exist; the claim is made "
                                                           "once it does")
-                if e.code == 403 and "terminat" in e.message:
+                if is_forbidden(e) and "terminat" in e.message:
                     return None, (co.REASON_NAMESPACE_TERMINATING, f"namespace {wns} is terminating")
-                if e.code != 409:
+                if not is_conflict(e):
                     raise
                 # a claim of that name exists: ours (the watch has not brought it yet) or not
                 existing = self._get(pvc_path(wns, cache.name))
@@ -244,7 +244,7 @@ class ClaimsReconciler(Reconciler):
         try:
             return trim_cache(self.client.request("GET", path))
         except KubeError as e:
-            if e.code == 404:
+            if is_not_found(e):
                 return None
             raise
 
@@ -257,7 +257,7 @@ class ClaimsReconciler(Reconciler):
             log.info("claim volume made", extra=kv(reconciler=self.name, cache=cache.key, namespace=wns, pv=name))
             return made, None
         except KubeError as e:
-            if e.code != 409:
+            if not is_conflict(e):
                 raise
         existing = self._get(pv_path(name))
         if existing is None:
@@ -297,7 +297,7 @@ class ClaimsReconciler(Reconciler):
             self.client.request("DELETE", path, body={"apiVersion": "v1", "kind": "DeleteOptions",
                                                       "preconditions": {"uid": md["uid"]}})
         except KubeError as e:
-            if e.code not in (404, 409):  # gone already / replaced: the watch tells the rest
+            if not (is_not_found(e) or is_conflict(e)):  # gone already / replaced: the watch tells the rest
                 raise
             return
         log.info("claim object deleted", extra=kv(reconciler=self.name, cache=cache.key, namespace=wns,

@@ -19,7 +19,7 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from accelnode.kube.client import Client, KubeError, custom_path
+from accelnode.kube.client import Client, KubeError, custom_path, is_conflict
 from accelnode.log import kv
 from accelnode.oci.errors import ImageError
 
@@ -155,7 +155,7 @@ class CacheReconciler(Reconciler):
         try:
             return self._sync(key, obj)
         except KubeError as e:
-            if e.code != 409:
+            if not is_conflict(e):
                 raise
         # another writer got in first (the claims reconciler adds its finalizer as a new cache
         # arrives): write again at once on the object as it is now, not after a backoff plus the

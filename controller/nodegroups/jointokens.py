@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from accelnode.kube.bootstraptoken import ENDPOINT_RE, METADATA_KEYS, TOKEN_RE, ca_cert_hash
-from accelnode.kube.client import Client, KubeError
+from accelnode.kube.client import Client, KubeError, is_conflict, is_not_found
 from accelnode.log import kv
 
 log = logging.getLogger("accelnode.controller.jointoken")
@@ -139,7 +139,7 @@ class JoinTokens:
         try:
             cm = self.kube.request("GET", CLUSTER_INFO)
         except KubeError as e:
-            if e.code == 404:
+            if is_not_found(e):
                 return False
             raise
         return f"jws-kubeconfig-{info.token_id}" in (cm.get("data") or {})
@@ -154,7 +154,7 @@ class JoinTokens:
     def _list(self, group: str) -> list[_Token]:
         """The group's well-formed token Secrets (one that is not is skipped with a warning:
         the API server would not accept it as a token either)."""
-        out = self.kube.request("GET", self._path, query={"labelSelector": f"{GROUP_LABEL}={group_label_value(group)}"})
+        out = self.kube.list(self._path, query={"labelSelector": f"{GROUP_LABEL}={group_label_value(group)}"})
         tokens = []
         for s in out.get("items") or []:
             meta = s.get("metadata") or {}
@@ -195,7 +195,7 @@ class JoinTokens:
             try:
                 self.kube.request("POST", self._path, body=body)
             except KubeError as e:
-                if e.code == 409:
+                if is_conflict(e):
                     continue
                 raise
             log.info("join token created", extra=kv(group=group, bootstrap_id=tid, expiration=expiration))
@@ -206,7 +206,7 @@ class JoinTokens:
         try:
             self.kube.request("DELETE", f"{self._path}/{name}")
         except KubeError as e:
-            if e.code != 404:
+            if not is_not_found(e):
                 raise
             return
         log.info(f"join token {why}", extra=kv(group=group, bootstrap_id=name.removeprefix("bootstrap-token-")))

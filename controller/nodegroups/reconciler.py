@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from accelnode.kube.bootstraptoken import METADATA_KEYS
-from accelnode.kube.client import Client, KubeError, custom_path
+from accelnode.kube.client import Client, KubeError, custom_path, is_conflict, is_not_found, is_too_many_requests
 from accelnode.log import kv
 
 from controller.nodegroups import generations
@@ -542,7 +542,7 @@ class TPUNodeGroupReconciler(Reconciler):
                 child = self.client.request("POST", custom_path(GROUP, VERSION, plural, ns), body=body)
                 log.info("child created", extra=kv(group=object_key(g), kind=kind, name=name))
             except KubeError as e:
-                if e.code != 409:
+                if not is_conflict(e):
                     raise
                 child = self.client.request("GET", custom_path(GROUP, VERSION, plural, ns, name))
             return child
@@ -686,7 +686,7 @@ class TPUNodeGroupReconciler(Reconciler):
                                                                            self.settings.device_plugin_image))
             log.info("device plugin DaemonSet created", extra=kv(namespace=self.settings.namespace))
         except KubeError as e:
-            if e.code != 409:
+            if not is_conflict(e):
                 raise
 
     # -- teardown ------------------------------------------------------------------------------
@@ -739,7 +739,7 @@ class TPUNodeGroupReconciler(Reconciler):
                             self.client.request("DELETE", custom_path(GROUP, VERSION, plural, ns,
                                                                       c["metadata"]["name"]))
                         except KubeError as e:
-                            if e.code != 404:
+                            if not is_not_found(e):
                                 raise
                 return step(reason, f"deleting {children[0]['kind']} {children[0]['metadata']['name']}: "
                                     + (get_condition(children[0], "Ready").get("message") or "waiting"))
@@ -747,7 +747,7 @@ class TPUNodeGroupReconciler(Reconciler):
             try:
                 self.client.request("DELETE", f"{NODES}/{n['metadata']['name']}")
             except KubeError as e:
-                if e.code != 404:
+                if not is_not_found(e):
                     raise
         if g["spec"].get("bootstrapKubernetes"):
             self._join_tokens().revoke(key)
@@ -760,7 +760,7 @@ class TPUNodeGroupReconciler(Reconciler):
                 try:
                     self.client.request("DELETE", f"{path}/{DEVICE_PLUGIN}")
                 except KubeError as e:
-                    if e.code != 404:
+                    if not is_not_found(e):
                         raise
         self.client.request("PUT", self._path(key), body={
             **g, "metadata": {**md, "finalizers": [f for f in md.get("finalizers") or [] if f != GROUP_FINALIZER]}})
@@ -780,8 +780,7 @@ class TPUNodeGroupReconciler(Reconciler):
         the pods still there."""
         left = []
         for n in nodes:
-            pods = self.client.request("GET", "/api/v1/pods",
-                                       query={"fieldSelector": f"spec.nodeName={n['metadata']['name']}"})
+            pods = self.client.list("/api/v1/pods", query={"fieldSelector": f"spec.nodeName={n['metadata']['name']}"})
             for p in pods.get("items") or []:
                 pm = p["metadata"]
                 if any(r.get("kind") == "DaemonSet" for r in pm.get("ownerReferences") or []):
@@ -798,7 +797,7 @@ class TPUNodeGroupReconciler(Reconciler):
                                         body={"apiVersion": "policy/v1", "kind": "Eviction",
                                               "metadata": {"name": pm["name"], "namespace": pm["namespace"]}})
                 except KubeError as e:
-                    if e.code not in (404, 429):  # 429: a PodDisruptionBudget says not now
+                    if not (is_not_found(e) or is_too_many_requests(e)):  # 429: a PodDisruptionBudget says not now
                         raise
         return left
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import quote
 
-from accelnode.kube.client import Client, KubeError, Unreachable
+from accelnode.kube.client import Client, KubeError, Unreachable, is_not_found
 from accelnode.log import kv
 
 log = logging.getLogger("accelnode.controller.leader")
@@ -143,7 +143,7 @@ class LeaderElector:
         try:
             lease = self.client.request("GET", self._object_path(), timeout=timeout)
         except KubeError as e:
-            if e.code != 404:
+            if not is_not_found(e):
                 raise
             self.last_contact = time.monotonic()
             spec = self._record(transitions=0, acquired=micro_time())

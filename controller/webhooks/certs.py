@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from prometheus_client import Gauge
 
-from accelnode.kube.client import Client, KubeError, Unreachable
+from accelnode.kube.client import Client, KubeError, Unreachable, is_conflict, is_not_found
 from accelnode.log import kv
 
 log = logging.getLogger("accelnode.controller.certs")
@@ -316,7 +316,7 @@ class ServingCerts:
                 try:
                     secret = self._write(secret, p)
                 except KubeError as e:
-                    if e.code == 409:  # another replica created or renewed it meanwhile: read it again
+                    if is_conflict(e):  # another replica created or renewed it meanwhile: read it again
                         log.info("the webhook Secret changed under us; reading it again",
                                  extra=kv(secret=f"{self.namespace}/{self.secret}", reason=e.reason))
                         continue
@@ -354,7 +354,7 @@ class ServingCerts:
         try:
             return self.client.request("GET", self.path)
         except KubeError as e:
-            if e.code == 404:
+            if is_not_found(e):
                 return None
             raise
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from accelnode.kube.client import Client, Config, KubeError
+from accelnode.kube.client import Client, Config, KubeError, is_not_found
 from tests.conftest import accelnode_cmd
 from tests.csi.conftest import free_ports
 
@@ -38,7 +38,7 @@ def fresh_lease(controller_rbac, admin):
     try:
         admin.request("DELETE", LEASE_PATH)
     except KubeError as e:
-        assert e.code == 404, e
+        assert is_not_found(e), e
     return LEASE_PATH
 
 
@@ -46,7 +46,7 @@ def lease_spec(admin: Client) -> dict:
     try:
         return admin.request("GET", LEASE_PATH).get("spec") or {}
     except KubeError as e:
-        if e.code == 404:
+        if is_not_found(e):
             return {}
         raise
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from accelnode.kube.bootstraptoken import METADATA_KEYS
-from accelnode.kube.client import Client, Config, KubeError, custom_path
+from accelnode.kube.client import Client, Config, KubeError, custom_path, is_not_found
 from tests.rigs.gce import Server
 from controller.nodegroups import reconciler as nodegroups
 from controller.nodegroups.compute import GCE
@@ -87,7 +87,7 @@ def get(admin: Client, path: str) -> dict | None:
     try:
         return admin.request("GET", path)
     except KubeError as e:
-        if e.code == 404:
+        if is_not_found(e):
             return None
         raise
 

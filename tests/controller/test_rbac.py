@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from accelnode.kube.client import Client, Config, KubeError
+from accelnode.kube.client import Client, Config, KubeError, is_not_found
 from controller.runtime.leader import micro_time
 from tests.controller.conftest import LEASE, LEASE_PATH, NAMESPACE
 
@@ -68,7 +68,7 @@ def webhook_rbac(kubectl, controller_rbac, admin):
             try:
                 admin.request("DELETE", path)
             except KubeError as e:
-                assert e.code == 404, e
+                assert is_not_found(e), e
 
     clean()
     yield

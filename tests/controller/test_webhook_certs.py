@@ -36,7 +36,7 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 
 from accelnode import exitcodes
-from accelnode.kube.client import Client, Config, KubeError
+from accelnode.kube.client import Client, Config, KubeError, is_not_found
 from accelnode.oci.registry import RegistryOptions
 from controller.webhooks.server import AdmissionServer
 from controller.webhooks.cabundle import CABundleReconciler
@@ -105,7 +105,7 @@ class World:
         try:
             return self.admin.request("GET", SECRET_PATH)
         except KubeError as e:
-            if e.code == 404:
+            if is_not_found(e):
                 return None
             raise
 

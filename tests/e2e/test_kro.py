@@ -29,7 +29,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from accelnode.kube.client import Client, Config, KubeError, custom_path
+from accelnode.kube.client import Client, Config, KubeError, custom_path, is_conflict, is_not_found
 from tests.rigs.gce import Server
 from tests.agent.conftest import make_cache
 from tests.conftest import ROOT, TOOLS_BIN, eventually, http_get, require, tool
@@ -211,7 +211,7 @@ def put_spec(admin: Client, path: str, **spec) -> KubeError:
         try:
             admin.request("PUT", path, body=obj)
         except KubeError as e:
-            if e.code != 409:
+            if not is_conflict(e):
                 return e
             continue
         raise AssertionError(f"{path}: {spec} was accepted")
@@ -258,7 +258,7 @@ def test_the_generated_api_refuses_bad_instances(kro, control_plane, kube_namesp
             try:
                 admin.request("DELETE", instance_path(ns, n))
             except KubeError as e:
-                if e.code != 404:
+                if not is_not_found(e):
                     raise
         until(lambda: admin.request("GET", instance_path(ns))["items"] == [], "the instances gone",
               timeout=WAIT)
@@ -323,7 +323,7 @@ def test_an_instance_expands_into_our_kinds_and_our_controller_acts_on_them(
                     try:
                         admin.request("DELETE", instance_path(ns, name))
                     except KubeError as e:
-                        if e.code != 404:
+                        if not is_not_found(e):
                             raise
                 until(lambda: kubelet_confirms_deletions(admin, ns) or all(
                     get(admin, instance_path(ns, n)) is None for n in names), "the instances gone", timeout=WAIT)
@@ -359,7 +359,7 @@ def kubelet_confirms_deletions(admin: Client, ns: str) -> bool:
                               body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
                                     "preconditions": {"uid": pod["metadata"]["uid"]}})
             except KubeError as e:
-                if e.code not in (404, 409):
+                if not (is_not_found(e) or is_conflict(e)):
                     raise
     return False
 

@@ -356,11 +356,16 @@ class ControlPlane:
     (SIGTERM, then SIGKILL), waits for them and removes the etcd data. Safe to call twice.
     """
 
-    def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0, kubelets: bool = False):
+    def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0, kubelets: bool = False,
+                 apiserver_args: tuple[str, ...] = ()):
         """``kubelets=True``: ready for real kubelets (tests/rigs/node.py): the Node
         authorizer beside RBAC, ServiceAccount admission (pods get their token volume), a
-        client certificate the apiserver shows kubelets (logs, exec), and kube-scheduler."""
+        client certificate the apiserver shows kubelets (logs, exec), and kube-scheduler.
+        ``apiserver_args``: more kube-apiserver flags (a test's own control plane, e.g. a
+        feature gate)."""
         self.kubelets = kubelets
+        self.apiserver_args = tuple(apiserver_args)
+        self.etcd_url = ""  # http://127.0.0.1:<port> once started (etcd's JSON gateway: /v3/...)
         self.workdir = Path(workdir)
         self.tools_bin = Path(tools_bin)
         self.start_timeout = start_timeout
@@ -400,6 +405,15 @@ class ControlPlane:
             self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
         return self._kubeconfigs[ident.name]
 
+    def serving_pair(self, name: str) -> tuple[Path, Path]:
+        """A serving certificate and key for 127.0.0.1/localhost signed by the cluster CA
+        (:attr:`ca_file`): for servers a test runs that the apiserver calls (webhooks)."""
+        assert self._pki is not None, "start() first"
+        loopback = x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+        return self._pki._pair(f"serving-{name}", x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]),
+                               ExtendedKeyUsageOID.SERVER_AUTH, loopback)
+
     def start(self) -> None:
         etcd, apiserver = self._binary("etcd"), self._binary("kube-apiserver")
         controller_manager = self._binary("kube-controller-manager")
@@ -411,6 +425,7 @@ class ControlPlane:
         policy = self.workdir / "audit-policy.yaml"
         policy.write_text(yaml.safe_dump(_AUDIT_POLICY))
         client, peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
         self._etcd = _Proc("etcd", [
             etcd, "--name=devcluster", f"--data-dir={self.workdir / 'etcd'}",
             f"--listen-client-urls=http://127.0.0.1:{client}", f"--advertise-client-urls=http://127.0.0.1:{client}",
@@ -438,6 +453,7 @@ class ControlPlane:
             *(self._kubelet_flags() if self.kubelets else ["--disable-admission-plugins=ServiceAccount"]),
             "--allow-privileged=true", "--profiling=false",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
+            *self.apiserver_args,
         ], self.workdir / "kube-apiserver.log")
         kubeconfig = self.kubeconfig(CONTROLLER_MANAGER.name)
         self._controller_manager = _Proc("kube-controller-manager", [
