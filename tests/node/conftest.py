@@ -47,6 +47,14 @@ class Deployed:
     def get(self, *args: str) -> dict:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
+    def claim_phase(self, name: str, namespace: str) -> str | None:
+        """The PVC's phase; None while the controller has not made it yet."""
+        out = self.kubectl("get", "pvc", name, "-n", namespace, "-o", "json", check=False)
+        if out.returncode != 0:
+            assert "NotFound" in out.stderr, out.stderr
+            return None
+        return json.loads(out.stdout)["status"].get("phase")
+
     def apply(self, *docs: dict) -> None:
         self.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
 

@@ -137,7 +137,7 @@ def test_the_gkm_workloads_run_as_deployments_and_as_gkms_daemonset(deployed, gk
     """examples/gkm/workloads/: two replicas by claim, one inline from the ClusterGKMCache, and GKM's
     own DaemonSet with its gkm.io/pvc-mutation label: every pod sees the cache's files, read-only."""
     w = deployed
-    w.wait(lambda: w.get("pvc", "vector-add-cache-rocm", "-n", "tpu-inference")["status"].get("phase") == "Bound",
+    w.wait(lambda: w.claim_phase("vector-add-cache-rocm", "tpu-inference") == "Bound",
            "the cache's claim Bound")
     for f in ("deployment-by-claim.yaml", "deployment-inline.yaml", "gkm-daemonset.yaml"):
         w.apply(*(on_the_rig(d) for d in load(GKM / "workloads" / f)))
@@ -168,7 +168,7 @@ def test_the_top_level_pod_examples_mount_the_cache_inline_and_by_claim(deployed
     w.apply({"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache",
              "metadata": {"name": "jax-kernels-v5e", "namespace": "tpu-inference"},
              "spec": {"image": f"{w.registry.host}/{REPO}:{TAG}"}})
-    w.wait(lambda: w.get("pvc", "jax-kernels-v5e", "-n", "tpu-inference")["status"].get("phase") == "Bound",
+    w.wait(lambda: w.claim_phase("jax-kernels-v5e", "tpu-inference") == "Bound",
            "the claim of jax-kernels-v5e Bound")
     for f in ("pod-inline-cache.yaml", "pod-claim-cache.yaml"):
         (pod,) = [on_the_rig(d) for d in load(ROOT / "examples" / f)]
@@ -194,7 +194,7 @@ def test_a_cache_stuck_pending_says_why_on_the_cache_and_on_the_pod(deployed, gk
                  .get("status", {}).get("pvcStatus", {}).get("tpu-inference", {}).get("conditions")
                  and o, "the ReadOnlyMany cache's claim reported")
     assert rox["status"]["pvcStatus"]["tpu-inference"]["conditions"][0]["reason"] in ("Bound", "Pending"), rox
-    w.wait(lambda: w.get("pvc", "vector-add-cache-rocm-rox", "-n", "tpu-inference")["status"].get("phase") == "Bound",
+    w.wait(lambda: w.claim_phase("vector-add-cache-rocm-rox", "tpu-inference") == "Bound",
            "the ReadOnlyMany cache's claim Bound (storageClassName ignored)")
 
     def unresolved():

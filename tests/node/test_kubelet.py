@@ -91,7 +91,7 @@ def test_a_workload_mounts_the_same_cache_by_claim(deployed, cache):
     """The controller made PVC <cache name> in the cache's namespace; kubelet mounts the PV through
     csi.gkm.io like an inline volume."""
     ns, name, _ = cache
-    deployed.wait(lambda: deployed.get("pvc", name, "-n", ns)["status"].get("phase") == "Bound", "the cache's PVC Bound")
+    deployed.wait(lambda: deployed.claim_phase(name, ns) == "Bound", "the cache's PVC Bound")
     deployed.apply(workload("by-claim", ns, {"persistentVolumeClaim": {"claimName": name, "readOnly": True}}))
     check(finished(deployed, ns, "by-claim"))
 
