@@ -41,7 +41,7 @@ deps: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev,test]'
+	$(VENV)/bin/pip install -q -e '.[dev,test,triton]'
 	touch $@
 
 tools: system-deps

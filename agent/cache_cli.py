@@ -75,13 +75,17 @@ def register(sub) -> None:
 
 def _build_flags(p, *, kind=True) -> None:
     if kind:
-        p.add_argument("--kind", choices=["triton", "vllm", "jax"], help="kind of a bare cache directory")
+        p.add_argument("--kind", choices=["triton", "vllm", "jax"],
+                       help="kind of a bare cache directory (a TRITON_CACHE_DIR is recognised without it)")
     p.add_argument("--target", type=_target, action="append", default=[], metavar="backend=B,arch=A",
                    help="add a target to the summary label (repeatable; needed for JAX caches)")
     p.add_argument("--label", type=_label, action="append", default=[], metavar="KEY=VALUE",
                    help="extra config label (repeatable)")
     p.add_argument("--layers", type=int, default=1, help="number of layers to spread files over (default: 1)")
     p.add_argument("--compression", choices=["gzip", "zstd", "none"], default="gzip")
+    p.add_argument("--pod-path", metavar="PATH",
+                   help="where pods will see io.<kind>.cache, i.e. their TRITON_CACHE_DIR or VLLM_CACHE_ROOT "
+                        "(default: /cache/io.<kind>.cache); Triton's group files are rewritten to it")
 
 
 def _errors(fn):
@@ -118,7 +122,7 @@ def _build(args) -> int:
 
     built = _errors(lambda: build(args.dir, args.image, options=registry_options(args), kind=args.kind,
                                   targets=args.target, labels=dict(args.label), layers=args.layers,
-                                  compression=args.compression, progress=_progress()))
+                                  compression=args.compression, progress=_progress(), pod_path=args.pod_path))
     print(built.reference)
     return exitcodes.OK
 
@@ -131,7 +135,8 @@ def _push(args) -> int:
         if inst is None:
             raise exitcodes.CLIError(f"{args.digest}: not installed in {args.store}")
         return build(inst.path, args.image, options=registry_options(args), labels={**inst.labels, **dict(args.label)},
-                     targets=args.target, layers=args.layers, compression=args.compression, progress=_progress())
+                     targets=args.target, layers=args.layers, compression=args.compression, progress=_progress(),
+                     pod_path=args.pod_path)
 
     print(_errors(go).reference)
     return exitcodes.OK

@@ -139,9 +139,53 @@ def _write_layer(members, dest: Path, compression: str, on_write) -> tuple[dict,
     return desc, "sha256:" + diff.sha.hexdigest()
 
 
+def _rebase_groups(members, cache_arc: str, pod_path: str, tmp: Path) -> tuple[list, int, int]:
+    """Triton's ``__grp__<kernel>.json`` lists its files by absolute path, and Triton treats a
+    group whose files are not at those paths as a miss (then compiles and writes). Rewrite every
+    group under ``cache_arc`` (``io.<kind>.cache``) to the path pods will see it at, ``pod_path``;
+    returns (members with the rewritten copies, bytes added, groups rewritten)."""
+    out, delta, n = [], 0, 0
+    for arc, p in members:
+        name = arc.rsplit("/", 1)[-1]
+        if not (arc.startswith(cache_arc + "/") and name.startswith("__grp__") and name.endswith(".json")
+                and not p.is_symlink() and p.is_file()):
+            out.append((arc, p))
+            continue
+        rel_dir = arc[len(cache_arc) + 1:].rsplit("/", 1)[0] if "/" in arc[len(cache_arc) + 1:] else ""
+        try:
+            doc = json.loads(p.read_bytes())
+            children = doc["child_paths"]
+            if not isinstance(children, dict) or not all(isinstance(v, str) for v in children.values()):
+                raise ValueError("child_paths is not an object of paths")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise BuildError(f"{p}: not a Triton group file: {e}") from None
+        rebased = {}
+        for child in children:
+            if "/" in child or not (p.parent / child).is_file():
+                raise BuildError(f"{p}: lists {child!r}, which is not a file beside it")
+            rebased[child] = "/".join(x for x in (pod_path.rstrip("/"), rel_dir, child) if x)
+        doc["child_paths"] = rebased
+        n += 1
+        new = tmp / "groups" / f"{n}.json"
+        new.parent.mkdir(exist_ok=True)
+        new.write_text(json.dumps(doc))
+        delta += new.stat().st_size - p.stat().st_size
+        out.append((arc, new))
+    return out, delta, n
+
+
+def _is_triton_tree(src: Path) -> bool:
+    """A bare TRITON_CACHE_DIR: ``<hash>/__grp__<kernel>.json`` files one level down."""
+    return any(src.glob("*/__grp__*.json"))
+
+
 def build(src, image: str, *, options: RegistryOptions, kind: str | None = None, targets=(), labels=None,
-          layers: int = 1, compression: str = "gzip", progress=None) -> Built:
-    """Package ``src`` and push it as ``image``; returns the digest-pinned reference."""
+          layers: int = 1, compression: str = "gzip", progress=None, pod_path: str | None = None) -> Built:
+    """Package ``src`` and push it as ``image``; returns the digest-pinned reference.
+
+    ``pod_path``: where pods will see ``io.<kind>.cache`` (their ``TRITON_CACHE_DIR`` or
+    ``VLLM_CACHE_ROOT``; default ``/cache/io.<kind>.cache``): Triton group files are rewritten
+    to it and it is recorded in the ``io.accelnode.cache/pod-path`` label."""
     src = Path(src)
     ref = Reference.parse(image)
     if not src.is_dir():
@@ -153,27 +197,52 @@ def build(src, image: str, *, options: RegistryOptions, kind: str | None = None,
         if kind and kind != detected:
             raise BuildError(f"{src} holds a {detected} cache, not {kind}")
         kind, prefix, cache_dir = detected, "", src / fmt.CACHE_DIR[detected]
-    elif kind in fmt.KINDS:  # a bare cache directory: packaged under io.<kind>.cache/
+    elif kind in fmt.KINDS or (kind is None and _is_triton_tree(src)):
+        # a bare cache directory (a TRITON_CACHE_DIR is recognised): packaged under io.<kind>.cache/
+        kind = kind or "triton"
         prefix, cache_dir = fmt.CACHE_DIR[kind] + "/", src
     else:
         raise BuildError(f"{src}: no io.triton.cache/, io.vllm.cache/ or io.jax.cache/ inside; "
                          "give --kind to package a bare cache directory")
     manifest_file = src / fmt.MANIFEST_DIR[kind] / "manifest.json" if not prefix else None
     try:
-        all_labels = fmt.summarize(cache_dir, kind, list(targets), manifest_file)
+        found = fmt.scan(cache_dir, kind)
+        all_labels = fmt.summarize(cache_dir, kind, list(targets), manifest_file, scanned=found)
+    except fmt.TritonTreeError as e:
+        raise BuildError(str(e)) from None
     except ValueError as e:
         raise BuildError(f"bad target: {e}") from None
+    declared = targets or fmt.label(kind, "summary") in (labels or {})
+    if kind == "triton" and not found.entries and not declared:
+        raise BuildError(f"{cache_dir}: no Triton kernel in this tree (no <hash>/<kernel>.json with a target); "
+                         "is it a TRITON_CACHE_DIR? (--target declares the targets of a tree without metadata)")
+    if pod_path is not None and not pod_path.startswith("/"):
+        raise BuildError(f"--pod-path must be absolute, got {pod_path!r}")
+    pod_path = pod_path or (labels or {}).get(fmt.POD_PATH_LABEL) or f"/cache/{fmt.CACHE_DIR[kind]}"
     all_labels.update(labels or {})
     members = _members(src, prefix)
-    if prefix:
-        members = [(fmt.CACHE_DIR[kind], src)] + members
-    groups = _split(members, layers)
-    file_sizes = [_regular_size(p) for _, p in members]
-    total = sum(file_sizes)
-    tar_bytes = sum(512 + -(-size // 512) * 512 for size in file_sizes)  # progress counts tar stream bytes
-    if progress is not None:
-        progress.start(tar_bytes, f"packaging {src}")
     with tempfile.TemporaryDirectory(prefix="accelnode-build.") as tmp:
+        if prefix:
+            members = [(fmt.CACHE_DIR[kind], src)] + members
+        if kind in ("triton", "vllm"):
+            members, delta, rebased = _rebase_groups(members, fmt.CACHE_DIR[kind], pod_path, Path(tmp))
+            if rebased:
+                size_label = fmt.label(kind, "cache-size-bytes")
+                if size_label not in (labels or {}):
+                    all_labels[size_label] = str(int(all_labels[size_label]) + delta)
+                all_labels[fmt.POD_PATH_LABEL] = pod_path
+        doc = fmt.manifest_document(kind, found) if prefix else None
+        if doc is not None:  # a bare tree gets its MCV manifest; an image root keeps its own
+            mdir = Path(tmp) / "manifest"
+            mdir.mkdir()
+            (mdir / "manifest.json").write_text(json.dumps(doc, sort_keys=True, indent=1) + "\n")
+            members += [(fmt.MANIFEST_DIR[kind], mdir), (f"{fmt.MANIFEST_DIR[kind]}/manifest.json", mdir / "manifest.json")]
+        groups = _split(sorted(members), layers)
+        file_sizes = [_regular_size(p) for _, p in members]
+        total = sum(file_sizes)
+        tar_bytes = sum(512 + -(-size // 512) * 512 for size in file_sizes)  # progress counts tar stream bytes
+        if progress is not None:
+            progress.start(tar_bytes, f"packaging {src}")
         on_write = progress.advance if progress is not None else None
         with ThreadPoolExecutor(max_workers=min(len(groups), os.cpu_count() or 2)) as pool:
             results = list(pool.map(lambda ig: _write_layer(ig[1], Path(tmp) / f"{ig[0]}.layer", compression,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from dataclasses import dataclass, field
 from pathlib import Path
 
 KINDS = ("triton", "vllm", "jax")
@@ -18,6 +19,9 @@ MANIFEST_DIR = {k: f"io.{k}.manifest" for k in KINDS}
 TITLE_LABEL = "org.opencontainers.image.title"
 # Annotation on an index's manifest descriptors: JSON list of targets that manifest serves.
 TARGETS_ANNOTATION = "io.accelnode.cache/targets"
+# Config label: where pods must see io.<kind>.cache (TRITON_CACHE_DIR / VLLM_CACHE_ROOT) for the
+# absolute paths in Triton's group files to hold (accelnode cache build --pod-path).
+POD_PATH_LABEL = "io.accelnode.cache/pod-path"
 
 LAYER_TYPES = {
     "application/vnd.oci.image.layer.v1.tar": None,
@@ -129,31 +133,71 @@ def choose_manifest(index: dict, accelerators: list[dict] | None) -> dict | None
     return fallback
 
 
-def summarize(cache: Path, kind: str, extra_targets: list[dict] = (), manifest: Path | None = None) -> dict:
-    """Config labels for the cache tree ``cache`` (the content of ``io.<kind>.cache/``); a JAX
-    cache's versions come from its ``io.jax.manifest/manifest.json`` when given."""
-    size = kernels = files_seen = 0
-    targets: list[dict] = [normalize_target(t) for t in extra_targets]
-    for dirpath, _dirs, files in os.walk(cache):
-        files_seen += len(files)
-        for name in files:
+class TritonTreeError(ValueError):
+    """A Triton cache tree that cannot be described: a metadata file that is not JSON or has a bad
+    ``target``, or (building a Triton image without ``--target``) no kernel at all."""
+
+
+# Fields of a Triton kernel's metadata JSON that MCV's manifest.json keeps per entry (hash, PTX
+# version, stages, warps, debug, and the target flattened); name and triton_version are ours.
+_MANIFEST_FIELDS = ("hash", "name", "triton_version", "ptx_version", "num_stages", "num_warps", "debug")
+
+
+@dataclass
+class Scan:
+    """What one walk of a cache tree found."""
+    size: int = 0
+    files: int = 0
+    targets: list = field(default_factory=list)
+    entries: list = field(default_factory=list)  # (path relative to the cache tree, manifest entry)
+
+
+def scan(cache: Path, kind: str) -> Scan:
+    """Walk ``cache`` (the content of ``io.<kind>.cache/``): bytes, files, and every Triton kernel
+    (a ``<name>.json`` with a ``target``) with its target and MCV-style manifest entry.
+
+    In a Triton tree (and in a vLLM tree's ``triton_cache/`` directories) every ``.json`` must be
+    JSON and every ``target`` must name a backend and an arch: :class:`TritonTreeError` otherwise.
+    """
+    out = Scan()
+    for dirpath, dirs, files in os.walk(cache):
+        dirs.sort()
+        rel_dir = Path(dirpath).relative_to(cache)
+        strict = kind == "triton" or "triton_cache" in rel_dir.parts
+        out.files += len(files)
+        for name in sorted(files):
             p = Path(dirpath) / name
             if p.is_symlink():
                 continue
             nbytes = p.stat().st_size
-            size += nbytes
-            if name.endswith(".json") and not name.startswith("__grp__"):
-                t = _triton_target(p, nbytes)
-                if t is not None:
-                    kernels += 1
-                    if t not in targets:
-                        targets.append(t)
-    entries = files_seen if kind == "jax" else kernels  # a JAX cache entry is one file
+            out.size += nbytes
+            if not name.endswith(".json") or nbytes > 1 << 20 and not strict:
+                continue
+            found = _triton_entry(p, nbytes, strict)
+            if found is None:
+                continue
+            target, entry = found
+            out.entries.append((str(rel_dir / name), entry))
+            if target not in out.targets:
+                out.targets.append(target)
+    return out
+
+
+def summarize(cache: Path, kind: str, extra_targets: list[dict] = (), manifest: Path | None = None,
+              scanned: Scan | None = None) -> dict:
+    """Config labels for the cache tree ``cache`` (the content of ``io.<kind>.cache/``); a JAX
+    cache's versions come from its ``io.jax.manifest/manifest.json`` when given."""
+    found = scanned or scan(cache, kind)
+    targets: list[dict] = [normalize_target(t) for t in extra_targets]
+    targets += [t for t in found.targets if t not in targets]
+    entries = found.files if kind == "jax" else len(found.entries)  # a JAX cache entry is one file
     labels = {
         label(kind, "summary"): json.dumps({"targets": targets}, sort_keys=True, separators=(",", ":")),
-        label(kind, "cache-size-bytes"): str(size),
+        label(kind, "cache-size-bytes"): str(found.size),
         label(kind, "entry-count"): str(entries),
     }
+    if kind == "vllm" and (formats := vllm_formats(cache)):
+        labels[label(kind, "format")] = ",".join(formats)
     if kind == "jax" and manifest is not None and manifest.is_file():
         meta = json.loads(manifest.read_text())
         for key in ("jax-version", "jaxlib-version", "libtpu-version", "accelerator-type"):
@@ -162,15 +206,67 @@ def summarize(cache: Path, kind: str, extra_targets: list[dict] = (), manifest: 
     return labels
 
 
-def _triton_target(path: Path, size: int) -> dict | None:
-    """The ``target`` of a Triton kernel metadata file (``size`` bytes), or None for any other JSON."""
-    if size > 1 << 20:
+def vllm_formats(cache: Path) -> list[str]:
+    """The vLLM cache formats a ``VLLM_CACHE_ROOT`` tree holds, as MCV names them: ``triton``
+    (``torch_compile_cache/<hash>/rank_*/.../triton_cache``), ``aot_compile``
+    (``torch_compile_cache/torch_aot_compile``), ``binary`` (``cache_key_factors.json``)."""
+    tcc = cache / "torch_compile_cache"
+    formats = []
+    if tcc.is_dir():
+        if any(p.is_dir() for p in tcc.glob("*/rank_*/**/triton_cache")):
+            formats.append("triton")
+        if (tcc / "torch_aot_compile").is_dir():
+            formats.append("aot_compile")
+        if any(tcc.glob("*/rank_*/**/cache_key_factors.json")):
+            formats.append("binary")
+    return formats
+
+
+def manifest_document(kind: str, found: Scan) -> dict | None:
+    """``io.<kind>.manifest/manifest.json`` as MCV writes it: ``{"triton": [entry...]}``, or for
+    vLLM ``{"vllm": [{"vllmHash", "cacheFormat": "triton", "triton": [...]}]}`` grouped by the
+    ``torch_compile_cache/<hash>`` directory. None when there is no Triton kernel to list."""
+    if not found.entries:
+        return None
+    if kind == "triton":
+        return {"triton": [e for _, e in found.entries]}
+    if kind != "vllm":
+        return None
+    groups: dict[str, list] = {}
+    for rel, entry in found.entries:
+        parts = Path(rel).parts
+        vhash = parts[1] if len(parts) > 2 and parts[0] == "torch_compile_cache" else ""
+        groups.setdefault(vhash, []).append(entry)
+    return {"vllm": [{"vllmHash": h, "cacheFormat": "triton", "triton": es} for h, es in sorted(groups.items())]}
+
+
+def _triton_entry(path: Path, size: int, strict: bool) -> tuple[dict, dict] | None:
+    """(target, manifest entry) of a Triton kernel metadata file (``size`` bytes); None for any
+    other JSON (a ``__grp__`` index, an autotune record). ``strict``: a file that is not JSON, or a
+    ``target`` without backend and arch, raises :class:`TritonTreeError` instead of being skipped."""
+    try:
+        if size > 1 << 20:
+            raise ValueError(f"over 1 MiB ({size} bytes)")
+        doc = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        if strict:
+            raise TritonTreeError(f"{path}: not a Triton metadata file: {e}") from None
+        return None
+    raw = doc.get("target") if isinstance(doc, dict) else None
+    if raw is None or path.name.startswith("__grp__"):
         return None
     try:
-        doc = json.loads(path.read_text())
-        t = doc.get("target") if isinstance(doc, dict) else None
-        if isinstance(t, dict) and "backend" in t and "arch" in t:
-            return normalize_target({k: t[k] for k in ("backend", "arch", "warp_size") if k in t})
-    except (ValueError, UnicodeDecodeError):
-        pass
-    return None
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected {{backend, arch, warp_size}}, got {raw!r}")
+        target = normalize_target({k: raw[k] for k in ("backend", "arch", "warp_size") if k in raw})
+    except (ValueError, TypeError) as e:
+        if strict:
+            raise TritonTreeError(f"{path}: bad Triton target: {e}") from None
+        return None
+    if isinstance(doc.get("ptx_version"), int):  # Triton writes null unless the kernel set one
+        target["ptx_version"] = doc["ptx_version"]
+    entry = {k: doc[k] for k in _MANIFEST_FIELDS if doc.get(k) is not None}
+    entry.update({"backend": target["backend"], "arch": target["arch"]})
+    if "warp_size" in target:
+        entry["warp_size"] = target["warp_size"]
+    return target, entry
