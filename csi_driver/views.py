@@ -228,10 +228,12 @@ class Views:
         swept = 0
         for name in sorted(os.listdir(self.root)):
             d = os.path.join(self.root, name)
-            rec = self._read(d) if mounts.is_mountpoint(d) else None
-            if rec is not None and self.dir_of(rec.target) == d and self.ours(rec.target, mounts.mounted_root(rec.target)):
-                continue
+            rec = None
             try:
+                rec = self._read(d) if mounts.is_mountpoint(d) else None
+                if (rec is not None and self.dir_of(rec.target) == d
+                        and self.ours(rec.target, mounts.mounted_root(rec.target))):
+                    continue
                 self._teardown(d)
                 swept += 1
                 log.info("orphaned view removed", extra=kv(view=d, target=rec.target if rec else None))
