@@ -145,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.malloc import limit_arenas
 
     limit_arenas()  # before any thread starts: one malloc arena (accelnode/malloc.py)
+    if args.writable_size > args.max_writable_size:
+        raise exitcodes.CLIError(f"--writable-size ({args.writable_size} bytes) is more than --max-writable-size "
+                                 f"({args.max_writable_size} bytes)", exitcodes.USAGE)
 
     import logging
     import signal
@@ -170,9 +173,6 @@ def run(args: argparse.Namespace) -> int:
     if reg_dir is not None and not reg_dir.is_dir():
         raise exitcodes.CLIError(f"plugin registration directory {reg_dir} does not exist", exitcodes.PREREQUISITE)
     config = api_config(args)
-    if args.writable_size > args.max_writable_size:
-        raise exitcodes.CLIError(f"--writable-size ({args.writable_size} bytes) is more than --max-writable-size "
-                                 f"({args.max_writable_size} bytes)", exitcodes.USAGE)
     view_store = views.Views(args.views_dir)
     try:
         view_store.start()  # before serving: sweeps views whose target no longer shows them
