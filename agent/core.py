@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from accelnode.hw.accelerators import Accelerator
 from accelnode.log import kv
+from accelnode.oci import cacheformat as fmt
 from accelnode.oci import errors
 
 from . import fit
@@ -71,6 +72,7 @@ class Answer:
     expected: str = ""  # INCOMPATIBLE: what the image was built for
     found: str = ""  # INCOMPATIBLE: what this node has
     size_bytes: int = 0
+    kind: str = ""  # READY: the kind the image's labels declare ("" when none)
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,8 @@ class Agent:
         if mismatch:
             return Answer(INCOMPATIBLE, digest=inst.digest, expected=mismatch.expected, found=mismatch.found,
                           message=f"{inst.image}: {mismatch}")
-        return Answer(READY, digest=inst.digest, path=str(inst.path), size_bytes=inst.size_bytes)
+        return Answer(READY, digest=inst.digest, path=str(inst.path), size_bytes=inst.size_bytes,
+                      kind=labelled_kind(inst.labels))
 
     def _pull(self, key: str, image: str, anonymous: bool) -> Pull:
         with self._lock:
@@ -419,3 +422,9 @@ def _failure(e: Exception) -> str:
         if isinstance(e, kinds):
             return failure
     return INTERNAL
+
+
+def labelled_kind(labels: dict) -> str:
+    """The kind an image's config labels declare (``cache.<kind>.image/...``), "" when none does:
+    what the CSI driver picks a volume's default view by (docs/csi.md, "Views")."""
+    return next((k for k in fmt.KINDS if any(str(key).startswith(f"cache.{k}.image/") for key in labels or {})), "")

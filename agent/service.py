@@ -25,7 +25,7 @@ class AgentService(pb_grpc.AgentServicer):
         a = _call(context, self.agent.ensure, request.image, request.wait_seconds, anonymous=request.anonymous)
         return Ensure(state=Ensure.State.Value(a.state), digest=a.digest, path=a.path, message=a.message,
                       failure=Ensure.Failure.Value(a.failure) if a.failure else 0, expected=a.expected,
-                      found=a.found, size_bytes=a.size_bytes)
+                      found=a.found, size_bytes=a.size_bytes, kind=a.kind)
 
     def AcquireReference(self, request, context):  # noqa: N802
         pod = {"namespace": request.pod.namespace, "name": request.pod.name, "uid": request.pod.uid}

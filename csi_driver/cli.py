@@ -17,6 +17,7 @@ from . import resolve
 
 DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet"
+DEFAULT_VIEWS_DIR = "/var/lib/accelnode/views"
 # How often the registration socket is checked: kubelet's plugin watcher only sees sockets being
 # created, so one that was removed (registry dir wiped) is made again and registration redone.
 REGISTRATION_CHECK_SECONDS = 2.0
@@ -48,6 +49,28 @@ def _absolute(value: str) -> str:
     return value
 
 
+def _size(value: str) -> int:
+    from .views import quantity
+
+    try:
+        n = quantity(value)
+    except ValueError as e:
+        raise BadValue(str(e)) from None
+    if n <= 0:
+        raise BadValue(f"{value!r} must be more than 0")
+    return n
+
+
+def _views_dir(value: str) -> str:
+    from .views import check_path
+
+    try:
+        check_path(value, "views directory")
+    except ValueError as e:
+        raise BadValue(str(e)) from None
+    return value
+
+
 def register(sub) -> None:
     p = sub.add_parser("csi", help="CSI node plugin csi.gkm.io: mounts caches read-only into pods",
                        description=__doc__)
@@ -66,6 +89,14 @@ def register(sub) -> None:
     p.add_argument("--pull-wait", type=_seconds, default=20.0, metavar="SECONDS",
                    help="how long a publish waits for a pull before answering UNAVAILABLE, at most the "
                         "call's deadline less a second (default: %(default)s)")
+    p.add_argument("--views-dir", type=_views_dir, default=DEFAULT_VIEWS_DIR, metavar="DIR",
+                   help="where copy-on-write views keep their writable layers, one tmpfs each; must be mounted "
+                        "into the driver's container with Bidirectional propagation (default: %(default)s)")
+    p.add_argument("--writable-size", type=_size, default="1Gi", metavar="QUANTITY",
+                   help="a copy-on-write view's writable layer when the volume names no "
+                        "accelnode.io/writable-size (default: %(default)s)")
+    p.add_argument("--max-writable-size", type=_size, default="8Gi", metavar="QUANTITY",
+                   help="the largest accelnode.io/writable-size a volume may ask (default: %(default)s)")
     p.add_argument("--metrics-address", default="127.0.0.1:9810", metavar="HOST:PORT",
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
     p.add_argument("--kubeconfig", metavar="FILE",
@@ -114,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.malloc import limit_arenas
 
     limit_arenas()  # before any thread starts: one malloc arena (accelnode/malloc.py)
+    if args.writable_size > args.max_writable_size:
+        raise exitcodes.CLIError(f"--writable-size ({args.writable_size} bytes) is more than --max-writable-size "
+                                 f"({args.max_writable_size} bytes)", exitcodes.USAGE)
 
     import logging
     import signal
@@ -129,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 
     from accelnode.kube.client import Client
 
-    from . import cacheview, identity, node, registration
+    from . import cacheview, identity, node, registration, views
     from .api import csi_grpc, reg_grpc
     from .metrics import Metrics
 
@@ -139,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
     if reg_dir is not None and not reg_dir.is_dir():
         raise exitcodes.CLIError(f"plugin registration directory {reg_dir} does not exist", exitcodes.PREREQUISITE)
     config = api_config(args)
+    view_store = views.Views(args.views_dir)
+    try:
+        view_store.start()  # before serving: sweeps views whose target no longer shows them
+    except OSError as e:
+        raise exitcodes.CLIError(f"views directory {args.views_dir}: {e}", exitcodes.PREREQUISITE) from None
     health = Health()
     try:
         view = cacheview.CacheView(Client(config, user_agent="accelnode-csi"), health) if config is not None else None
@@ -148,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     resolver = resolve.VolumeResolver(resolve.ApiResolver(view) if view is not None else None,
                                       trust_image_attribute=args.trust_pod_image_attribute)
 
-    metrics = Metrics(CollectorRegistry())
+    metrics = Metrics(CollectorRegistry(), view_store)
     channel = grpcutil.unix_channel(args.agent_socket, options=[
         ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000)])
@@ -157,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
         (identity.IdentityServer(agent.stub, args.agent_socket), csi_grpc.IdentityServicer,
          csi_grpc.add_IdentityServicer_to_server),
         (identity.ControllerCapabilities(), csi_grpc.ControllerServicer, csi_grpc.add_ControllerServicer_to_server),
-        (node.NodeServer(args.node_id, agent, resolver, kubelet_dir=args.kubelet_dir, pull_wait=args.pull_wait),
+        (node.NodeServer(args.node_id, agent, resolver, kubelet_dir=args.kubelet_dir, pull_wait=args.pull_wait,
+                         view_store=view_store, writable_size=args.writable_size,
+                         max_writable_size=args.max_writable_size),
          csi_grpc.NodeServicer, csi_grpc.add_NodeServicer_to_server),
     ]
     for servicer, base, _ in servicers:

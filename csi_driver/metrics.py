@@ -1,4 +1,5 @@
-"""The CSI driver's Prometheus metrics: every RPC counted by method and answer code, and timed."""
+"""The CSI driver's Prometheus metrics: every RPC counted by method and answer code, and timed;
+copy-on-write views counted and their tmpfs usage read (statvfs) at each scrape."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import time
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, views=None):
         self.registry = registry
+        if views is not None:
+            registry.register(_ViewCollector(views))
         self.rpcs = Counter("accelnode_csi_operations", "CSI RPCs answered, by method and gRPC code",
                             ["method", "code"], registry=registry)
         self.seconds = Histogram("accelnode_csi_operation_seconds", "Time to answer CSI RPCs", ["method"],
@@ -40,3 +44,23 @@ class Metrics:
                 self.seconds.labels(name).observe(time.perf_counter() - t0)
 
         return wrapper
+
+
+class _ViewCollector:
+    """accelnode_csi_views, accelnode_csi_view_bytes, accelnode_csi_view_limit_bytes: one statvfs
+    per view at scrape time (the views' tmpfs, memory charged to the pods that wrote it)."""
+
+    def __init__(self, views):
+        self.views = views
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        usage = self.views.usage()
+        yield GaugeMetricFamily("accelnode_csi_views", "Copy-on-write views mounted on this node",
+                                value=len(usage))
+        yield GaugeMetricFamily("accelnode_csi_view_bytes", "Bytes written to the views' writable layers "
+                                "(memory, charged to the writing pods)", value=sum(u for u, _ in usage))
+        yield GaugeMetricFamily("accelnode_csi_view_limit_bytes", "Sum of the views' size bounds",
+                                value=sum(t for _, t in usage))

@@ -35,6 +35,7 @@ class Mount:
     root: str = "/"  # the directory of its filesystem the mount shows
     fstype: str = ""
     source: str = ""
+    super_options: str = ""  # the filesystem's options (mountinfo's last field)
 
 
 class _Statx(ctypes.Structure):
@@ -111,7 +112,8 @@ def mounts() -> list[Mount]:
             x = line.split()
             after = x.index(b"-")  # optional fields (shared:N, master:N) end at a lone "-"
             out.append(Mount(_unescape(x[4]), frozenset(x[5].decode().split(",")), _unescape(x[3]),
-                             _unescape(x[after + 1]), _unescape(x[after + 2])))
+                             _unescape(x[after + 1]), _unescape(x[after + 2]),
+                             _unescape(x[after + 3]) if len(x) > after + 3 else ""))
     return out
 
 

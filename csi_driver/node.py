@@ -1,8 +1,10 @@
-"""CSI Node service: publish a cache read-only at the pod's target path, and take it away again.
+"""CSI Node service: publish a cache at the pod's target path, as a read-only bind or as a
+copy-on-write view (:mod:`.views`), and take it away again.
 
 The driver keeps nothing in memory that a later call needs: what is mounted at a target says
 what is mounted, and the agent's durable references say which volume holds which cache at which
-target. A restarted driver therefore unpublishes what its predecessor published. In memory are
+target, and a view's record on its own tmpfs says which overlay is ours. A restarted driver
+therefore unpublishes what its predecessor published. In memory are
 only which target paths have a call in flight (a second call for the same target is answered
 ABORTED, CSI's "operation pending for volume", instead of racing the first) and the identities
 of the store's cache directories, a cache of what the agent says (:mod:`.confine`).
@@ -24,7 +26,7 @@ import grpc
 
 from accelnode.log import kv
 
-from . import confine, mounts, resolve
+from . import confine, mounts, resolve, views
 from .api import agent, agent_grpc, csi, csi_grpc
 from .resolve import ResolveError
 
@@ -44,6 +46,8 @@ Mode = csi.VolumeCapability.AccessMode
 # Access modes under which one volume may be published at several target paths on this node.
 SHARED_MODES = {Mode.MULTI_NODE_READER_ONLY, Mode.MULTI_NODE_SINGLE_WRITER, Mode.MULTI_NODE_MULTI_WRITER,
                 Mode.SINGLE_NODE_MULTI_WRITER}
+READER_MODES = {Mode.SINGLE_NODE_READER_ONLY, Mode.MULTI_NODE_READER_ONLY}  # never a writable view
+GiB = 1 << 30
 
 
 class AgentError(Exception):
@@ -87,8 +91,12 @@ def _answers_agent_errors(rpc):
 
 class NodeServer(csi_grpc.NodeServicer):
     def __init__(self, node_id: str, agent_client: AgentClient, resolver: resolve.Resolver, *,
-                 kubelet_dir: str = "/var/lib/kubelet", pull_wait: float = 20.0):
+                 kubelet_dir: str = "/var/lib/kubelet", pull_wait: float = 20.0,
+                 view_store: views.Views | None = None, writable_size: int = GiB, max_writable_size: int = 8 * GiB):
         self.node_id = node_id
+        self.views = view_store
+        self.writable_size = writable_size
+        self.max_writable_size = max_writable_size
         self.agent = agent_client
         self.resolver = resolver
         self.kubelet_dir = kubelet_dir
@@ -109,6 +117,13 @@ class NodeServer(csi_grpc.NodeServicer):
         _check_place(context, where, target)
         vc = dict(request.volume_context)
         try:
+            asked = views.wanted(vc, self.max_writable_size)
+        except views.BadAttribute as e:
+            context.abort(Code.INVALID_ARGUMENT, str(e))
+        if asked.view == views.COPY_ON_WRITE and self.views is None:
+            context.abort(Code.INVALID_ARGUMENT, f"volume attribute {views.VIEW_ATTR}: this driver makes no "
+                                                 "copy-on-write views (no --views-dir)")
+        try:
             cache = resolve.cache_ref(vc)
             pod = resolve.pod_of(vc)
             resolve.check_namespace(cache, pod)
@@ -117,15 +132,25 @@ class NodeServer(csi_grpc.NodeServicer):
             context.abort(Code[e.code], str(e))
         ready = self._ensure(context, cache, image)
         self.store_dirs.learn(ready.path)
+        read_only = (request.readonly or "ro" in request.volume_capability.mount.mount_flags
+                     or request.volume_capability.access_mode.mode in READER_MODES)
+        size = views.writable_size(asked, ready.kind, read_only, self.writable_size) if self.views else None
+        if size is not None:
+            flags &= ~mounts.MS_RDONLY
+            try:
+                views.check_path(ready.path, "cache directory")
+            except ValueError as e:
+                context.abort(Code.FAILED_PRECONDITION, str(e))
 
         with self._only_call_on(where, context):
             top = mounts.mounted_root(where)
             wanted = mounts.options_of(flags)
             if top is None:
                 _check_empty_dir(context, where, target)
-            elif not (top == mounts.identity(ready.path) and wanted == mounts.options_at(where)):
+            elif not self._is_this(where, top, ready, wanted, size):
+                what = f"a copy-on-write view ({size} bytes writable)" if size else "a read-only bind"
                 context.abort(Code.ALREADY_EXISTS, f"{target} is already a mount point of something other than "
-                                                   f"{cache} ({ready.digest}) {','.join(sorted(wanted))}")
+                                                   f"{what} of {cache} ({ready.digest}) {','.join(sorted(wanted))}")
             self._acquire(context, request, ready.digest, pod, cache)  # also: is a mount there this volume's?
             if top is not None:
                 return csi.NodePublishVolumeResponse()
@@ -133,15 +158,30 @@ class NodeServer(csi_grpc.NodeServicer):
             try:
                 if created:
                     os.mkdir(where, 0o750)
-                mounts.bind_readonly(ready.path, where, flags & ~mounts.ALWAYS)
+                if size is None:
+                    mounts.bind_readonly(ready.path, where, flags & ~mounts.ALWAYS)
+                else:
+                    self.views.create(where, ready.path, size, flags, ready.digest)
             except OSError as e:
                 if created:
                     _rmdir(where)
                 self._release_after_failure(context, vid, target)
                 context.abort(Code.INTERNAL, f"cannot mount {cache} at {target}: {e.strerror or e}")
         log.info("volume published", extra=kv(volume_id=vid, cache=str(cache), digest=ready.digest,
-                                              target=target, pod=f"{pod.namespace}/{pod.name}"))
+                                              target=target, pod=f"{pod.namespace}/{pod.name}",
+                                              view=views.COPY_ON_WRITE if size else views.READ_ONLY,
+                                              writable_bytes=size))
         return csi.NodePublishVolumeResponse()
+
+    def _is_this(self, where: str, top, ready, wanted: frozenset, size: int | None) -> bool:
+        """Is the mount at ``where`` what this publish would make (a retry, or after a restart)?"""
+        if wanted != mounts.options_at(where):
+            return False
+        if size is None:
+            return top == mounts.identity(ready.path)
+        rec = self.views.record(where)
+        return (rec is not None and self.views.ours(where, top) and rec.digest == ready.digest
+                and rec.size == size)
 
     def _ensure(self, context, cache, pinned: resolve.Image):
         wait = self.pull_wait
@@ -207,13 +247,17 @@ class NodeServer(csi_grpc.NodeServicer):
                     shown = mounts.mounted_root(where)
                     if shown is None:
                         break
-                    if self.store_dirs.cache_at(shown, lambda: self._cache_paths(context)) is None:
+                    if self.views is not None and self.views.ours(where, shown):
+                        pass  # our overlay; its tmpfs goes once it is unmounted
+                    elif self.store_dirs.cache_at(shown, lambda: self._cache_paths(context)) is None:
                         context.abort(Code.FAILED_PRECONDITION, f"{target} has a mount that is not a cache of this "
                                                                 f"node's store: {mounts.describe(where)}; leaving it "
                                                                 "there")
                     mounts.unmount(where)
                 else:
                     context.abort(Code.INTERNAL, f"{target} still mounted after {MAX_STACKED_UNMOUNTS} unmounts")
+                if self.views is not None:
+                    self.views.remove(where)
                 _rmdir(where)
             except OSError as e:
                 context.abort(Code.INTERNAL, f"cannot unpublish {target}: {e.strerror or e}")
@@ -246,6 +290,9 @@ class NodeServer(csi_grpc.NodeServicer):
                       if (r.volume_id, r.target_path) == (vid, path)), None)
         if cache is None:
             context.abort(Code.NOT_FOUND, f"volume {vid} is not published at {path} on this node")
+        rec = self._view_of(path)
+        if rec is not None:
+            return self._view_stats(path, rec, cache)
         if not mounts.is_mountpoint(path):
             problem = f"{path} is no longer a mount point"
         elif not {"ro", "nosuid", "nodev"} <= (options := mounts.options_at(path)):
@@ -258,6 +305,37 @@ class NodeServer(csi_grpc.NodeServicer):
             usage=[csi.VolumeUsage(unit=csi.VolumeUsage.BYTES, total=cache.size_bytes, used=cache.size_bytes)],
             volume_condition=csi.VolumeCondition(abnormal=bool(problem),
                                                  message=problem or f"read-only mount of {cache.digest}"))
+
+    def _view_of(self, path: str) -> views.Record | None:
+        if self.views is None:
+            return None
+        try:
+            return self.views.record(confine.target(path, self.kubelet_dir))
+        except confine.OutsideKubelet:
+            return None
+
+    def _view_stats(self, path: str, rec: views.Record, cache):
+        """A view's usage is its writable layer's: bytes written (copied up) of its bound size."""
+        where = confine.target(path, self.kubelet_dir)
+        shown = mounts.mounted_root(where)
+        if shown is None:
+            problem = f"{path} is no longer a mount point"
+        elif not self.views.ours(where, shown):
+            problem = f"{path} no longer shows its copy-on-write view of {cache.digest}"
+        elif not {"nosuid", "nodev"} <= mounts.options_at(where):
+            problem = f"{path} lost nosuid,nodev"
+        else:
+            problem = ""
+        try:
+            st = os.statvfs(self.views.dir_of(where))
+            total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        except OSError:
+            total = free = 0
+        return csi.NodeGetVolumeStatsResponse(
+            usage=[csi.VolumeUsage(unit=csi.VolumeUsage.BYTES, total=total, used=total - free, available=free)],
+            volume_condition=csi.VolumeCondition(
+                abnormal=bool(problem), message=problem or f"copy-on-write view of {cache.digest}, "
+                                                           f"{rec.size} bytes writable"))
 
     def NodeGetCapabilities(self, request, context):  # noqa: N802
         rpc = csi.NodeServiceCapability.RPC

@@ -18,7 +18,7 @@ class EnsureCacheRequest(_message.Message):
     def __init__(self, image: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., anonymous: _Optional[bool] = ...) -> None: ...
 
 class EnsureCacheResponse(_message.Message):
-    __slots__ = ("state", "digest", "path", "message", "failure", "expected", "found", "size_bytes")
+    __slots__ = ("state", "digest", "path", "message", "failure", "expected", "found", "size_bytes", "kind")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[EnsureCacheResponse.State]
@@ -55,6 +55,7 @@ class EnsureCacheResponse(_message.Message):
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     state: EnsureCacheResponse.State
     digest: str
     path: str
@@ -63,7 +64,8 @@ class EnsureCacheResponse(_message.Message):
     expected: str
     found: str
     size_bytes: int
-    def __init__(self, state: _Optional[_Union[EnsureCacheResponse.State, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., message: _Optional[str] = ..., failure: _Optional[_Union[EnsureCacheResponse.Failure, str]] = ..., expected: _Optional[str] = ..., found: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    kind: str
+    def __init__(self, state: _Optional[_Union[EnsureCacheResponse.State, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., message: _Optional[str] = ..., failure: _Optional[_Union[EnsureCacheResponse.Failure, str]] = ..., expected: _Optional[str] = ..., found: _Optional[str] = ..., size_bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class PodRef(_message.Message):
     __slots__ = ("namespace", "name", "uid")

@@ -158,6 +158,7 @@ class Node:
             "--metrics-address", f"127.0.0.1:{self.agent_metrics_port}", "--log-format", "text"],
             self.agent_socket, root)
         self.pull_wait = 20.0
+        self.views_dir = root / "views"
         # No API server by default: volumes name their image (csi.gkm.io/image), which the driver
         # accepts only when told to trust pod authors. use_api() looks caches up instead.
         self.csi_flags = ["--trust-pod-image-attribute"]
@@ -168,7 +169,7 @@ class Node:
         return ["csi", "--endpoint", f"unix://{self.csi_socket}", "--node-id", "node-a",
                 "--agent-socket", str(self.agent_socket), "--plugins-registry", str(self.registry_dir),
                 "--kubelet-dir", str(self.kubelet_dir), "--pull-wait", str(self.pull_wait), "--metrics-address", f"127.0.0.1:{self.csi_metrics_port}",
-                "--log-format", "text", *self.csi_flags]
+                "--views-dir", str(self.views_dir), "--log-format", "text", *self.csi_flags]
 
     def set_pull_wait(self, seconds: float) -> None:
         self.pull_wait = seconds

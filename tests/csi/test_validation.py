@@ -165,6 +165,12 @@ def test_target_parent_must_exist(csi_only):
     (["--node-id", "n", "--pull-wait", "-1"], "'-1' is not a number of seconds >= 0"),
     (["--node-id", "n", "--pull-wait", "soon"], "'soon' is not a number of seconds >= 0"),
     (["--node-id", "n", "--kubelet-dir", "var/lib/kubelet"], "'var/lib/kubelet' is not an absolute path"),
+    (["--node-id", "n", "--views-dir", "/var/lib/a,upperdir=/"], "cannot be an overlay layer"),
+    (["--node-id", "n", "--views-dir", "views"], "cannot be an overlay layer"),
+    (["--node-id", "n", "--writable-size", "lots"], "'lots' is not a Kubernetes quantity"),
+    (["--node-id", "n", "--max-writable-size", "0"], "'0' must be more than 0"),
+    (["--node-id", "n", "--writable-size", "2Gi", "--max-writable-size", "1Gi"],
+     "--writable-size (2147483648 bytes) is more than --max-writable-size"),
 ])
 def test_bad_flags_exit_with_usage(tmp_path, argv, message):
     proc = subprocess.run(accelnode_cmd() + ["csi", "--endpoint", f"unix://{tmp_path}/csi.sock",

@@ -410,6 +410,10 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
                                   {"name": "plugin-dir", "mountPath": str(plugin_dir)},
                                   {"name": "registration-dir", "mountPath": str(kdir / "plugins_registry")},
                                   {"name": "cache-store", "mountPath": "/var/lib/accelnode/caches", "readOnly": True},
+                                  # under kubelet's root dir, which kubelet makes rshared (Bidirectional needs a
+                                  # shared mount on the host; the rig's host mounts are private)
+                                  {"name": "views", "mountPath": "/var/lib/accelnode/views",
+                                   "mountPropagation": "Bidirectional"},
                                   {"name": "agent-socket", "mountPath": "/run/accelnode"}]},
                 {"name": "agent",
                  "env": api + hw_env + env(metrics_address=f"127.0.0.1:{ports['agent']}", plain_http="true",
@@ -426,6 +430,7 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
                         {"name": "plugin-dir", "hostPath": {"path": str(plugin_dir)}},
                         {"name": "registration-dir", "hostPath": {"path": str(kdir / "plugins_registry")}},
                         {"name": "cache-store", "hostPath": {"path": str(caches)}},
+                        {"name": "views", "hostPath": {"path": str(kdir / "accelnode-views"), "type": "DirectoryOrCreate"}},
                         {"name": "sys", "hostPath": {"path": str(sysfs_root)}},
                         {"name": "dev", "hostPath": {"path": str(dev_root)}}]}}}}
     controller = {
