@@ -46,7 +46,6 @@ Mode = csi.VolumeCapability.AccessMode
 # Access modes under which one volume may be published at several target paths on this node.
 SHARED_MODES = {Mode.MULTI_NODE_READER_ONLY, Mode.MULTI_NODE_SINGLE_WRITER, Mode.MULTI_NODE_MULTI_WRITER,
                 Mode.SINGLE_NODE_MULTI_WRITER}
-READER_MODES = {Mode.SINGLE_NODE_READER_ONLY, Mode.MULTI_NODE_READER_ONLY}  # never a writable view
 GiB = 1 << 30
 
 
@@ -132,8 +131,10 @@ class NodeServer(csi_grpc.NodeServicer):
             context.abort(Code[e.code], str(e))
         ready = self._ensure(context, cache, image)
         self.store_dirs.learn(ready.path)
-        read_only = (request.readonly or "ro" in request.volume_capability.mount.mount_flags
-                     or request.volume_capability.access_mode.mode in READER_MODES)
+        # A reader-only access mode (the controller's claims are ReadOnlyMany) still allows a
+        # copy-on-write view: the volume's content, the store's copy, is never written; writes
+        # stay in the pod's private layer. Only the pod's (or the PV's) readOnly forces a bind.
+        read_only = request.readonly or "ro" in request.volume_capability.mount.mount_flags
         size = views.writable_size(asked, ready.kind, read_only, self.writable_size) if self.views else None
         if size is not None:
             flags &= ~mounts.MS_RDONLY

@@ -191,7 +191,10 @@ def pv_body(cache: CacheId, workload_ns: str, pvc_uid: str, capacity: int) -> di
             "storageClassName": "",
             "volumeMode": "Filesystem",
             "claimRef": claim_ref(cache, workload_ns, pvc_uid),
-            "csi": {"driver": DRIVER, "volumeHandle": volume_handle(cache, workload_ns), "readOnly": True,
+            # no csi.readOnly: the store's copy is immutable whatever the pod does, and the driver
+            # chooses a read-only bind or a private copy-on-write view by the cache's kind (docs/csi.md,
+            # "Views"); a pod that wants read-only says so on its volume (readOnly: true)
+            "csi": {"driver": DRIVER, "volumeHandle": volume_handle(cache, workload_ns),
                     "volumeAttributes": volume_attributes(cache)},
         },
     }

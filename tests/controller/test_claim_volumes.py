@@ -40,7 +40,7 @@ def test_the_pv_is_a_read_only_csi_volume_pre_bound_to_the_claim():
     pv = co.pv_body(NS_CACHE, "team-a", "pvc-uid", 3000)
     spec = pv["spec"]
     assert pv["metadata"]["name"] == co.pv_name(NS_CACHE, "team-a")
-    assert spec["csi"] == {"driver": "csi.gkm.io", "volumeHandle": "gkmcache:team-a/kernels:team-a", "readOnly": True,
+    assert spec["csi"] == {"driver": "csi.gkm.io", "volumeHandle": "gkmcache:team-a/kernels:team-a",
                            "volumeAttributes": {resolve.CACHE_KEY: "kernels", resolve.NAMESPACE_KEY: "team-a"}}
     assert spec["accessModes"] == ["ReadOnlyMany"]
     assert spec["storageClassName"] == ""

@@ -29,12 +29,13 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def kinds(registry, tmp_path_factory):
-    """Images that fit the simulated v5e host: a Triton-labelled and a vLLM-labelled cache (no
-    targets), and a Triton tree whose config carries no cache.<kind>.image/* label."""
+    """Images that fit the simulated v5e host: a Triton-labelled cache (its fake kernels carry no
+    Triton metadata, so its targets are declared: the host's), a vLLM-labelled one (no targets),
+    and a Triton tree whose config carries no cache.<kind>.image/* label."""
     d = tmp_path_factory.mktemp("kinds")
     triton = registry.push(make_cache(d / "triton", {"ab12/kernel.cubin": b"\x01" * 2048,
                                                       "ab12/kernel.json": b'{"name": "k"}'}),
-                           "caches/triton-any", kind="triton")
+                           "caches/triton-any", kind="triton", targets=[{"backend": "tpu", "arch": "v5e"}])
     vllm = registry.push(make_cache(d / "vllm", {"torch_compile_cache/x/graph.py": b"# graph\n"}),
                          "caches/vllm-any", kind="vllm")
     buf = io.BytesIO()
@@ -211,14 +212,32 @@ def test_attribute_overrides_the_kind(running_node, images, kinds):
 RO = csi.VolumeCapability.AccessMode
 
 
-@pytest.mark.parametrize("how", ["readonly", "reader-mode", "ro-flag"])
+def test_a_claims_reader_only_mode_still_gets_the_view_by_kind(running_node, images, kinds):
+    """The controller's claims are ReadOnlyMany (a reader-only access mode) without csi.readOnly:
+    a Triton cache mounted by claim gets its private copy-on-write view, a JAX one stays a
+    read-only bind, and the store's copy is never written either way."""
+    triton = running_node.volume(kinds["triton"], pod_name="by-claim-triton")
+    jax = running_node.volume(images.tpu, pod_name="by-claim-jax")
+    for v in (triton, jax):
+        req = v.publish_request()
+        req.volume_capability.access_mode.mode = RO.MULTI_NODE_READER_ONLY
+        publish(running_node, v, req)
+    assert_view(running_node, triton)
+    (triton.target / "io.triton.cache/new-kernel.cubin").write_bytes(b"miss")
+    assert not (store_content(running_node, kinds["triton"]) / "io.triton.cache/new-kernel.cubin").exists()
+    assert_published(jax)
+    assert not view_dir(running_node, jax).exists()
+    for v in (triton, jax):
+        unpublish(running_node, v)
+        assert_gone(running_node, v)
+
+
+@pytest.mark.parametrize("how", ["readonly", "ro-flag"])
 def test_a_read_only_request_never_gets_a_writable_view(running_node, kinds, how):
     vol = running_node.volume(kinds["triton"])
     req = with_attrs(vol, **{"accelnode.io/view": "copy-on-write"})
     if how == "readonly":
         req.readonly = True
-    elif how == "reader-mode":
-        req.volume_capability.access_mode.mode = RO.SINGLE_NODE_READER_ONLY
     else:
         req.volume_capability.mount.mount_flags.append("ro")
     running_node.node_stub().NodePublishVolume(req, timeout=60)
