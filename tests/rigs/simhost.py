@@ -89,6 +89,13 @@ class SimHost:
         (self.sysfs_root / "bus/pci/devices" / bdf).symlink_to(f"../../../devices/pci0000:00/{bdf}")
         return d
 
+    def remove_pci_device(self, bdf: str) -> None:
+        """Undo :meth:`add_pci_device` for a device that is not a TPU chip (those: :meth:`remove_chip`)."""
+        if bdf in self._generation:
+            raise ValueError(f"{bdf} is a simulated TPU chip: use remove_chip")
+        (self.sysfs_root / "bus/pci/devices" / bdf).unlink()
+        shutil.rmtree(self.sysfs_root / "devices/pci0000:00" / bdf)
+
     def add_chip(self, generation: str, *, bdf: str | None = None, numa_node: int = 0,
                  iommu_group: str | int | None = None) -> str:
         """Add a TPU chip with its device node(s); returns its PCI address."""
