@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, accelnode_cmd
+from tests.conftest import ROOT, accelnode_cmd, require
 from tests.node.conftest import SYSTEM
 from tests.node.test_kubelet import cache_object, inline, namespace, phase
 
@@ -55,8 +55,7 @@ RUN = f"python3 {POD_RIGS}/triton_kernels.py --target {TARGET} --kernels"
 
 
 def require_triton_here() -> None:
-    if not (SITE_PACKAGES / "triton").is_dir():
-        pytest.skip(f"triton in {SITE_PACKAGES} (the checkout's venv; make deps installs it)")
+    require((SITE_PACKAGES / "triton").is_dir(), f"triton in {SITE_PACKAGES} (the checkout's venv; make deps installs it)")
 
 
 def listing(root: Path) -> dict[str, str]:
