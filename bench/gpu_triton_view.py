@@ -42,25 +42,12 @@ def launch(names: list[str]) -> dict:
     """Launch each variant on the GPU, check it against PyTorch; Triton's hit/miss evidence."""
     import torch
     import triton
-    from triton.runtime import cache
 
-    from tests.rigs.triton_kernels import add_kernel, matmul_kernel, softmax_kernel, variants
+    from tests.rigs.triton_kernels import add_kernel, matmul_kernel, softmax_kernel, variants, watch_cache
 
-    hits: list[bool] = []
-    try:
-        from triton import knobs
-        knobs.compilation.listener = lambda **kw: hits.append(bool(kw.get("cache_hit")))
-        listener = True
-    except (ImportError, AttributeError):
-        listener = False
-    puts = [0]
-    real_put = cache.FileCacheManager.put
-
-    def counting_put(self, *a, **kw):
-        puts[0] += 1
-        return real_put(self, *a, **kw)
-
-    cache.FileCacheManager.put = counting_put
+    hits, puts = watch_cache()
+    listener = hits is not None
+    hits = hits if listener else []
     table = variants()
     report = {"triton": triton.__version__, "device": torch.cuda.get_device_name(), "listener": listener,
               "kernels": {}}
@@ -137,6 +124,14 @@ def summary(rep: dict) -> dict:
             **({"failed": rep["failed"][-600:]} if "failed" in rep else {})}
 
 
+def drop_view(views, target: Path) -> None:
+    """As unpublish does: the overlay at the target first, then the view's tmpfs and directory."""
+    from csi_driver import mounts
+
+    mounts.unmount(target)
+    views.remove(str(target))
+
+
 def main(aot: bool, work: Path) -> dict:
     from csi_driver import mounts
     from csi_driver.views import Views
@@ -173,12 +168,12 @@ def main(aot: bool, work: Path) -> dict:
         upper = Path(views.dir_of(str(target))) / "upper" / "io.triton.cache"
         out["pod_a_private_entries"] = sorted(p.name for p in upper.iterdir()) if upper.is_dir() else []
     finally:
-        views.remove(str(target))
+        drop_view(views, target)
     views.create(str(target), str(content), 64 << 20, 0, "sha256:" + "0" * 64)
     try:
         out["pod_b"] = summary(pod(CACHED + [MISSING], target, aot))
     finally:
-        views.remove(str(target))
+        drop_view(views, target)
     out["store_unchanged"] = listing(content) == before
     return out
 

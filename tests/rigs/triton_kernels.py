@@ -87,14 +87,18 @@ def parse_target(text: str):
     return GPUTarget(backend, int(arch) if arch.isdigit() else arch, int(warp))
 
 
-def compile_all(names: list[str], target) -> dict:
-    from triton import knobs
-    from triton.compiler import ASTSource
+def watch_cache() -> tuple[list[bool] | None, list[int]]:
+    """Triton's own evidence from here on: (``hits``, ``puts``). ``hits`` gets the compilation
+    listener's ``cache_hit`` for every compile (None where this Triton has no listener);
+    ``puts[0]`` counts the files its cache manager writes."""
     from triton.runtime import cache
 
-    table = variants()
-    seen: list[bool] = []
-    knobs.compilation.listener = lambda **kw: seen.append(bool(kw["cache_hit"]))
+    hits: list[bool] | None = []
+    try:
+        from triton import knobs
+        knobs.compilation.listener = lambda **kw: hits.append(bool(kw.get("cache_hit")))
+    except (ImportError, AttributeError):
+        hits = None
     puts = [0]
     real_put = cache.FileCacheManager.put
 
@@ -103,6 +107,14 @@ def compile_all(names: list[str], target) -> dict:
         return real_put(self, *a, **kw)
 
     cache.FileCacheManager.put = counting_put
+    return hits, puts
+
+
+def compile_all(names: list[str], target) -> dict:
+    from triton.compiler import ASTSource
+
+    table = variants()
+    seen, puts = watch_cache()
     report = {"triton_version": triton.__version__, "cache_dir": os.environ.get("TRITON_CACHE_DIR"), "kernels": {}}
     start = time.monotonic()
     for name in names:
