@@ -244,7 +244,8 @@ def test_a_gkmcache_gets_a_bound_claim_in_its_namespace(cluster, kube_namespace)
     assert pvc.spec.storage_class_name == "" and not pv.spec.storage_class_name  # the server drops "" on a PV
     assert pvc.spec.access_modes == ["ReadOnlyMany"] == pv.spec.access_modes
     assert pv.spec.persistent_volume_reclaim_policy == "Retain"
-    assert pv.spec.csi.driver == "csi.gkm.io" and pv.spec.csi.read_only is True
+    # no csi.readOnly: the driver picks the view by the cache's kind (docs/cache-claims.md)
+    assert pv.spec.csi.driver == "csi.gkm.io" and not pv.spec.csi.read_only
     assert pv.spec.csi.volume_handle == f"gkmcache:{ns}/kernels:{ns}"
     assert pv.spec.csi.volume_attributes == {resolve.CACHE_KEY: "kernels", resolve.NAMESPACE_KEY: ns}
     assert co.quantity_bytes(pv.spec.capacity["storage"]) == 3000  # from gkm.io/cache-size-bytes
