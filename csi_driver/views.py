@@ -202,8 +202,8 @@ class Views:
         os.replace(tmp, os.path.join(d, RECORD))
 
     def remove(self, target: str) -> bool:
-        """Take the view directory of ``target`` away (its tmpfs, then the directory) once the
-        overlay at ``target`` is gone; True when there was one."""
+        """Take the view directory of ``target`` away (its tmpfs, then the directory); the caller
+        has unmounted the overlay at ``target`` first. True when there was one."""
         d = self.dir_of(target)
         if not os.path.lexists(d):
             return False
@@ -215,7 +215,9 @@ class Views:
         for _ in range(MAX_STACKED):
             if not mounts.is_mountpoint(d):
                 break
-            mounts.unmount(d)  # busy: an overlay still uses it; the caller reports, kubelet retries
+            # callers unmount the overlay first: the kernel would let this tmpfs go even while an
+            # overlay uses it as its upper layer (overlayfs holds a private clone of the mount)
+            mounts.unmount(d)
         else:
             raise OSError(errno.EBUSY, f"{d} still mounted after {MAX_STACKED} unmounts", d)
         try:
