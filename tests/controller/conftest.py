@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -62,11 +63,15 @@ class ControllerProc:
             "--namespace", NAMESPACE, "--lease-name", LEASE, "--metrics-address", f"127.0.0.1:{self.metrics_port}",
             "--log-format", "json", *extra]
         self.log_path = log_dir / f"controller-{identity}.log"
+        # its temporary files (the webhook certificates it installs) under the test's own directory:
+        # a controller a test kills cannot clean up after itself, and /tmp must not collect them
+        self.tmp = log_dir / f"tmp-{identity}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ControllerProc":
+        self.tmp.mkdir(exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log, env=dict(os.environ, TMPDIR=str(self.tmp)))
         return self
 
     def signal(self, sig: int) -> None:
