@@ -199,7 +199,7 @@ class Agent:
             return Answer(INCOMPATIBLE, digest=inst.digest, expected=mismatch.expected, found=mismatch.found,
                           message=f"{inst.image}: {mismatch}")
         return Answer(READY, digest=inst.digest, path=str(inst.path), size_bytes=inst.size_bytes,
-                      kind=labelled_kind(inst.labels))
+                      kind=fmt.declared_kind(inst.labels) or "")
 
     def _pull(self, key: str, image: str, anonymous: bool) -> Pull:
         with self._lock:
@@ -422,9 +422,3 @@ def _failure(e: Exception) -> str:
         if isinstance(e, kinds):
             return failure
     return INTERNAL
-
-
-def labelled_kind(labels: dict) -> str:
-    """The kind an image's config labels declare (``cache.<kind>.image/...``), "" when none does:
-    what the CSI driver picks a volume's default view by (docs/csi.md, "Views")."""
-    return next((k for k in fmt.KINDS if any(str(key).startswith(f"cache.{k}.image/") for key in labels or {})), "")

@@ -28,7 +28,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,53 +42,38 @@ def launch(names: list[str]) -> dict:
     import torch
     import triton
 
-    from tests.rigs.triton_kernels import add_kernel, matmul_kernel, softmax_kernel, variants, watch_cache
+    from tests.rigs.triton_kernels import add_kernel, matmul_kernel, run_each, softmax_kernel, variants
 
-    hits, puts = watch_cache()
-    listener = hits is not None
-    hits = hits if listener else []
     table = variants()
-    report = {"triton": triton.__version__, "device": torch.cuda.get_device_name(), "listener": listener,
-              "kernels": {}}
-    start = time.monotonic()
-    for name in names:
+
+    def launch_one(name: str) -> dict:
         fn, _sig, constexprs, options = table[name]
-        hits.clear()
-        before, t0 = puts[0], time.monotonic()
-        entry: dict = {}
-        try:
-            if fn is add_kernel:
-                n = 100_000
-                x, y = torch.rand(n, device="cuda"), torch.rand(n, device="cuda")
-                out = torch.empty_like(x)
-                fn[(triton.cdiv(n, constexprs["BLOCK"]),)](x, y, out, n, **constexprs, **options)
-                ok = torch.allclose(out, x + y)
-            elif fn is softmax_kernel:
-                rows, cols = 64, constexprs["BLOCK"] - 3
-                inp = torch.randn(rows, cols, device="cuda")
-                out = torch.empty_like(inp)
-                fn[(rows,)](out, inp, inp.stride(0), out.stride(0), cols, **constexprs, **options)
-                ok = torch.allclose(out, torch.softmax(inp, dim=1), atol=1e-5)
-            else:
-                assert fn is matmul_kernel
-                m = n = k = 128
-                a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                b = torch.randn(k, n, device="cuda", dtype=torch.float16)
-                c = torch.empty(m, n, device="cuda", dtype=torch.float16)
-                fn[(m // constexprs["BM"], n // constexprs["BN"])](
-                    a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                    **constexprs, **options)
-                ok = torch.allclose(c.float(), (a.float() @ b.float()), atol=0.1, rtol=0.01)
-            torch.cuda.synchronize()
-            entry["correct"] = bool(ok)
-            entry["cache_hit"] = (hits == [True]) if listener else None
-        except OSError as e:
-            entry["error"] = f"{type(e).__name__}: {e}"
-        entry["puts"] = puts[0] - before
-        entry["seconds"] = round(time.monotonic() - t0, 4)
-        report["kernels"][name] = entry
-    report["seconds"] = round(time.monotonic() - start, 4)
-    return report
+        if fn is add_kernel:
+            n = 100_000
+            x, y = torch.rand(n, device="cuda"), torch.rand(n, device="cuda")
+            out = torch.empty_like(x)
+            fn[(triton.cdiv(n, constexprs["BLOCK"]),)](x, y, out, n, **constexprs, **options)
+            ok = torch.allclose(out, x + y)
+        elif fn is softmax_kernel:
+            rows, cols = 64, constexprs["BLOCK"] - 3
+            inp = torch.randn(rows, cols, device="cuda")
+            out = torch.empty_like(inp)
+            fn[(rows,)](out, inp, inp.stride(0), out.stride(0), cols, **constexprs, **options)
+            ok = torch.allclose(out, torch.softmax(inp, dim=1), atol=1e-5)
+        else:
+            assert fn is matmul_kernel
+            m = n = k = 128
+            a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            b = torch.randn(k, n, device="cuda", dtype=torch.float16)
+            c = torch.empty(m, n, device="cuda", dtype=torch.float16)
+            fn[(m // constexprs["BM"], n // constexprs["BN"])](
+                a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+                **constexprs, **options)
+            ok = torch.allclose(c.float(), (a.float() @ b.float()), atol=0.1, rtol=0.01)
+        torch.cuda.synchronize()
+        return {"correct": bool(ok)}
+
+    return {"triton": triton.__version__, "device": torch.cuda.get_device_name(), **run_each(names, launch_one)}
 
 
 def compile_aot(names: list[str]) -> dict:

@@ -75,11 +75,17 @@ def bind_readonly(source: str | os.PathLike, target: str | os.PathLike, extra_fl
             raise OSError(errno.EROFS, f"{target} lacks {sorted(options_of(flags))} after the remount "
                                        f"(it has: {sorted(got) if got is not None else 'not mounted'})", str(target))
     except BaseException as e:
-        _undo(target, e)
+        undo(target, e)
         raise
 
 
-def _undo(target, cause: BaseException) -> None:
+def mount(source: str, target: str | os.PathLike, fstype: str, flags: int, data: str) -> None:
+    """mount(2) of a ``fstype`` file system (tmpfs, overlay) at ``target`` with ``data`` options."""
+    _check(_libc.mount(os.fsencode(source), os.fsencode(target), os.fsencode(fstype), flags, os.fsencode(data)),
+           f"{fstype} mount onto", target)
+
+
+def undo(target, cause: BaseException) -> None:
     """Take a just-made bind mount away. Nothing can hold it yet; if something does anyway, a
     lazy detach still removes it from the tree: a writable mount must not outlive this call."""
     for flags in (0, MNT_DETACH):

@@ -181,7 +181,7 @@ class NodeServer(csi_grpc.NodeServicer):
         if size is None:
             return top == mounts.identity(ready.path)
         rec = self.views.record(where)
-        return (rec is not None and self.views.ours(where, top) and rec.digest == ready.digest
+        return (rec is not None and self.views.ours(where, top, rec) and rec.digest == ready.digest
                 and rec.size == size)
 
     def _ensure(self, context, cache, pinned: resolve.Image):
@@ -291,9 +291,9 @@ class NodeServer(csi_grpc.NodeServicer):
                       if (r.volume_id, r.target_path) == (vid, path)), None)
         if cache is None:
             context.abort(Code.NOT_FOUND, f"volume {vid} is not published at {path} on this node")
-        rec = self._view_of(path)
+        where, rec = self._view_of(path)
         if rec is not None:
-            return self._view_stats(path, rec, cache)
+            return self._view_stats(path, where, rec, cache)
         if not mounts.is_mountpoint(path):
             problem = f"{path} is no longer a mount point"
         elif not {"ro", "nosuid", "nodev"} <= (options := mounts.options_at(path)):
@@ -307,21 +307,22 @@ class NodeServer(csi_grpc.NodeServicer):
             volume_condition=csi.VolumeCondition(abnormal=bool(problem),
                                                  message=problem or f"read-only mount of {cache.digest}"))
 
-    def _view_of(self, path: str) -> views.Record | None:
+    def _view_of(self, path: str) -> tuple[str | None, views.Record | None]:
+        """(the confined target, its view's record), or (None, None) when it has no view."""
         if self.views is None:
-            return None
+            return None, None
         try:
-            return self.views.record(confine.target(path, self.kubelet_dir))
+            where = confine.target(path, self.kubelet_dir)
         except confine.OutsideKubelet:
-            return None
+            return None, None
+        return where, self.views.record(where)
 
-    def _view_stats(self, path: str, rec: views.Record, cache):
+    def _view_stats(self, path: str, where: str, rec: views.Record, cache):
         """A view's usage is its writable layer's: bytes written (copied up) of its bound size."""
-        where = confine.target(path, self.kubelet_dir)
         shown = mounts.mounted_root(where)
         if shown is None:
             problem = f"{path} is no longer a mount point"
-        elif not self.views.ours(where, shown):
+        elif not self.views.ours(where, shown, rec):
             problem = f"{path} no longer shows its copy-on-write view of {cache.digest}"
         elif not {"nosuid", "nodev"} <= mounts.options_at(where):
             problem = f"{path} lost nosuid,nodev"

@@ -10,7 +10,6 @@ See docs/csi.md ("Views").
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import json
@@ -19,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from accelnode.kube.quantity import to_bytes
 from accelnode.log import kv
 
 from . import mounts
@@ -33,14 +33,9 @@ WRITING_KINDS = ("triton", "vllm")  # their consumers write the cache tree as th
 SOURCE = "accelnode-view"  # the source name of both mounts, as df and the mount table show it
 RECORD = "view.json"
 MAX_STACKED = 16
-# a Kubernetes quantity: 1Gi, 512Mi, 1.5G, 1e9, 1073741824
-_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)|[eE]([0-9]{1,2}))?")
-_UNITS = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-          "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 # characters overlayfs's option parser gives a meaning to (',' between options, ':' between
 # lower layers, '\' escapes) or that have no business in a path we hand it
 _UNSAFE = re.compile(r"[,:\\\x00-\x1f\x7f]")
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class BadAttribute(ValueError):
@@ -49,13 +44,10 @@ class BadAttribute(ValueError):
 
 def quantity(value: str) -> int:
     """Bytes of a Kubernetes quantity (fractions rounded up); ValueError for anything else."""
-    m = _QUANTITY.fullmatch(value)
-    if not m:
+    n = to_bytes(value)
+    if n is None:
         raise ValueError(f"{value!r} is not a Kubernetes quantity such as 1Gi, 512Mi or 2G")
-    number, unit, exp = m.groups()
-    whole, _, frac = number.partition(".")
-    scale = _UNITS[unit] * (10 ** int(exp) if exp else 1)
-    return int(whole or 0) * scale + -(-int(frac or 0) * scale // 10 ** len(frac))
+    return n
 
 
 @dataclass(frozen=True)
@@ -149,9 +141,10 @@ class Views:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def ours(self, target: str, shown: tuple[int, int] | None) -> bool:
-        """Is the top mount at ``target`` (showing ``shown``) this target's overlay?"""
-        rec = self.record(target)
+    def ours(self, target: str, shown: tuple[int, int] | None, rec: Record | None = None) -> bool:
+        """Is the top mount at ``target`` (showing ``shown``) this target's overlay? ``rec``: its
+        record when the caller has read it already."""
+        rec = rec or self.record(target)
         if rec is None or rec.target != target or shown is None:
             return False
         if rec.overlay is not None:
@@ -173,12 +166,12 @@ class Views:
         flags |= mounts.MS_NOSUID | mounts.MS_NODEV
         os.mkdir(d, 0o700)
         try:
-            _mount(SOURCE, d, "tmpfs", mounts.MS_NOSUID | mounts.MS_NODEV, f"size={size},mode=0700")
+            mounts.mount(SOURCE, d, "tmpfs", mounts.MS_NOSUID | mounts.MS_NODEV, f"size={size},mode=0700")
             upper, work = os.path.join(d, "upper"), os.path.join(d, "work")
             os.mkdir(work, 0o700)
             _writable_dirs(lower, upper)
             self._write(d, Record(target, digest, size, None))
-            _mount(SOURCE, target, "overlay", flags, f"lowerdir={lower},upperdir={upper},workdir={work}")
+            mounts.mount(SOURCE, target, "overlay", flags, f"lowerdir={lower},upperdir={upper},workdir={work}")
             try:
                 got = mounts.options_at(target) if mounts.is_mountpoint(target) else None
                 if got is None or "ro" in got or not mounts.options_of(flags) <= got:
@@ -186,7 +179,7 @@ class Views:
                                                f"after the overlay mount (it has {sorted(got or [])})", target)
                 self._write(d, Record(target, digest, size, mounts.mounted_root(target)))
             except BaseException as e:
-                mounts._undo(target, e)
+                mounts.undo(target, e)
                 raise
         except BaseException:
             self._teardown(d)
@@ -234,7 +227,7 @@ class Views:
             try:
                 rec = self._read(d) if mounts.is_mountpoint(d) else None
                 if (rec is not None and self.dir_of(rec.target) == d
-                        and self.ours(rec.target, mounts.mounted_root(rec.target))):
+                        and self.ours(rec.target, mounts.mounted_root(rec.target), rec)):
                     continue
                 self._teardown(d)
                 swept += 1
@@ -262,13 +255,6 @@ class Views:
                 continue
             out.append(((st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize))
         return out
-
-
-def _mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
-    rc = _libc.mount(os.fsencode(source), os.fsencode(target), os.fsencode(fstype), flags, os.fsencode(data))
-    if rc != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{fstype} mount onto {target}: {os.strerror(e)}", target)
 
 
 def _writable_dirs(lower: str, upper: str) -> None:

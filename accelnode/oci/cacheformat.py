@@ -77,13 +77,19 @@ def target_fits(target: dict, accelerators: list[dict]) -> bool:
     return False
 
 
+def declared_kind(labels: dict) -> str | None:
+    """The kind an image's config labels declare (they carry its ``cache.<kind>.image/summary``),
+    or None: the kind the agent records and the CSI driver picks a volume's view by."""
+    return next((k for k in KINDS if label(k, "summary") in labels), None)
+
+
 def parse_config(config: dict) -> tuple[str | None, list[dict], dict]:
     """(kind or None, normalised targets, labels) from an image config blob."""
     labels = ((config.get("config") or {}).get("Labels") or {}) if isinstance(config, dict) else {}
     if not isinstance(labels, dict):
         raise ValueError("config.Labels is not an object")
     labels = {str(k): str(v) for k, v in labels.items()}
-    kind = next((k for k in KINDS if label(k, "summary") in labels), None)
+    kind = declared_kind(labels)
     targets = []
     if kind:
         summary = json.loads(labels[label(kind, "summary")])

@@ -10,10 +10,9 @@ its volume attributes are those of an inline volume, read the same way by the CS
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 
+from accelnode.kube.quantity import to_bytes
 from controller.caches.pinning import GROUP, SIZE_ANNOTATION, VERSION
 
 FINALIZER = "gkm.io/claims"  # on a cache with claims: they are deleted, in order, before it goes
@@ -106,25 +105,11 @@ def capacity_bytes(annotations: dict) -> int:
     return int(raw) if raw.isdigit() and int(raw) > 0 else PLACEHOLDER_BYTES
 
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")
-_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-
-
 def quantity_bytes(quantity) -> int | None:
     """A storage quantity as the API server writes it (``3k``, ``1Mi``, ``1048576``, ``1e3``) in
     bytes, rounded up; None when it is not one. The server rewrites a quantity into its canonical
     form (``3000`` comes back ``3k``), so quantities are compared by value."""
-    m = _QUANTITY.match(str(quantity or "").strip())
-    if not m:
-        return None
-    suffix = m.group(2) or ""
-    try:
-        scale = Decimal(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else Decimal(_SUFFIX[suffix])
-        value = Decimal(m.group(1)) * scale
-    except (InvalidOperation, ValueError):
-        return None
-    return int(value.to_integral_value(rounding="ROUND_CEILING"))
+    return to_bytes(str(quantity or "").strip())
 
 
 def request_bytes(capacity: int) -> int:

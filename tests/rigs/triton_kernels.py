@@ -110,29 +110,42 @@ def watch_cache() -> tuple[list[bool] | None, list[int]]:
     return hits, puts
 
 
-def compile_all(names: list[str], target) -> dict:
-    from triton.compiler import ASTSource
-
-    table = variants()
-    seen, puts = watch_cache()
-    report = {"triton_version": triton.__version__, "cache_dir": os.environ.get("TRITON_CACHE_DIR"), "kernels": {}}
+def run_each(names: list[str], action) -> dict:
+    """``action(name)`` for each variant (it returns more fields for the kernel's entry), with
+    Triton's own evidence around it: ``cache_hit`` (None where Triton has no listener), ``puts``
+    (files its cache manager wrote), an OSError as ``error`` and ``errno``, and the time."""
+    hits, puts = watch_cache()
+    kernels = {}
     start = time.monotonic()
     for name in names:
-        fn, sig, constexprs, options = table[name]
-        seen.clear()
+        if hits is not None:
+            hits.clear()
         before, t0 = puts[0], time.monotonic()
         entry: dict = {}
         try:
-            triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs), target=target, options=options)
-            entry["cache_hit"] = seen == [True]
+            entry.update(action(name))
+            entry["cache_hit"] = hits == [True] if hits is not None else None
         except OSError as e:
             entry["error"] = f"{type(e).__name__}: {e}"
             entry["errno"] = errno.errorcode.get(e.errno or 0)
         entry["puts"] = puts[0] - before
         entry["seconds"] = round(time.monotonic() - t0, 4)
-        report["kernels"][name] = entry
-    report["seconds"] = round(time.monotonic() - start, 4)
-    return report
+        kernels[name] = entry
+    return {"kernels": kernels, "seconds": round(time.monotonic() - start, 4)}
+
+
+def compile_all(names: list[str], target) -> dict:
+    from triton.compiler import ASTSource
+
+    table = variants()
+
+    def compile_one(name: str) -> dict:
+        fn, sig, constexprs, options = table[name]
+        triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs), target=target, options=options)
+        return {}
+
+    return {"triton_version": triton.__version__, "cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+            **run_each(names, compile_one)}
 
 
 def main(argv=None) -> int:
