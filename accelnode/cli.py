@@ -115,12 +115,26 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.register(sub)
+    _own_errors(parser)
     return parser
+
+
+def _own_errors(parser: argparse.ArgumentParser) -> None:
+    """Record on every (sub)command's parser that it is the one that parsed, so that an unknown
+    flag is reported with that command's usage, not the top-level one (argparse leaves the
+    unknown arguments of a subcommand to the top-level parser)."""
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:  # argparse has no public accessor
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _own_errors(child)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     check_env(args)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)

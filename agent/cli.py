@@ -50,7 +50,8 @@ def register(sub) -> None:
                    help="this node's name (downward API spec.nodeName); when set, the agent writes the node's "
                         "GKMCacheNode/ClusterGKMCacheNode objects and prefetches caches meant for it")
     g.add_argument("--kubeconfig", metavar="FILE",
-                   help="kubeconfig for the API server (default: the pod's service account)")
+                   help="kubeconfig for the API server (default: as kubectl: $KUBECONFIG, ~/.kube/config, else the "
+                        "pod's service account)")
     g.add_argument("--status-resync", type=float, default=30.0, metavar="SECONDS",
                    help="re-read the local store this often even without a change cue (default: %(default)s)")
     acli.add_common(p)

@@ -29,8 +29,8 @@ def register(sub) -> None:
     p = sub.add_parser("controller", help="run the cluster controller (leader election, reconcilers, admission "
                                           "webhooks)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: the pod's "
-                                                        "service account)")
+    p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: as kubectl: "
+                                                        "$KUBECONFIG, ~/.kube/config, else the pod's service account)")
     g = p.add_argument_group("leader election (a coordination.k8s.io/v1 Lease)")
     g.add_argument("--namespace", metavar="NS",
                    help="namespace of the Lease (default: the pod's namespace from its service account, else "
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     service_namespace = args.webhook_service_namespace or namespace
     identity = args.identity or default_identity()
     try:
-        config = Config.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Config.in_cluster()
+        config = Config.load(args.kubeconfig)
         client = Client(config, user_agent="accelnode-controller", max_connections=32)  # a watch per reconciler kind
     except (ValueError, OSError) as e:
         raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None

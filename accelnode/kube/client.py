@@ -81,6 +81,10 @@ def is_too_many_requests(e: BaseException) -> bool:
     return isinstance(e, KubeError) and e.code == 429
 
 
+class NoConfig(ValueError):
+    """No kubeconfig and not in a pod: nowhere to find an API server (:meth:`Config.load`)."""
+
+
 class Unreachable(Exception):
     """No answer from the API server (connection refused, reset, timed out)."""
 
@@ -115,7 +119,8 @@ class Config:
         """The API server as kubectl finds it: ``kubeconfig`` (a flag) when given; else the files of
         ``$KUBECONFIG`` (``:``-separated, merged: the first file to name a cluster, user or
         context, or to set current-context, wins; missing files are skipped); else
-        ``~/.kube/config``; and when none of these exists, the pod's service account."""
+        ``~/.kube/config``; and when none of these exists, the pod's service account (when its token is
+        mounted). Raises :class:`NoConfig` when there is none of these."""
         if kubeconfig:
             return cls.from_kubeconfig(kubeconfig)
         if environ.get("KUBECONFIG"):
@@ -125,11 +130,10 @@ class Config:
         found = [p for p in paths if p.is_file()]
         if found:
             return cls._from_files(found)
-        try:
+        if environ.get("KUBERNETES_SERVICE_HOST") and (SA_DIR / "token").is_file():  # as client-go: both
             return cls.in_cluster(environ)
-        except ValueError:
-            raise ValueError(f"no kubeconfig ({', '.join(map(str, paths))} not found; give --kubeconfig or set "
-                             "KUBECONFIG) and not in a pod (KUBERNETES_SERVICE_HOST/PORT are not set)") from None
+        raise NoConfig(f"no kubeconfig ({', '.join(map(str, paths))} not found; give --kubeconfig or set KUBECONFIG) "
+                       f"and not in a pod with a service account token ({SA_DIR / 'token'})")
 
     @classmethod
     def _from_files(cls, paths: list[Path]) -> "Config":
