@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     from controller.caches.webhooks import routes as cache_routes
     from controller.tpuenv.webhooks import routes as env_routes
     from controller.webhooks.certs import Policy, ServingCerts, service_names
+    from controller.runtime import events
     from controller.runtime.leader import LeaderElector, Timing
     from controller.runtime.manager import Manager
     from controller.caches.pinning import Resolver
@@ -219,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
     if self_managed:  # the leader copies the CA into our webhook configurations
         reconcilers.append(CABundleReconciler(client, secret_namespace=namespace, secret=args.webhook_secret,
                                               service=args.webhook_service, service_namespace=service_namespace))
+    recorder = events.Recorder(client, instance=identity).start()  # Events on users' objects (runtime/events.py)
+    events.install(recorder)
     manager = Manager(client, reconcilers, registry, workers=args.workers, resync=args.resync)
     elector = LeaderElector(client, namespace, args.lease_name, identity, timing, on_started_leading=manager.start)
     Gauge("accelnode_controller_leader", "1 while this replica holds the leader Lease",
@@ -280,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
         stopped_cleanly = elector.run(stop)
     finally:
         manager.stop(timeout=10.0 if stop.is_set() else 2.0)
+        recorder.flush(2.0)
+        recorder.stop()
     if stopped_cleanly:
         elector.release()
     if webhooks is not None:

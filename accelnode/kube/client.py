@@ -253,10 +253,10 @@ class Client:
             cached = self._token = (Path(self.config.token_file).read_text().strip(), time.monotonic())
         return cached[0]
 
-    def _headers(self, has_body: bool) -> dict:
+    def _headers(self, has_body: bool, method: str = "GET") -> dict:
         h = {"Accept": "application/json", "User-Agent": self.user_agent}
-        if has_body:
-            h["Content-Type"] = "application/json"
+        if has_body:  # a PATCH body is a JSON merge patch (RFC 7386)
+            h["Content-Type"] = "application/merge-patch+json" if method == "PATCH" else "application/json"
         token = self._bearer()
         if token:
             h["Authorization"] = "Bearer " + token
@@ -270,7 +270,7 @@ class Client:
             with self._count:
                 self.sent += 1
             try:
-                resp = self._http.request(method, url, body=data, headers=self._headers(body is not None),
+                resp = self._http.request(method, url, body=data, headers=self._headers(body is not None, method),
                                           timeout=timeout, preload_content=not stream)
             except urllib3.exceptions.HTTPError as e:
                 raise Unreachable(f"{method} {path}: {e}") from None

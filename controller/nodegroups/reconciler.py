@@ -26,6 +26,7 @@ from accelnode.log import kv
 
 from controller.nodegroups import generations
 from controller.nodegroups.compute import BASE, GCE, GCEError
+from controller.runtime import events
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
 
@@ -419,6 +420,8 @@ class TPUNodeGroupReconciler(Reconciler):
         written = update_status(self.client, self._path(key), g, status)
         if written is None:
             return g
+        events.transitions(g, status, progress=("AwaitingNodeJoin", "Provisioning", "DrainingNodes", "DeletingMIG",
+                                                "DeletingTemplate", "DeletingPolicy"))
         self.rw.remember(key, g, written)
         return written
 
