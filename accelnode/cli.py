@@ -20,6 +20,7 @@ from . import __version__, exitcodes, log as alog
 # subcommand name -> module that registers it (in the order `--help` lists them)
 COMPONENTS = [
     "device_plugin.cli",
+    "device_plugin.selftest",
     "csi_driver.cli",
     "agent.cli",
     "agent.cache_cli",
