@@ -47,16 +47,6 @@ def from_labels(labels: dict, recipe: str = "gke") -> NodeConfig:
     return config
 
 
-def kube_labels(value: str) -> dict[str, str]:
-    """A ``kube-labels`` metadata value (``k=v,k2=v2``) as a dict; malformed pairs skipped."""
-    out = {}
-    for pair in (value or "").split(","):
-        k, sep, v = pair.strip().partition("=")
-        if sep and k:
-            out[k] = v
-    return out
-
-
 class NodeFacts:
     """The current :class:`NodeConfig`: the explicit one over what the sources found."""
 
@@ -83,7 +73,7 @@ class NodeFacts:
 
     def from_metadata(self, metadata) -> None:
         """Read the VM's kube-labels once (a missing attribute or server is logged, not fatal)."""
-        from accelnode.gce.metadata import MetadataError
+        from accelnode.gce.metadata import MetadataError, kube_labels
 
         try:
             self.found(kube_labels(metadata.get(KUBE_LABELS).body), "metadata")
