@@ -149,7 +149,8 @@ def _push(args) -> int:
 
 
 def _pull(args) -> int:
-    inst = _errors(lambda: _store(args, create=True).ensure(args.image, accelerators=args.accelerator, progress=_progress()))
+    inst = _errors(lambda: _store(args, create=True).ensure(args.image, accelerators=args.accelerator,
+                                                            progress=_progress()))
     if args.json:
         print(json.dumps(_installed_json(inst), indent=2))
     else:

@@ -36,8 +36,9 @@ except ImportError as e:
 try:
     devs = jax.devices()
     out = {"platform": devs[0].platform if devs else None,
-           "devices": [{"id": d.id, "kind": getattr(d, "device_kind", ""), "coords": list(getattr(d, "coords", []) or []),
-                        "core": getattr(d, "core_on_chip", None)} for d in devs]}
+           "devices": [{"id": d.id, "kind": getattr(d, "device_kind", ""),
+                        "coords": list(getattr(d, "coords", []) or []), "core": getattr(d, "core_on_chip", None)}
+                       for d in devs]}
     out["sums"] = [float(jnp.sum(jax.device_put(jnp.ones(8), d))) for d in devs]
 except Exception as e:
     out = {"error": f"{type(e).__name__}: {e}"}
@@ -102,8 +103,9 @@ def run(args) -> int:
     held = held_chips(dev_root, sysfs_root)
     chips = args.expect if args.expect is not None else len(held)
     env = dict(os.environ)
+    slice_env = re.compile(r"^(TPU_|HOST_BOUNDS$|CHIPS_PER_HOST_BOUNDS$|WRAP$|ALT$)")
     report = {"expect_chips": chips, "held": held,
-              "tpu_env": {k: v for k, v in sorted(env.items()) if re.match(r"^(TPU_|HOST_BOUNDS|CHIPS_PER_HOST|WRAP$|ALT$)", k)}}
+              "tpu_env": {k: v for k, v in sorted(env.items()) if slice_env.match(k)}}
     runs = {"as given": env}
     if args.try_visible_chips:
         runs["TPU_VISIBLE_CHIPS=positions"] = {**env, "TPU_VISIBLE_CHIPS": ",".join(map(str, range(len(held))))}

@@ -215,7 +215,8 @@ def transitions(obj: dict, status: dict, *, progress: tuple[str, ...] = (), quie
     before = {c.get("type"): c for c in ((obj.get("status") or {}).get("conditions") or [])}
     for c in status.get("conditions") or []:
         old = before.get(c.get("type")) or {}
-        same = old.get("status") == c.get("status") and (c.get("status") == "True" or old.get("reason") == c.get("reason"))
+        same = old.get("status") == c.get("status") and (c.get("status") == "True"
+                                                         or old.get("reason") == c.get("reason"))
         if same or not c.get("reason") or (c.get("type") in quiet and c.get("status") == "True"):
             continue
         normal = c.get("status") == "True" or c.get("reason") in progress
