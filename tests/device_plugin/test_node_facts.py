@@ -43,6 +43,19 @@ def labelled_node(kubectl):
     kubectl("admin", "delete", "node", NODE, "--ignore-not-found")
 
 
+def test_both_daemonsets_run_as_the_account_that_may_read_nodes():
+    import yaml
+
+    (sa,) = [d for d in yaml.safe_load_all((ROOT / "daemonsets/rbac-device-plugin.yaml").read_text())
+             if d["kind"] == "ServiceAccount"]
+    base = yaml.safe_load((ROOT / "daemonsets/device-plugin.yaml").read_text())
+    for ds in (base, device_plugin_daemonset("accelnode-system", "img")):
+        spec = ds["spec"]["template"]["spec"]
+        assert spec["serviceAccountName"] == sa["metadata"]["name"] and "automountServiceAccountToken" not in spec
+        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        assert env["ACCELNODE_NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
 def test_the_node_group_daemonset_env_reads_the_nodes_labels(control_plane, kubectl, labelled_node, tpu_host,
                                                              kubelet, run_plugin):
     host = tpu_host("v5e-4")
