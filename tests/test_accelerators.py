@@ -4,6 +4,7 @@ database, our table of data-centre parts, chip code names; and the operator's de
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 
@@ -120,3 +121,28 @@ def test_agent_flag_refuses_a_bad_declaration_and_creates_nothing(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "--accelerator 'nvidia/h100' is not BACKEND/ARCH[:COUNT]" in out.stderr
     assert not store.exists()
+
+
+def test_the_agent_serves_the_declared_accelerators(tmp_path):
+    """A real ``accelnode agent``: what ``--accelerator`` declares is what it reports (and fits images by)."""
+    from accelnode import grpcutil
+    from csi_driver.api import agent as agent_api, agent_grpc
+    from tests.fixtures.device_plugin import free_port
+
+    sock = tmp_path / "agent.sock"
+    proc = subprocess.Popen(accelnode_cmd() + ["agent", "--store", str(tmp_path / "store"), "--socket", str(sock),
+                                               "--metrics-address", f"127.0.0.1:{free_port()}",
+                                               "--accelerator", "hip/gfx942:8", "--accelerator", "cuda/90"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        for _ in range(300):
+            if sock.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
+        with grpcutil.unix_channel(sock) as ch:
+            listing = agent_grpc.AgentStub(ch).ListCaches(agent_api.ListCachesRequest(), timeout=30)
+        assert list(listing.accelerators) == ["hip/gfx942 x8", "cuda/sm_90 x1"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
