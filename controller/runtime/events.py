@@ -67,6 +67,7 @@ class Recorder:
         self.client, self.component, self.instance = client, component, instance
         self._clock = clock
         self._queue: queue.Queue = queue.Queue(QUEUE)
+        self._lock = threading.Lock()
         self._buckets: dict[str, tuple[float, float]] = {}  # object uid/name -> (tokens, when)
         self._recent: OrderedDict[tuple, dict] = OrderedDict()  # correlation key -> the Event as written
         self._messages: OrderedDict[tuple, tuple[float, set]] = OrderedDict()  # (object, reason) -> (since, msgs)
@@ -95,19 +96,19 @@ class Recorder:
 
     def _allow(self, ref: dict) -> bool:
         key = ref.get("uid") or f"{ref['kind']}/{ref.get('namespace', '')}/{ref['name']}"
-        now = self._clock()
-        tokens, when = self._buckets.get(key, (float(BURST), now))
-        tokens = min(float(BURST), tokens + (now - when) / REFILL)
-        if tokens < 1:
-            self._buckets[key] = (tokens, now)
-            return False
-        self._buckets[key] = (tokens - 1, now)
-        if len(self._buckets) > REMEMBERED:
-            self._buckets.pop(next(iter(self._buckets)))
-        return True
+        with self._lock:  # reconcilers record from their worker threads
+            now = self._clock()
+            tokens, when = self._buckets.get(key, (float(BURST), now))
+            tokens = min(float(BURST), tokens + (now - when) / REFILL)
+            allowed = tokens >= 1
+            self._buckets[key] = (tokens - 1 if allowed else tokens, now)
+            if len(self._buckets) > REMEMBERED:
+                self._buckets.pop(next(iter(self._buckets)))
+            return allowed
 
     def _drop(self, why: str, ref: dict, reason: str) -> None:
-        self.dropped += 1
+        with self._lock:
+            self.dropped += 1
         log.debug("event dropped", extra=kv(why=why, kind=ref["kind"], name=ref["name"], reason=reason))
 
     # -- writing (the recorder's thread) -----------------------------------------------------------
