@@ -234,6 +234,10 @@ class _Conn(sslproto.SSLProtocol):
 
     def connection_made(self, transport):
         self.raw = transport
+        # asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP, not on those
+        # accepted from socket.create_server's: without it the answer waits behind the session
+        # tickets for the client's delayed ACK (Nagle), ~40 ms on every new connection
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.server._admit(self):
             self.made = True
             super().connection_made(transport)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def main(cert: str, key: str, routes: str, limits: str = "{}") -> None:
     from accelnode import log as alog
-    from controller.webhooks.server import AdmissionServer, Limits, allow
+    from controller.webhooks.server import AdmissionServer, allow
 
     if routes == "tpuenv":
         from controller.tpuenv.webhooks import routes as tpuenv_routes
@@ -30,7 +30,10 @@ def main(cert: str, key: str, routes: str, limits: str = "{}") -> None:
     else:
         table = {"/mutate": lambda request: allow()}
     alog.setup("info", "json", stream=open(os.devnull, "w"))
-    server = AdmissionServer("127.0.0.1:0", cert, key, table, limits=Limits(**json.loads(limits))).start()
+    given = json.loads(limits)
+    if given:
+        from controller.webhooks.server import Limits
+    server = AdmissionServer("127.0.0.1:0", cert, key, table, **({"limits": Limits(**given)} if given else {})).start()
     print(server.port, flush=True)
     sys.stdin.read()
     server.stop()
@@ -40,7 +43,8 @@ class AdmissionProc:
     """The server process: ``port``, ``pid``; ``stop()`` closes its stdin and waits."""
 
     def __init__(self, cert: str, key: str, routes: str = "allow", **limits):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        # the caller's PYTHONPATH first: a benchmark may point ``controller`` at another tree
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.controller.admission_proc", cert, key, routes,
                                       json.dumps(limits)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      cwd=ROOT, env=env)
