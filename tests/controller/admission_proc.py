@@ -47,7 +47,7 @@ class AdmissionProc:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.controller.admission_proc", cert, key, routes,
                                       json.dumps(limits)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     cwd=ROOT, env=env)
+                                     cwd="/", env=env)  # not ROOT: ``-m`` puts the working directory first
         line = self.proc.stdout.readline()
         if not line.strip().isdigit():
             self.stop()
