@@ -57,7 +57,7 @@ class Limits:
     write_timeout: float = 10.0  # a client that does not read its answer
     max_head: int = 16 * 1024  # request line and headers
     body_budget: int = 16 * 1024 * 1024  # bytes of bodies over SMALL_BODY being read at once
-    parse_budget: int = 96 * 1024 * 1024  # estimated parsed size of the reviews being answered at once
+    parse_budget: int = 64 * 1024 * 1024  # estimated parsed size of the reviews being answered at once
 
     def check(self) -> None:
         if min(self.max_connections, self.workers, self.max_head, self.body_budget, self.parse_budget) < 1 or \
