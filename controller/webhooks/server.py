@@ -251,8 +251,7 @@ class _Conn(sslproto.SSLProtocol):
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
-            413: "Content Too Large", 431: "Request Header Fields Too Large", 501: "Not Implemented",
-            503: "Service Unavailable"}
+            413: "Content Too Large", 431: "Request Header Fields Too Large"}
 
 
 class AdmissionServer:
@@ -303,10 +302,15 @@ class AdmissionServer:
                 self._server.close()
             for c in list(self._conns):
                 c.raw.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+            self._loop.close()
         self._sock.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -315,24 +319,22 @@ class AdmissionServer:
     async def _serve(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Requests of one connection whose TLS handshake is done, one after the other."""
         lim = self.limits
-        why = "bad_request"
+        why = ""
         try:
-            deadline = conn.since + lim.request_timeout  # the first request comes at once
+            wait_until = conn.since + lim.request_timeout  # the first request comes at once
             while True:
                 why = "idle"
-                async with asyncio.timeout_at(self._at(deadline)):
+                async with asyncio.timeout_at(self._at(wait_until)):
                     first = await reader.read(1)
                 if not first:
                     why = ""
                     return  # the client closed
                 why = "slow"
-                async with asyncio.timeout_at(self._at(time.monotonic() + lim.request_timeout)):
-                    keep = await self._request(conn, first, reader, writer)
-                if not keep:
+                if not await self._request(conn, first, reader, writer, time.monotonic() + lim.request_timeout):
                     why = ""
                     return
                 conn.since = time.monotonic()
-                deadline = conn.since + lim.idle_timeout
+                wait_until = conn.since + lim.idle_timeout
                 if self._conns.pop(conn, False) is None:  # now the most recently active: evicted last
                     self._conns[conn] = None
         except TimeoutError:
@@ -341,6 +343,9 @@ class AdmissionServer:
             why = ""  # the client went away
         except _Closed as c:
             why = c.reason
+        except Exception:
+            log.error("admission connection failed", exc_info=True, extra=kv(peer=_peer(writer)))
+            why = ""
         finally:
             if why and self.metrics is not None:
                 self.metrics.closed.labels(why).inc()
@@ -377,20 +382,12 @@ class AdmissionServer:
 
     # -- one request ---------------------------------------------------------------------------
 
-    async def _request(self, conn: _Conn, first: bytes, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> bool:
-        """Read, answer and write one request; whether the connection stays open."""
-        try:
-            head = first + await reader.readuntil(b"\r\n\r\n")
-        except asyncio.LimitOverrunError:
-            await self._send(writer, 431, b"request head over the limit of %d bytes\n" % self.limits.max_head, close=True)
-            raise _Closed("bad_request") from None
-        try:
-            method, path, version, headers = _parse_head(head)
-        except ValueError as e:
-            await self._send(writer, 400, f"bad request: {e}\n".encode(), close=True)
-            raise _Closed("bad_request") from None
-        path = path.split("?", 1)[0]
+    async def _request(self, conn: _Conn, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       deadline: float) -> bool:
+        """Read (by ``deadline``), answer and write one request; whether the connection stays open."""
+        async with asyncio.timeout_at(self._at(deadline)):
+            head = await self._head(first, reader, writer)
+        method, path, version, headers = head
         close = headers.get("connection", "").lower() == "close" or version == "HTTP/1.0"
         if method != "POST":
             # no body is expected; a GET's Content-Length would desynchronise us: close after
@@ -409,39 +406,59 @@ class AdmissionServer:
             # sending, reads the answer rather than a reset
             await _discard(reader, min(n, 2 * self.max_body), self.limits.write_timeout)
             raise _Closed("too_large")
-        conn.busy = True
-        try:
-            answer = await self._read_and_answer(path, n, reader)
-        finally:
-            conn.busy = False
-        code, body, ctype, what, started = answer
-        await self._send(writer, code, body, ctype=ctype, close=close)
-        if what:
-            self._count(path, what, started)
+        async with asyncio.timeout_at(self._at(deadline)):
+            body, cost = await self._body(n, reader)
+        started = time.monotonic()
+        if path not in self.routes:
+            code, out, what = 404, f"no webhook at {path}\n".encode(), "no_route"
+        elif cost > self.limits.parse_budget:
+            code, out, what = 413, (f"body of {n} bytes holds more JSON values than this server parses (about "
+                                    f"{cost // 2**20} MiB parsed, limit {self.limits.parse_budget // 2**20} MiB)\n"
+                                    ).encode(), "too_large"
+        else:
+            # the handler runs as long as it needs (the API server gives up at the webhook's
+            # timeoutSeconds); meanwhile this connection is never evicted
+            conn.busy = True
+            try:
+                async with asyncio.timeout_at(self._at(deadline)):
+                    await self._parse_budget.acquire(cost)
+                try:
+                    code, out, what = await self._loop.run_in_executor(self._pool, self._answer, path, body)
+                finally:
+                    await self._parse_budget.release(cost)
+            finally:
+                conn.busy = False
+        del body
+        await self._send(writer, code, out, ctype="application/json" if code == 200 else _TEXT, close=close)
+        self._count(path, what, started if code == 200 or what == "malformed" else None)
         return not close
 
-    async def _read_and_answer(self, path: str, n: int, reader: asyncio.StreamReader):
-        """(code, body, content type, answer label, started) for a request whose head is read."""
+    async def _head(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        """(method, path without query, version, headers) of the request that starts with ``first``."""
+        try:
+            head = first + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            await self._send(writer, 431, b"request head over the limit of %d bytes\n" % self.limits.max_head,
+                             close=True)
+            raise _Closed("bad_request") from None
+        try:
+            method, target, version, headers = _parse_head(head)
+        except ValueError as e:
+            await self._send(writer, 400, f"bad request: {e}\n".encode(), close=True)
+            raise _Closed("bad_request") from None
+        return method, target.split("?", 1)[0], version, headers
+
+    async def _body(self, n: int, reader: asyncio.StreamReader) -> tuple[bytes, int]:
+        """The body of ``n`` bytes, read within the read budget, and what parsing it may take at most."""
         held = min(n, self.limits.body_budget) if n > SMALL_BODY else 0
-        await self._body_budget.acquire(held)
+        if held:
+            await self._body_budget.acquire(held)
         try:
             body = await reader.readexactly(n)
-            started = time.monotonic()
-            if path not in self.routes:
-                return 404, f"no webhook at {path}\n".encode(), _TEXT, "no_route", None
-            cost = n + VALUE_COST * _values(body)  # what parsing it may take, at most
-            if cost > self.limits.parse_budget:
-                return 413, (f"body of {n} bytes holds more JSON values than this server parses "
-                             f"(about {cost // 2**20} MiB parsed, limit {self.limits.parse_budget // 2**20} MiB)\n"
-                             ).encode(), _TEXT, "too_large", None
-            await self._parse_budget.acquire(cost)
         finally:
-            await self._body_budget.release(held)
-        try:
-            code, out, what = await self._loop.run_in_executor(self._pool, self._answer, path, body)
-        finally:
-            await self._parse_budget.release(cost)
-        return code, out, _TEXT if code != 200 else "application/json", what, started
+            if held:
+                await self._body_budget.release(held)
+        return body, n + VALUE_COST * _values(body)
 
     def _answer(self, path: str, body: bytes) -> tuple[int, bytes, str]:
         """On a handler thread: (HTTP code, body, answer label)."""
@@ -469,7 +486,7 @@ class AdmissionServer:
     async def _send(self, writer: asyncio.StreamWriter, code: int, body: bytes, *, ctype: str = "",
                     close: bool = False) -> None:
         head = (f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nContent-Type: {ctype or _TEXT}\r\n"
-                f"Content-Length: {len(body)}\r\n{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n")
+                f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
         writer.write(head.encode() + body)
         async with asyncio.timeout(self.limits.write_timeout):
             await writer.drain()

@@ -222,3 +222,19 @@ def test_a_client_resumes_its_tls_session(pair, client):
         assert again.recv(65536).startswith(b"HTTP/1.1 200")
     finally:
         server.stop()
+
+
+def test_a_slow_handler_is_answered_past_the_read_deadline(pair):
+    """The read deadline bounds the client, not the webhook: a handler waiting on a registry
+    answers when it is done (the API server gives up at the webhook's timeoutSeconds)."""
+    ca, cert, key = pair
+
+    def slow(request):
+        time.sleep(2.5)
+        return allow()
+    server = AdmissionServer("127.0.0.1:0", cert, key, {"/slow": slow}, limits=Limits(request_timeout=1)).start()
+    try:
+        status, body = post(server, ca, "/slow", json.dumps(review(uid="u-slow")).encode())
+        assert status == 200 and json.loads(body)["response"] == {"uid": "u-slow", "allowed": True}
+    finally:
+        server.stop()
