@@ -10,22 +10,20 @@ Service's targetPort name. A private GKE cluster's firewall lets the control pla
 443 and 10250 only (../shared/reference/gke.md, section 2): the manifests use 10250.
 
 The port is taken from the manifests, not from this test: the server binds the port of the
-Deployment's ACCELNODE_WEBHOOK_ADDRESS on this machine's own address (under /tmp/kubelet.lock,
-which the kubelet rigs hold while a kubelet may listen on 10250)."""
+Deployment's ACCELNODE_WEBHOOK_ADDRESS on this machine's own address (the kubelet rigs give
+their kubelets free ports, never 10250)."""
 
 from __future__ import annotations
 
 import base64
-import fcntl
 import socket
 import time
 import uuid
-from pathlib import Path
 
 import pytest
-import yaml
+from cryptography.hazmat.primitives import serialization
 
-from accelnode.kube.client import Client, Config
+from accelnode.kube.client import Client, Config, KubeError
 from controller.tpuenv.patches import INJECT_LABEL
 from controller.tpuenv.webhooks import routes
 from controller.webhooks.certs import _key_pem, new_ca, new_serving, service_names
@@ -33,9 +31,6 @@ from controller.webhooks.server import AdmissionServer
 from tests.conftest import TOOLS_BIN, require
 from tests.controlplane.test_controllers import eventually
 from tests.test_manifests import BASE, build
-
-KUBELET_LOCK = "/tmp/kubelet.lock"
-
 
 def own_address() -> str:
     """This machine's address on its default route (never loopback: Endpoints refuse it)."""
@@ -58,26 +53,20 @@ def routed_plane(tmp_path_factory):
         cp.stop()
 
 
-@pytest.fixture
-def kubelet_port_free():
-    with open(KUBELET_LOCK, "a") as lock:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{KUBELET_LOCK} held for 10 minutes by a kubelet rig")
-                time.sleep(1)
+def serve_on(address: str, cert: str, key: str) -> AdmissionServer:
+    """The TPU env webhooks on ``address``; a port another process holds is waited for a while."""
+    deadline = time.monotonic() + 60
+    while True:
         try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            return AdmissionServer(address, cert, key, routes()).start()
+        except OSError as e:
+            if time.monotonic() > deadline:
+                pytest.fail(f"cannot listen on {address} (the manifests' webhook port): {e}")
+            time.sleep(1)
 
 
 def test_the_apiserver_calls_the_webhooks_through_the_service_on_443_to_the_container_port(
-        routed_plane, kubelet_port_free, tmp_path):
+        routed_plane, tmp_path):
     docs = build(BASE)
     (svc,) = [d for d in docs if d["kind"] == "Service"]
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
@@ -92,14 +81,12 @@ def test_the_apiserver_calls_the_webhooks_through_the_service_on_443_to_the_cont
     now = time.time()
     ca, ca_key = new_ca(now, 3600)
     cert, key = new_serving(ca, ca_key, service_names(name, ns), now, 3600)
-    from cryptography.hazmat.primitives import serialization
     (tmp_path / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (tmp_path / "tls.key").write_bytes(_key_pem(key))
     ca_pem = ca.public_bytes(serialization.Encoding.PEM)
 
     addr = own_address()
-    server = AdmissionServer(f"{addr}:{listen}", str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"),
-                             routes()).start()
+    server = serve_on(f"{addr}:{listen}", str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"))
     admin = Client(Config.from_kubeconfig(routed_plane.kubeconfig("admin")))
     run = uuid.uuid4().hex[:8]
     try:
@@ -134,11 +121,10 @@ def test_the_apiserver_calls_the_webhooks_through_the_service_on_443_to_the_cont
 
         def created():  # the webhook configuration takes effect once the API server has read it
             try:
-                out = admin.request("POST", f"/apis/apps/v1/namespaces/{work}/statefulsets", body=sts)
-            except Exception as e:  # noqa: BLE001 (shown when it never works)
+                return admin.request("POST", f"/apis/apps/v1/namespaces/{work}/statefulsets", body=sts)
+            except KubeError as e:
                 return str(e)
-            return out
-        out = eventually(lambda: created(), "a StatefulSet admitted through the webhook Service",
+        out = eventually(created, "a StatefulSet admitted through the webhook Service",
                          timeout=60, done=lambda r: isinstance(r, dict))
         names = {e["name"]: e.get("value") for e in out["spec"]["template"]["spec"]["containers"][0].get("env", [])}
         assert names["TPU_WORKER_HOSTNAMES"] == "web-0.web,web-1.web", names
