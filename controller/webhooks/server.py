@@ -225,7 +225,8 @@ class _Conn(sslproto.SSLProtocol):
     max_size = 32 * 1024
 
     def __init__(self, server: "AdmissionServer", loop: asyncio.AbstractEventLoop):
-        self.server, self.since, self.busy, self.raw, self.made = server, time.monotonic(), False, None, False
+        self.server, self.since, self.busy, self.raw = server, time.monotonic(), False, None
+        self.made = self.served = False  # held by the server; TLS handshake done
         reader = asyncio.StreamReader(limit=server.limits.max_head, loop=loop)
         app = asyncio.StreamReaderProtocol(reader, lambda r, w: server._serve(self, r, w), loop=loop)
         super().__init__(loop, app, server.certs.context(), None, server_side=True,
@@ -247,6 +248,8 @@ class _Conn(sslproto.SSLProtocol):
     def connection_lost(self, exc):
         self.server._forget(self)
         if self.made:
+            if not self.served and self.server.metrics is not None:  # no TLS handshake: timed out, refused, gone
+                self.server.metrics.closed.labels("handshake").inc()
             super().connection_lost(exc)
 
 
@@ -318,6 +321,7 @@ class AdmissionServer:
 
     async def _serve(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Requests of one connection whose TLS handshake is done, one after the other."""
+        conn.served = True
         lim = self.limits
         why = ""
         try:

@@ -16,8 +16,9 @@ import threading
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from controller.webhooks.server import MAX_BODY, AdmissionServer, Limits, allow
+from controller.webhooks.server import MAX_BODY, AdmissionMetrics, AdmissionServer, Limits, allow
 from tests.controller.admission_proc import AdmissionProc
 from tests.controller.test_webhook_server import CA, client_ctx, post, review
 
@@ -117,8 +118,10 @@ def test_idle_and_slow_connections_are_closed(pair, client):
     handshake and nothing more, a request head sent a byte at a time (slow-loris), a body sent a
     byte at a time, a kept-alive connection left idle after its answer."""
     ca, cert, key = pair
+    registry = CollectorRegistry()
     server = AdmissionServer("127.0.0.1:0", cert, key, {"/mutate": lambda r: allow()},
-                             limits=Limits(handshake_timeout=1, request_timeout=2, idle_timeout=2)).start()
+                             limits=Limits(handshake_timeout=1, request_timeout=2, idle_timeout=2),
+                             metrics=AdmissionMetrics(registry)).start()
     try:
         c = client(server.port, ca)
         no_handshake = c.tcp()
@@ -144,6 +147,9 @@ def test_idle_and_slow_connections_are_closed(pair, client):
         assert post(server, ca, "/mutate", json.dumps(review()).encode())[0] == 200
     finally:
         server.stop()
+    closed = {reason: registry.get_sample_value("accelnode_controller_admission_connections_closed_total",
+                                                {"reason": reason}) for reason in ("handshake", "idle", "slow")}
+    assert closed == {"handshake": 1, "idle": 2, "slow": 2}, closed  # what an operator sees in the metrics
 
 
 def test_connections_over_the_limit_evict_the_longest_idle(pair, client):
