@@ -347,6 +347,9 @@ class AdmissionServer:
             why = ""  # the client went away
         except _Closed as c:
             why = c.reason
+        except asyncio.CancelledError:
+            why = ""  # the server stops
+            raise
         except Exception:
             log.error("admission connection failed", exc_info=True, extra=kv(peer=_peer(writer)))
             why = ""
