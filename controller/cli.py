@@ -57,7 +57,9 @@ def register(sub) -> None:
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
     g.add_argument("--webhook-address", default="127.0.0.1:9443", metavar="HOST:PORT",
                    help="where the admission webhooks listen (HTTPS); loopback by default, so a pod must set "
-                        "0.0.0.0:9443 (or its pod IP) for the API server to reach it (default: %(default)s)")
+                        "0.0.0.0:PORT (or its pod IP) for the API server to reach it; the Deployment uses "
+                        "0.0.0.0:10250, the port GKE private clusters let the control plane reach "
+                        "(default: %(default)s)")
     g = p.add_argument_group("webhook certificates (docs/webhook-certificates.md)")
     g.add_argument("--tls-cert-file", metavar="FILE",
                    help="serving certificate of the webhooks (PEM, reloaded when it changes), made by something else "
