@@ -156,16 +156,18 @@ class NodeServer(csi_grpc.NodeServicer):
             if top is not None:
                 return csi.NodePublishVolumeResponse()
             created = not os.path.lexists(where)
-            try:
-                if created:
-                    os.mkdir(where, 0o750)
-                if size is None:
-                    mounts.bind_readonly(ready.path, where, flags & ~mounts.ALWAYS)
-                else:
-                    self.views.create(where, ready.path, size, flags, ready.digest)
+            try:  # onto the directory checked, held open: a symlink swapped in for it is not followed
+                with mounts.target_dir(where, create=created) as fd:
+                    if os.listdir(fd):
+                        raise OSError(errno.ENOTEMPTY, "the target is not an empty directory")
+                    if size is None:
+                        mounts.bind_readonly_at(ready.path, fd, flags & ~mounts.ALWAYS, target)
+                    else:
+                        self.views.create(where, ready.path, size, flags, ready.digest, at=mounts.fd_path(fd))
             except OSError as e:
                 if created:
-                    _rmdir(where)
+                    with contextlib.suppress(OSError):  # not a directory any more: what replaced it is not ours
+                        _rmdir(where)
                 self._release_after_failure(context, vid, target)
                 context.abort(Code.INTERNAL, f"cannot mount {cache} at {target}: {e.strerror or e}")
         log.info("volume published", extra=kv(volume_id=vid, cache=str(cache), digest=ready.digest,
