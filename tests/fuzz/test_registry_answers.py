@@ -2,7 +2,9 @@
 server in this process that answers whatever hypothesis drew: its /v2/ challenge, its token
 answer, manifests, image indexes, config blobs and layers, media types and Content-Types) is
 asked by the controller's path (``manifest.inspect``, what pinning a cache runs) and the agent's
-(``CacheStore.ensure``, a pull into a fresh store). Each must end with its answer or one of our
+(``CacheStore.ensure``, a pull into a fresh store), and the signatures of a digest are fetched
+and judged as the controller and the agent do (``signatures.verify``: cosign v2 ``.sig``
+manifests, v3 referrers, bundles, payloads, certificates). Each must end with its answer or one of our
 refusals (:class:`ImageError`); any other exception is a crash. A refused pull leaves the store
 as it was: no cache, no reference, nothing in its staging area."""
 
@@ -25,6 +27,7 @@ from hypothesis import strategies as st
 
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci import manifest
+from accelnode.oci import signatures as sg
 from accelnode.oci.errors import ImageError
 from accelnode.oci.registry import INDEX_TYPES, MANIFEST_TYPES, RegistryOptions
 from agent.store import CacheStore
@@ -167,6 +170,9 @@ class HostileRegistry:
                 return 404, {}, b"{}"
             return w["manifest_status"], {"Content-Type": w["content_type"].encode("latin-1", "replace")
                                           .decode("latin-1")}, body
+        if path.startswith(prefix + "referrers/"):
+            body = w.get("referrers")
+            return (404, {}, b"{}") if body is None else (200, {"Content-Type": sg.INDEX_TYPE}, body)
         if path.startswith(prefix + "blobs/"):
             body = w["blobs"].get(path.rsplit("/", 1)[1])
             return (404, {}, b"{}") if body is None else (200, {"Content-Type": "application/octet-stream"}, body)
@@ -216,3 +222,78 @@ def test_agent_pull_refuses_or_installs(hostile, w):
             store.ensure(f"{hostile.host}/{REPO}:t", accelerators=[{"backend": "tpu", "arch": "v5e"}])
         except ImageError:
             assert _store_state(Path(d)) == before  # a refusal writes nothing
+
+
+# -- signatures -------------------------------------------------------------------------------------
+
+SIGNED = _digest(b"the cache's manifest")
+b64 = st.one_of(st.binary(max_size=80).map(lambda b: base64.b64encode(b).decode()), text)
+certificates = st.one_of(st.just("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"), text, json_values)
+
+
+@st.composite
+def signature_world(draw) -> dict:
+    """A registry holding cosign v2 and v3 signatures of SIGNED, their fields right or drawn."""
+    blobs, manifests = {}, {}
+    payload = draw(st.one_of(
+        st.just(json.dumps({"critical": {"image": {"docker-manifest-digest": SIGNED}}}).encode()),
+        json_values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=40)))
+    ann = draw(shaped({sg.SIG_ANNOTATION: b64, sg.CERT_ANNOTATION: certificates, sg.CHAIN_ANNOTATION: certificates}))
+    layer = draw(descriptor(blobs, payload, [sg.SIMPLESIGNING]))
+    layer["annotations"] = ann
+    v2 = draw(shaped({"layers": st.one_of(st.just([layer]), json_values), "mediaType": media_types}))
+    manifests[SIGNED.replace(":", "-") + ".sig"] = json.dumps(v2).encode()
+    raw = st.one_of(st.just({"rawBytes": draw(b64)}), json_values)
+    bundle = draw(st.one_of(shaped({
+        "verificationMaterial": shaped({"certificate": raw, "publicKey": shaped({"hint": text}),
+                                        "x509CertificateChain": shaped({"certificates": st.lists(raw, max_size=2)})}),
+        "dsseEnvelope": shaped({"payload": b64, "payloadType": text,
+                                "signatures": st.lists(shaped({"sig": b64}), max_size=2)}),
+        "messageSignature": shaped({"messageDigest": shaped({"digest": b64}), "signature": b64})}), json_values))
+    bundle_bytes = draw(st.one_of(st.just(json.dumps(bundle).encode()), st.binary(max_size=40)))
+    art = draw(shaped({"subject": shaped({"digest": st.one_of(st.just(SIGNED), text)}),
+                       "layers": st.one_of(st.lists(descriptor(blobs, bundle_bytes, list(sg.BUNDLE_TYPES)),
+                                                    max_size=1), json_values)}))
+    art_bytes = json.dumps(art).encode()
+    manifests[_digest(art_bytes)] = art_bytes
+    entry = draw(shaped({"artifactType": st.one_of(st.sampled_from(sg.BUNDLE_TYPES), json_values),
+                         "digest": st.one_of(st.just(_digest(art_bytes)), text)}))
+    index = draw(shaped({"manifests": st.one_of(st.just([entry]), json_values)}))
+    referrers = json.dumps(index).encode()
+    if draw(st.booleans()):
+        manifests[SIGNED.replace(":", "-")] = referrers  # the fallback tag, no referrers API
+        referrers = None
+    return {"challenge": None, "manifest_status": 200, "content_type": sg.INDEX_TYPE, "manifests": manifests,
+            "blobs": blobs, "referrers": referrers, "anonymous": True}
+
+
+@pytest.fixture(scope="module")
+def trust():
+    """A key and a keyless trust (a CA) for the verifier: no fuzzed signature verifies under them."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import datetime as dt
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fuzz-ca")])
+    now = dt.datetime.now(dt.timezone.utc)
+    ca = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+          .serial_number(1).not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(key, hashes.SHA256()))
+    return [sg.TrustedKey.from_pem("k", pem)], (sg.KeylessTrust((sg.Identity("https://issuer", "a@b"),), (ca,)),)
+
+
+@fuzz_settings(ci_examples=150)
+@given(w=signature_world())
+def test_signature_fetch_and_judge_refuse_or_answer(hostile, trust, w):
+    hostile.world = w
+    keys, keyless = trust
+    try:
+        verdict = sg.verify(f"{hostile.host}/{REPO}:t", SIGNED, keys, _options(hostile, w), keyless=keyless)
+    except ImageError:
+        return
+    assert not verdict.ok  # nothing here is signed by the trusted key or CA
