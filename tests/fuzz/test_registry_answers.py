@@ -35,6 +35,7 @@ from agent.store import CacheStore
 from .fuzzing import fuzz_settings, json_values, shaped, text
 
 REPO = "team/cache"
+ACCELERATORS = [{"backend": "tpu", "arch": "v5e"}]
 SELF = "{self}"  # replaced by the server's host:port when it answers
 
 
@@ -211,6 +212,12 @@ def _store_state(root: Path) -> dict:
     return {sub: sorted(p.name for p in (root / sub).iterdir()) for sub in ("caches", "refs", "tmp")}
 
 
+def _kept_indexes_accepted(store: CacheStore, image: str) -> None:
+    """An image index is kept (for offline pulls) only once accepted: it names an entry to pull."""
+    for path in (store.root / "indexes").iterdir():
+        store._choose(json.loads(path.read_bytes()), image, ACCELERATORS)
+
+
 @fuzz_settings(ci_examples=150)
 @given(w=world())
 def test_agent_pull_refuses_or_installs(hostile, w):
@@ -218,10 +225,12 @@ def test_agent_pull_refuses_or_installs(hostile, w):
     with tempfile.TemporaryDirectory() as d:
         store = CacheStore(d, registry=_options(hostile, w))
         before = _store_state(Path(d))
+        image = f"{hostile.host}/{REPO}:t"
         try:
-            store.ensure(f"{hostile.host}/{REPO}:t", accelerators=[{"backend": "tpu", "arch": "v5e"}])
+            store.ensure(image, accelerators=ACCELERATORS)
         except ImageError:
-            assert _store_state(Path(d)) == before  # a refusal writes nothing
+            assert _store_state(Path(d)) == before  # a refusal installs, references and stages nothing
+            _kept_indexes_accepted(store, image)
 
 
 # -- signatures -------------------------------------------------------------------------------------
