@@ -34,7 +34,7 @@ PROJECT = f"nodegroups-{uuid.uuid4().hex[:8]}"
 @pytest.fixture(scope="module")
 def nodegroup_rbac(crds, kubectl):
     out = kubectl("admin", "apply", "-f", "daemonsets/namespace.yaml", "-f", "daemonsets/rbac-controller.yaml",
-                  "-f", "daemonsets/rbac-controller-nodegroups.yaml")
+                  "-f", "daemonsets/rbac-controller-nodegroups.yaml", "-f", "daemonsets/rbac-controller-jointokens.yaml")
     assert out.returncode == 0, out.stderr
 
 
@@ -50,7 +50,8 @@ class Running:
 
     def __init__(self, control_plane, endpoint: str, **settings):
         self.client = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), max_connections=16)
-        settings = nodegroups.Settings(**{"namespace": NS_CTRL, "poll": 0.2, "drain_timeout": 5.0, **settings})
+        settings = nodegroups.Settings(**{"namespace": NS_CTRL, "poll": 0.2, "drain_timeout": 5.0,
+                                          "own_project": PROJECT, **settings})
         self.gce = GCE(endpoint)
         self.manager = Manager(self.client, nodegroups.reconcilers(self.client, settings, self.gce),
                                CollectorRegistry(), workers=2, resync=30)

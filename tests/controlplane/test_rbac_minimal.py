@@ -46,12 +46,13 @@ NEEDS = {
         ("update", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),
         ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-tpu-env"),
         # node groups' join tokens: bootstrap-token Secrets live in kube-system (docs/bootstrap.md)
-        ("create", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-x"),
-        ("list", "", "secrets", "kube-system", ""), ("get", "", "configmaps", "kube-public", "cluster-info")],
+        ("create", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-acn007"),
+        ("get", "", "secrets", "kube-system", "bootstrap-token-acn007"), ("get", "", "configmaps", "kube-public", "cluster-info")],
     "default": [],
 }
 DANGEROUS = [
     ("get", "", "secrets", "kube-system", "any"), ("list", "", "secrets", "", ""),
+    ("list", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-abcdef"),
     ("list", "", "secrets", NS, ""), ("watch", "", "secrets", "", ""),
     ("get", "", "secrets", NS, "accelnode-registry-credentials"),
     ("create", "", "pods/exec", "team-a", "p"), ("create", "", "pods/attach", "team-a", "p"),
