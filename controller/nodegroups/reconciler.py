@@ -47,6 +47,7 @@ TAINT = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
 DEVICE_PLUGIN = "accelnode-tpu-device-plugin"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "accelnode-controller"}
 TERMINAL_REASONS = ("RequestRejected", "OperationFailed")
+CHILD_FAILURES = (*TERMINAL_REASONS, "NotOwned", "NotAllowed")  # a child that will not come up as it is
 
 
 @dataclass
@@ -616,9 +617,7 @@ class TPUNodeGroupReconciler(Reconciler):
         else:
             template_url = BASE + spec["instanceTemplateURI"]
         if waiting:
-            conds = condition(conds, "Ready", "False", "AwaitingNodeJoin", f"waiting for {', '.join(waiting)}", gen)
-            self._set_status(key, g, conds)
-            return Result(requeue_after=self.settings.poll)
+            return self._waiting(key, g, conds, ", ".join(waiting))
         mig_name = mig_name_of(g)
         mspec = {"project": project, "location": zone, "instanceTemplate": template_url,
                  "targetSize": int(spec["nodeCount"]), "defaultActionOnFailure": "DO_NOTHING"}
@@ -630,9 +629,7 @@ class TPUNodeGroupReconciler(Reconciler):
         mig_url = (child.get("status") or {}).get("url")
         conds = self._child_condition(conds, "ManagedInstanceGroupReady", child, mig_url, gen)
         if not mig_url:
-            conds = condition(conds, "Ready", "False", "AwaitingNodeJoin", "waiting for ManagedInstanceGroup", gen)
-            self._set_status(key, g, conds)
-            return Result(requeue_after=self.settings.poll)
+            return self._waiting(key, g, conds, "ManagedInstanceGroup")
         box = [g]
         summary, message, again = self._nodes(key, box, project, zone, mig_name, labels)
         g = box[0]
@@ -650,6 +647,19 @@ class TPUNodeGroupReconciler(Reconciler):
         if summary["ready"] >= n and not again:
             return None
         return Result(requeue_after=min(again or self.settings.poll, self.settings.poll))
+
+    def _waiting(self, key: str, g: dict, conds: list[dict], what: str) -> Result | None:
+        """Ready=False while children are made; a child that failed for good fails the group
+        with its reason (the children's watch brings the group back when that changes)."""
+        gen = g["metadata"].get("generation")
+        failed = next((c for c in conds if c["type"] != "Ready" and c.get("status") == "False"
+                       and c.get("reason") in CHILD_FAILURES), None)
+        if failed:
+            self._set_status(key, g, condition(conds, "Ready", "False", failed["reason"],
+                                               f"{failed['type']}: {failed['message']}", gen))
+            return None
+        self._set_status(key, g, condition(conds, "Ready", "False", "AwaitingNodeJoin", f"waiting for {what}", gen))
+        return Result(requeue_after=self.settings.poll)
 
     def _template_machine(self, key: str, spec: dict) -> str | None:
         if key not in self._machine:

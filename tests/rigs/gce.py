@@ -473,7 +473,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json; charset=UTF-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client is gone (a test killed it)
+            self.close_connection = True
 
     def _serve(self, method: str) -> None:
         url = urlsplit(self.path)
