@@ -36,7 +36,8 @@ PROJECT = f"nodegroups-{uuid.uuid4().hex[:8]}"
 @pytest.fixture(scope="module")
 def nodegroup_rbac(crds, kubectl):
     out = kubectl("admin", "apply", "-f", "daemonsets/namespace.yaml", "-f", "daemonsets/rbac-controller.yaml",
-                  "-f", "daemonsets/rbac-controller-nodegroups.yaml", "-f", "daemonsets/rbac-controller-jointokens.yaml")
+                  "-f", "daemonsets/rbac-controller-nodegroups.yaml",
+                  "-f", "daemonsets/rbac-controller-jointokens.yaml")
     assert out.returncode == 0, out.stderr
 
 

@@ -46,8 +46,11 @@ NEEDS = {
         ("update", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),
         ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-tpu-env"),
         # node groups' join tokens: bootstrap-token Secrets live in kube-system (docs/bootstrap.md)
-        ("create", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-acn007"),
-        ("get", "", "secrets", "kube-system", "bootstrap-token-acn007"), ("get", "", "configmaps", "kube-public", "cluster-info")],
+        ("create", "", "secrets", "kube-system", ""),
+        ("delete", "", "secrets", "kube-system", "bootstrap-token-acn007"),
+        ("get", "", "secrets", "kube-system", "bootstrap-token-acn007"),
+        ("get", "", "configmaps", "kube-public", "cluster-info"),
+        ("get", "", "namespaces", "", "kube-system")],  # the cluster id in node groups' ownership markers
     "default": [],
 }
 DANGEROUS = [

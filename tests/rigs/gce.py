@@ -295,7 +295,8 @@ class Compute:
                                 "region."}]
                 continue
             m["errors"] = []
-            items = [dict(i) for i in ((props.get("metadata") or {}).get("items") or []) if i.get("key") != "created-by"]
+            items = [dict(i) for i in ((props.get("metadata") or {}).get("items") or [])
+                     if i.get("key") != "created-by"]
             # GCE writes the MIG that made a VM into its metadata, under created-by
             items.append({"key": "created-by", "value": f"{zone_scope}/instanceGroupManagers/{mig['name']}"})
             inst = {"kind": "compute#instance", "id": str(next(self.ids)), "name": m["name"],
