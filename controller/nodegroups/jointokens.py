@@ -24,7 +24,7 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 from accelnode.kube.bootstraptoken import ENDPOINT_RE, METADATA_KEYS, TOKEN_RE, ca_cert_hash
 from accelnode.kube.client import Client, KubeError, is_conflict, is_not_found
@@ -122,18 +122,23 @@ class JoinTokens:
         self.ca_hash = ca_cert_hash(ca_pem)
         self.clock = clock
         self._path = f"/api/v1/namespaces/{namespace}/secrets"
+        self._ledger: dict[str, list[str]] = {}  # group -> ids, for callers that keep no status of their own
 
     # -- public surface ------------------------------------------------------------------------
 
-    def ensure(self, group: str, control_plane: str, recorded: list[str], taken: set[str],
-               reserve: Callable[[list[str]], None]) -> JoinInfo:
+    def ensure(self, group: str, control_plane: str, recorded: list[str] | None = None,
+               taken: Collection[str] = (), reserve: Callable[[list[str]], None] | None = None) -> JoinInfo:
         """The group's join values: a token with comfortable time left (one of ``recorded``
         reused, or a new one), the CA hash and ``control_plane``. ``taken``: the ids other groups
-        record; ``reserve(ids)`` writes the group's ids before a new Secret is made.
+        record; ``reserve(ids)`` writes the group's ids before a new Secret is made (without
+        ``recorded``, this object keeps them: one process, tests and benches).
         KubeError/Unreachable from the API pass through."""
         check_control_plane(control_plane)
         if not group:
             raise ValueError("a join token needs a node group name")
+        if recorded is None:
+            recorded = self._ledger.get(group, [])
+            reserve = lambda ids: self._ledger.__setitem__(group, list(ids))  # noqa: E731
         now = self.clock()
         alive: list[str] = []
         usable: list[_Token] = []
@@ -173,10 +178,10 @@ class JoinTokens:
             raise
         return f"jws-kubeconfig-{info.token_id}" in (cm.get("data") or {})
 
-    def revoke(self, group: str, recorded: list[str]) -> None:
-        """Delete the group's token Secrets among ``recorded`` (one that is not the group's is
-        left alone)."""
-        for tid in recorded:
+    def revoke(self, group: str, recorded: list[str] | None = None) -> None:
+        """Delete the group's token Secrets among ``recorded`` (default: the ids this object
+        keeps for it); one that is not the group's is left alone."""
+        for tid in self._ledger.pop(group, []) if recorded is None else recorded:
             tok = self._read(tid, group)
             if tok is not None:
                 self._delete(tok.name, group, "revoked")

@@ -47,6 +47,7 @@ TAINT = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
 DEVICE_PLUGIN = "accelnode-tpu-device-plugin"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "accelnode-controller"}
 TERMINAL_REASONS = ("RequestRejected", "OperationFailed")
+SYNC_WAIT = 0.5  # seconds: a key that comes before every watch has listed once waits this long
 CHILD_FAILURES = (*TERMINAL_REASONS, "NotOwned", "NotAllowed")  # a child that will not come up as it is
 
 
@@ -206,6 +207,8 @@ class ChildReconciler(Reconciler):
         return Result(requeue_after=self.settings.poll)
 
     def reconcile(self, key: str) -> Result | None:
+        if not self.cache.synced():
+            return Result(requeue_after=SYNC_WAIT)
         obj = self.rw.current(key, self.cache.get(self.path, key))
         if obj is None:
             self.rw.forget(key)
@@ -549,6 +552,8 @@ class TPUNodeGroupReconciler(Reconciler):
     # -- reconcile -------------------------------------------------------------------------------
 
     def reconcile(self, key: str) -> Result | None:
+        if not self.cache.synced():  # a teardown on a half-listed cache (no Nodes, no children yet) would let go
+            return Result(requeue_after=SYNC_WAIT)
         g = self.rw.current(key, self.cache.get(TNG, key))
         if g is None:
             self.rw.forget(key)

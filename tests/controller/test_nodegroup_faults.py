@@ -22,7 +22,6 @@ from tests.controller.test_nodegroups import (SINGLE, _register, cond, get, grou
 from tests.crds.test_crds import example
 from tests.rigs.gce import Server
 
-PROJECT = f"faults-{uuid.uuid4().hex[:8]}"
 ZONE = "us-central1-c"
 
 
@@ -40,6 +39,7 @@ class Rig:
 
     def __init__(self, control_plane, controllers, admin: Client, ns: str):
         self.admin, self.ns, self.controllers = admin, ns, controllers
+        self.project = f"faults-{uuid.uuid4().hex[:8]}"  # a test's own: one's leftovers never fail the next
         self.gce = Server().start()
         self.gce.compute.set_faults(op_delay_s=0.3, boot_s=0.2)
         self.proc = None
@@ -55,7 +55,7 @@ class Rig:
     def start(self):
         self.proc = self.controllers("faults", "--disable-webhooks", "--lease-duration", "4", "--renew-deadline",
                                      "3", "--retry-period", "1", "--tpu-node-groups", "--gce-endpoint",
-                                     self.gce.endpoint, "--gce-project", PROJECT, "--node-group-poll", "0.2",
+                                     self.gce.endpoint, "--gce-project", self.project, "--node-group-poll", "0.2",
                                      "--drain-timeout", "2")
         return self
 
@@ -72,12 +72,12 @@ class Rig:
 
     def _kubelet(self) -> None:
         while not self.stop.is_set():
-            for inst in self.gce.compute.instances(PROJECT):
+            for inst in self.gce.compute.instances(self.project):
                 if inst["status"] == "RUNNING" and "kubeadm-join-token" in metadata(inst) and \
                         get(self.admin, f"/api/v1/nodes/{inst['name']}") is None:
                     try:
                         if self.joining:
-                            _register(self.admin, inst, PROJECT, ZONE)
+                            _register(self.admin, inst, self.project, ZONE)
                             self.registered.append(inst["name"])
                     except KubeError:
                         pass
@@ -101,14 +101,14 @@ class Rig:
     def leftovers(self) -> list[str]:
         with self.gce.compute.lock:
             self.gce.compute.advance()
-            return sorted(p for p in self.gce.compute.resources if p.startswith(f"projects/{PROJECT}/"))
+            return sorted(p for p in self.gce.compute.resources if p.startswith(f"projects/{self.project}/"))
 
 
-def new_group(admin: Client, ns: str, name: str) -> dict:
+def new_group(rig: Rig, name: str) -> dict:
     obj = example(*SINGLE)
-    obj["metadata"].update(namespace=ns, name=name)
-    obj["spec"]["project"] = PROJECT
-    return admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns), body=obj)
+    obj["metadata"].update(namespace=rig.ns, name=name)
+    obj["spec"]["project"] = rig.project
+    return rig.admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", rig.ns), body=obj)
 
 
 def settled(admin: Client, ns: str, name: str):
@@ -132,8 +132,9 @@ def teardown_leaves_nothing(rig: Rig, names: list[str]) -> None:
     rig.until("GCE empty", lambda: rig.leftovers() == [], 30)
     assert group_secrets(rig.admin, rig.ns) == []
     nodes = rig.admin.request("GET", "/api/v1/nodes")["items"]
-    left = [n["metadata"]["name"] for n in nodes if (n["spec"].get("providerID") or "").startswith(f"gce://{PROJECT}/")]
-    assert left == [], (left, rig.registered, rig.proc.log()[-3000:])
+    left = [n["metadata"]["name"] for n in nodes if (n["spec"].get("providerID") or "").startswith(f"gce://{rig.project}/")]
+    assert left == [], (left, rig.registered, rig.kills, [ln[:300] for ln in rig.proc.log().splitlines()
+                                                          if "group" in ln or "leader" in ln or "error" in ln][-40:])
 
 
 @pytest.fixture
@@ -146,7 +147,7 @@ def rig(control_plane, rbac, fresh_lease, controllers, admin, kube_namespace):
 
 def test_killed_at_every_gce_write_the_group_still_comes_up_and_goes_without_a_leak(rig):
     rig.kill_writes = True
-    new_group(rig.admin, rig.ns, "killed")
+    new_group(rig, "killed")
     g = rig.until("Ready despite the kills", lambda: settled(rig.admin, rig.ns, "killed"), 180)
     assert cond(g, "Ready")["status"] == "True", g["status"]
     teardown_leaves_nothing(rig, ["killed"])
@@ -160,7 +161,7 @@ def test_killed_at_every_gce_write_the_group_still_comes_up_and_goes_without_a_l
 
 def test_deleted_while_its_inserts_are_pending_nothing_leaks(rig):
     rig.gce.compute.set_faults(op_delay_s=3.0)
-    new_group(rig.admin, rig.ns, "hasty")
+    new_group(rig, "hasty")
     mig_pending = lambda: any(  # noqa: E731
         (c.get("status") or {}).get("operationType") == "CREATE" for c in rig.admin.request(
             "GET", custom_path("tpu.google.com", "v1alpha1", "managedinstancegroups", rig.ns))["items"])
@@ -171,22 +172,22 @@ def test_deleted_while_its_inserts_are_pending_nothing_leaks(rig):
 def test_api_errors_late_failures_and_quota_end_ready_or_failed_with_a_reason(rig):
     c = rig.gce.compute
     c.set_faults(unavailable=3, errors=[
-        {"method": "POST", "path": f"/{PROJECT}/global/instanceTemplates$", "code": 429, "reason": "rateLimitExceeded"},
+        {"method": "POST", "path": f"/{rig.project}/global/instanceTemplates$", "code": 429, "reason": "rateLimitExceeded"},
         {"method": "POST", "path": "/instanceGroupManagers$", "code": 500, "reason": "backendError"},
         {"method": "POST", "path": "/setMetadata$", "code": 503, "reason": "backendError"}],
         fail_ops=[{"type": "insert", "path": "/instanceTemplates/transient-", "code": 500},
                   {"type": "insert", "path": "/instanceGroupManagers/transient-", "code": 503},
                   {"type": "insert", "path": "/instanceTemplates/refused-", "code": 403, "reason": "forbidden",
                    "message": "Required 'compute.instanceTemplates.create' permission"}])
-    new_group(rig.admin, rig.ns, "transient")
-    new_group(rig.admin, rig.ns, "refused")
+    new_group(rig, "transient")
+    new_group(rig, "refused")
     g = rig.until("transient faults ride out", lambda: settled(rig.admin, rig.ns, "transient"), 120)
     assert cond(g, "Ready")["status"] == "True", g["status"]
     g = rig.until("late refusal reported", lambda: settled(rig.admin, rig.ns, "refused"), 60)
     assert cond(g, "Ready")["reason"] == "OperationFailed" and "compute.instanceTemplates.create" in \
         cond(g, "Ready")["message"], g["status"]
     c.set_faults(quota_exceeded=True)
-    new_group(rig.admin, rig.ns, "quota")
+    new_group(rig, "quota")
     g = rig.until("quota reported", lambda: settled(rig.admin, rig.ns, "quota"), 60)
     assert cond(g, "Ready")["reason"] == "InstancesCreationFailed" and "QUOTA_EXCEEDED" in cond(g, "Ready")["message"]
     teardown_leaves_nothing(rig, ["transient", "refused", "quota"])
