@@ -70,8 +70,9 @@ def whoami(control_plane, token: str) -> dict:
 
 def test_a_new_token_is_a_kubeadm_node_bootstrap_token(control_plane, me, admin, group):
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
-    info = Ledger(jt, group).ensure("10.0.0.2")
-    assert TOKEN_RE.match(info.token)
+    ledger = Ledger(jt, group)
+    info = ledger.ensure("10.0.0.2")
+    assert TOKEN_RE.match(info.token) and info.token_id in POOL
     tid, tsecret = info.token.split(".")
     secret = admin.request("GET", f"{SECRETS}/bootstrap-token-{tid}")
     assert secret["type"] == SECRET_TYPE
@@ -88,6 +89,7 @@ def test_a_new_token_is_a_kubeadm_node_bootstrap_token(control_plane, me, admin,
     assert info.metadata_items() == {"kubeadm-join-token": info.token, "kubeadm-control-plane-ip": "10.0.0.2",
                                      "kubeadm-ca-hash": info.ca_hash}
     assert tuple(info.metadata_items()) == METADATA_KEYS
+    ledger.revoke()
 
 
 def test_the_bootstrap_signer_signs_cluster_info_for_a_new_token(control_plane, me, group):
@@ -250,20 +252,22 @@ def test_a_pool_name_taken_by_someone_else_is_skipped_and_left_alone(control_pla
     """A Secret in the pool that is not the group's (an admin's token, another group's): never
     used, never deleted, even when the group's ledger names it."""
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
-    body = {"metadata": {"name": "bootstrap-token-acn042"}, "type": SECRET_TYPE,
-            "stringData": {"token-id": "acn042", "token-secret": "0123456789abcdef",
+    used = {s["metadata"]["name"] for s in admin.request("GET", SECRETS)["items"]}
+    tid = next(t for t in reversed(POOL) if f"bootstrap-token-{t}" not in used)  # the cluster is shared
+    body = {"metadata": {"name": f"bootstrap-token-{tid}"}, "type": SECRET_TYPE,
+            "stringData": {"token-id": tid, "token-secret": "0123456789abcdef",
                            "usage-bootstrap-authentication": "true"}}
     admin.request("POST", SECRETS, body=body)
     try:
         ledger = Ledger(jt, group)
-        ledger.ids = ["acn042"]  # as if the group had recorded it
+        ledger.ids = [tid]  # as if the group had recorded it
         info = ledger.ensure()
-        assert info.token_id != "acn042" and "acn042" not in ledger.ids
-        jt.revoke(group, ["acn042"])
-        assert admin.request("GET", f"{SECRETS}/bootstrap-token-acn042")
+        assert info.token_id != tid and tid not in ledger.ids
+        jt.revoke(group, [tid])
+        assert admin.request("GET", f"{SECRETS}/bootstrap-token-{tid}")
         ledger.revoke()
     finally:
-        admin.request("DELETE", f"{SECRETS}/bootstrap-token-acn042")
+        admin.request("DELETE", f"{SECRETS}/bootstrap-token-{tid}")
 
 
 def test_the_rbac_names_exactly_the_pool():
