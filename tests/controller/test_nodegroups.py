@@ -53,8 +53,10 @@ class Running:
 
     def __init__(self, control_plane, endpoint: str, **settings):
         self.client = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), max_connections=16)
+        # the groups may use our project and the examples' (tests/e2e/test_nodegroup_join.py's)
         settings = nodegroups.Settings(**{"namespace": NS_CTRL, "poll": 0.2, "drain_timeout": 5.0,
-                                          "own_project": PROJECT, **settings})
+                                          "placement": {"*": {"projects": [PROJECT, "my-tpu-project"]}},
+                                          **settings})
         self.gce = GCE(endpoint)
         self.manager = Manager(self.client, nodegroups.reconcilers(self.client, settings, self.gce),
                                CollectorRegistry(), workers=2, resync=30)
