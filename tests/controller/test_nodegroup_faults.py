@@ -190,4 +190,9 @@ def test_api_errors_late_failures_and_quota_end_ready_or_failed_with_a_reason(ri
     new_group(rig, "quota")
     g = rig.until("quota reported", lambda: settled(rig.admin, rig.ns, "quota"), 60)
     assert cond(g, "Ready")["reason"] == "InstancesCreationFailed" and "QUOTA_EXCEEDED" in cond(g, "Ready")["message"]
+    c.set_faults(fail_ops=[{"type": "delete", "path": "/instanceGroupManagers/transient-", "code": 503},
+                           {"type": "delete", "path": "/instanceTemplates/quota-", "code": 500}],
+                 errors=[{"method": "DELETE", "path": "/instanceGroupManagers/quota-", "code": 429,
+                          "reason": "rateLimitExceeded"}])  # and the deletions fail too, once each
     teardown_leaves_nothing(rig, ["transient", "refused", "quota"])
+    assert c.faults.fail_ops == [] and c.faults.errors == []  # every fault was met
