@@ -109,6 +109,26 @@ class JoinNode(Node):
         return ["--cri-socket", f"unix://{self.socket}", "--patches", str(self.patches),
                 *(f"--ignore-preflight-errors={c}" for c in IGNORED_PREFLIGHT)]
 
+    def bootstrap(self, metadata_host: str, log: Path, *extra: str) -> subprocess.Popen:
+        """``accelnode bootstrap`` on this VM, as its unit runs it, parked in the metadata long poll."""
+        from tests.conftest import accelnode_cmd, tool
+
+        with open(log, "ab") as out:
+            return subprocess.Popen(self.vm_argv([*accelnode_cmd(), "bootstrap", "--kubeadm", tool("kubeadm"),
+                                                  "--log-format", "json", *self.join_args(), *extra]),
+                                    env=self.vm_env(GCE_METADATA_HOST=metadata_host), stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+    def kubeadm_join(self, token: str, endpoint: str, ca_hash: str, log: Path) -> subprocess.Popen:
+        """``kubeadm join`` typed by hand on this VM with the same values and node settings."""
+        from tests.conftest import tool
+
+        with open(log, "ab") as out:
+            return subprocess.Popen(self.vm_argv([tool("kubeadm"), "join", endpoint, "--token", token,
+                                                  "--discovery-token-ca-cert-hash", ca_hash,
+                                                  "--node-name", self.name, *self.join_args()]),
+                                    env=self.vm_env(), stdout=out, stderr=subprocess.STDOUT)
+
     def kubelet_log(self) -> Path:
         return self.unit_state / "kubelet.service.log"
 
