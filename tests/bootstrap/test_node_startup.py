@@ -152,6 +152,14 @@ def test_bad_sources_install_nothing(fresh_root, sources):
         md.replace_attributes({**want, "accelnode-node-bundle-url": "ftp://example.com/x; rm -rf /"})
         out = _boot(root, md)
         assert out.returncode == 1 and "accelnode-node-bundle-url" in out.stderr and "malformed" in out.stderr
+        # the examples' metadata, not filled in yet
+        from tests.crds.test_crds import example
+
+        items = example("tpu/tpunodegroup-single-host.yaml", "v7x-single-host")["spec"]["instanceConfig"]["metadata"]
+        md.replace_attributes(items)
+        out = _boot(root, md)
+        assert out.returncode == 1 and "instance metadata accelnode-containerd-version=" in out.stderr \
+            and "is malformed" in out.stderr, out.stderr
         for path in ("usr/local/bin/kubeadm", "usr/local/bin/kubelet", "opt/accelnode", "etc/containerd",
                      "var/lib/accelnode", "etc/systemd/system/kubelet.service"):
             assert not (root / path).exists(), path
