@@ -11,14 +11,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
+import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TOOLS_BIN, require
+from tests.conftest import ROOT, TOOLS_BIN, require, require_root
 from tests.rigs.metadata import MetadataServer
 
 SYSTEMD = ROOT / "daemonsets" / "systemd"
@@ -43,7 +45,8 @@ def disk():
     from tests.rigs import vmroot
 
     require(shutil.which("mmdebstrap") is not None, "mmdebstrap (tools/apt/kubelet.txt)")
-    require(shutil.which("unshare") is not None and __import__("os").geteuid() == 0, "root and unshare")
+    require_root()
+    require(shutil.which("unshare") is not None, "unshare (util-linux)")
     return vmroot.boot_disk(log=lambda m: None)
 
 
@@ -60,7 +63,7 @@ def sources(tmp_path_factory):
         require((TOOLS_BIN / name).exists(), f"{name} in {TOOLS_BIN}")
         (d / name).symlink_to(TOOLS_BIN / name)
     subprocess.run(["sh", str(SYSTEMD / "make-node-bundle.sh"), str(d / "bundle.tar.gz"), "3.11"], check=True,
-                   capture_output=True, env={**__import__("os").environ, "PYTHON": __import__("sys").executable})
+                   capture_output=True, env={**os.environ, "PYTHON": sys.executable})
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(d)))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}", d
