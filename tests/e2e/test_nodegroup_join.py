@@ -175,8 +175,8 @@ def test_token_to_ready_node_running_a_tpu_pod(kubelet_cluster, tmp_path):
                                 if p.is_char_device())
             assert devices == host_nodes and len(host.chips()) == 4, (devices, host_nodes)
             env = dict(e.split("=", 1) for e in spec["process"]["env"])
-            assert len(env.get("TPU_VISIBLE_CHIPS", "").split(",")) == 4, env
-            assert env.get("TPU_TOPOLOGY") == "2x2x1", env
+            # the whole host: this host's share of the 2x2x1 slice
+            assert env.get("TPU_TOPOLOGY") == "2x2x1" and env.get("TPU_CHIPS_PER_HOST_BOUNDS") == "2,2,1", env
             admin.request("DELETE", f"/api/v1/namespaces/{ns}/pods/tpu")
             wait("the pod gone", lambda: get(admin, f"/api/v1/namespaces/{ns}/pods/tpu") is None, timeout=60)
             # the VM goes away with the group
