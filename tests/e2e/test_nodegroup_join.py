@@ -74,7 +74,8 @@ def kubelet_cluster(tmp_path_factory):
     try:
         out = subprocess.run([tool("kubectl"), f"--kubeconfig={cp.kubeconfig('admin')}", "apply",
                               "-f", "daemonsets/crds", "-f", "daemonsets/namespace.yaml",
-                              "-f", "daemonsets/rbac-controller.yaml", "-f", "daemonsets/rbac-controller-nodegroups.yaml"],
+                              "-f", "daemonsets/rbac-controller.yaml", "-f", "daemonsets/rbac-controller-nodegroups.yaml",
+                              "-f", "daemonsets/rbac-controller-jointokens.yaml"],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         yield cp
