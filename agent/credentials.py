@@ -53,8 +53,7 @@ class Chooser:
                                                              "agent has no API server to read pull secrets from)")
         found = self.secrets.of(namespace)
         if not found.secrets:
-            return dataclasses.replace(self.anonymous, whose=f"no credentials (the default ServiceAccount of "
-                                                             f"namespace {namespace} names no imagePullSecrets)")
+            return dataclasses.replace(self.anonymous, whose=f"no credentials ({found.why})")
         names = ", ".join(n for n, _ in found.secrets)
         return Credentials(found.key, dataclasses.replace(self.anonymous.options, anonymous=False,
                                                           pull_secrets=found.secrets),

@@ -4,10 +4,12 @@ own), each a ``kubernetes.io/dockerconfigjson`` or ``kubernetes.io/dockercfg`` S
 namespace (docs/security.md).
 
 Reading them takes ``get`` on that ServiceAccount and on those Secrets, which no accelnode
-identity holds by default: a namespace grants it by binding the ClusterRole
+identity holds by default: a namespace lends them by binding the ClusterRole
 ``accelnode-pull-secret-reader`` (or a Role naming its secrets) to the agent and the controller.
-Without the grant the lookup fails with a message that says so, and nothing is pulled with
-anyone else's credentials. Answers are kept ``ttl`` seconds per namespace; content never
+A namespace that lends nothing (its ServiceAccount may not be read) has no pull secrets: its
+caches are pulled anonymously, and :attr:`PullSecrets.why` says how to lend them; a secret the
+ServiceAccount names but that may not be read is an error. Nothing is ever pulled with anyone
+else's credentials instead. Answers are kept ``ttl`` seconds per namespace; content never
 reaches a log or a message.
 """
 
@@ -30,10 +32,15 @@ class PullSecretError(Exception):
     """The namespace's pull secrets cannot be read or used; the message says what to do."""
 
 
+class NotLent(PullSecretError):
+    """The API server refused the read: the namespace has not lent its pull secrets to us."""
+
+
 @dataclass(frozen=True)
 class PullSecrets:
     namespace: str
     secrets: tuple[tuple[str, str], ...]  # (namespace/name, Docker config JSON), in the ServiceAccount's order
+    why: str = ""  # no secrets: why not, in words
 
     @property
     def key(self) -> str:
@@ -60,7 +67,7 @@ class PullSecretReader:
             hit = self._answers.get(namespace)
             if hit is not None and now - hit[1] < self.ttl:
                 return hit[0]
-        found = PullSecrets(namespace, tuple(self._read(namespace)))
+        found = self._read(namespace)
         with self._lock:
             self._answers[namespace] = (found, time.monotonic())
             if len(self._answers) > 4096:
@@ -74,14 +81,22 @@ class PullSecretReader:
             if is_not_found(e):
                 return None
             if is_forbidden(e):
-                raise PullSecretError(f"{self.who} may not read {what} (namespace {namespace} has not bound the "
+                raise NotLent(f"{self.who} may not read {what} (namespace {namespace} has not bound the "
                                       f"ClusterRole {GRANT}, or a Role naming its pull secrets, to it; "
                                       "docs/security.md)") from None
             raise PullSecretError(f"cannot read {what}: {e}") from None
 
-    def _read(self, namespace: str):
-        sa = self._get(f"/api/v1/namespaces/{namespace}/serviceaccounts/default",
-                       f"ServiceAccount {namespace}/default", namespace) or {}
+    def _read(self, namespace: str) -> PullSecrets:
+        try:
+            sa = self._get(f"/api/v1/namespaces/{namespace}/serviceaccounts/default",
+                           f"ServiceAccount {namespace}/default", namespace) or {}
+        except NotLent as e:
+            return PullSecrets(namespace, (), f"namespace {namespace} lends {self.who} no pull secrets: {e}")
+        secrets = tuple(self._secrets(namespace, sa))
+        return PullSecrets(namespace, secrets, "" if secrets else f"the default ServiceAccount of namespace "
+                                                                  f"{namespace} names no imagePullSecrets")
+
+    def _secrets(self, namespace: str, sa: dict):
         for ref in sa.get("imagePullSecrets") or ():
             name = ref.get("name") if isinstance(ref, dict) else None
             if not isinstance(name, str) or not name:
