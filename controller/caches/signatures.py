@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from accelnode.log import kv
 from accelnode.oci import signatures as sg
 from accelnode.oci.errors import AuthError, ImageError, RegistryUnavailable
+from accelnode.oci.refusal import stamp
 from accelnode.oci.registry import RegistryOptions
 
 from controller.caches.pinning import SIGNATURE_FORMAT_LABEL, Pin
@@ -97,7 +98,7 @@ class Outcome:
 
 
 def _stamp(digest: str, policies: list[Policy]) -> str:
-    return f"[digest {digest}; policies {','.join(p.tag for p in policies) or 'none'}]"
+    return stamp(digest, [p.tag for p in policies])
 
 
 class Signer:
