@@ -121,8 +121,9 @@ class Signer:
         return any(p.require for p in covering), sg.FORMATS
 
     def outcome(self, key: str, obj: dict, pin: Pin, namespace: str | None, policies: list[Policy],
-                old: dict | None) -> Outcome | None:
-        """The Verified condition for ``pin`` (None: this cache needs no signature)."""
+                old: dict | None, *, options: RegistryOptions | None = None) -> Outcome | None:
+        """The Verified condition for ``pin`` (None: this cache needs no signature); the signatures
+        are read with ``options`` (the cache's credentials; None: the signer's own)."""
         needed, formats = self.required(obj, namespace, policies)
         if not needed:
             return None
@@ -151,7 +152,8 @@ class Signer:
         try:
             with self._lock:
                 self.verifications += 1
-            verdict = self._verify(pin.image, pin.digest, keys, self.options, formats=formats, timeout=self.timeout,
+            verdict = self._verify(pin.image, pin.digest, keys, options or self.options, formats=formats,
+                                   timeout=self.timeout,
                                    keyless=tuple(p.keyless for p in covering if p.keyless))
         except (RegistryUnavailable, AuthError) as e:
             log.warning("cache signature not verified: registry did not answer",
