@@ -178,7 +178,7 @@ class Agent:
         key = ref.digest
         proof = (ref.host, ref.repository, key, creds.key)
         answer = None
-        if self._proven(proof):
+        if not creds.prove or self._proven(proof):
             answer = self._ready.get(key)
             # a hand-out is a use (LRU collection); gone (collected) means asking the store again
             if answer is None or (answer.path and not self.store.mark_used(answer.digest)):
@@ -219,9 +219,11 @@ class Agent:
         return Answer(READY, digest=inst.digest, path=str(inst.path), size_bytes=inst.size_bytes,
                       kind=fmt.declared_kind(inst.labels) or "")
 
-    def _proven(self, proof: tuple) -> bool:
+    def _proven(self, proof: tuple, *, ever: bool = False) -> bool:
+        """Whether the repository served the digest to these credentials within PROOF_TTL
+        (``ever``: at all, since the agent started)."""
         at = self._proofs.get(proof)
-        return at is not None and time.monotonic() - at < PROOF_TTL
+        return at is not None and (ever or time.monotonic() - at < PROOF_TTL)
 
     def _prove(self, proof: tuple) -> None:
         with self._lock:
@@ -259,6 +261,22 @@ class Agent:
                 key, proof, pull = self._queue.popleft()
                 self._count()
 
+    def _install(self, proof: tuple, pull: Pull):
+        """The store's install of ``pull.image``, proved against the named repository with the
+        pull's credentials; while the registry cannot answer, a proof it gave these credentials
+        earlier stands (an outage does not take mounted caches from their tenants)."""
+        targets = self._targets or None
+        if not pull.credentials.prove:
+            return self.store.ensure(pull.image, accelerators=targets)
+        try:
+            return self.store.ensure(pull.image, accelerators=targets, options=pull.credentials.options)
+        except errors.RegistryUnavailable:
+            if not self._proven(proof, ever=True) or self.store.installed(proof[2]) is None:
+                raise
+            log.warning("registry unreachable: handing out installed content on an earlier proof",
+                        extra=kv(image=pull.image, credentials=pull.credentials.key))
+            return self.store.ensure(pull.image, accelerators=targets)
+
     def _count(self) -> None:
         self.metrics.pulls_in_flight.set(self._running)
         self.metrics.pulls_queued.set(len(self._queue))
@@ -269,8 +287,7 @@ class Agent:
         log.info("pull started", extra=kv(image=pull.image, credentials=creds.key,
                                           queued_s=round(pull.started - pull.asked, 3)))
         try:
-            # the store proves installed content against the named repository with these options
-            inst = self.store.ensure(pull.image, accelerators=self._targets or None, options=creds.options)
+            inst = self._install(proof, pull)
         except errors.NoMatchingManifest as e:
             answer = Answer(INCOMPATIBLE, digest=key, message=str(e), expected="a platform the image index lists",
                             found=fit.describe_node(self.accelerators))

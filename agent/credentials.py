@@ -25,6 +25,7 @@ class Credentials:
     key: str  # names them in the agent's caches of pulls and proofs (never their content)
     options: RegistryOptions
     whose: str  # for messages
+    prove: bool = True  # False: the node's own request; installed content needs no repository's word
 
 
 class Chooser:
@@ -32,6 +33,7 @@ class Chooser:
                  node_for_cluster_caches: bool = False):
         self.secrets, self.node_for_cluster_caches = secrets, node_for_cluster_caches
         self.node = Credentials("node", options, "the node's credentials")
+        self.own = Credentials("node", options, "the node's credentials", prove=False)
         self.anonymous = Credentials("anonymous", dataclasses.replace(options, config_file=None, anonymous=True,
                                                                       pull_secrets=()), "no credentials")
 
@@ -41,7 +43,7 @@ class Chooser:
         if anonymous:
             return self.anonymous
         if cache is None:
-            return self.node
+            return self.own
         namespace, name = cache
         if not namespace:
             if self.node_for_cluster_caches:
