@@ -80,7 +80,8 @@ class CacheView:
         """(both kinds listed, which are not yet): the driver's readiness."""
         missing = [kind for (kind, _), r in zip(KINDS, self._all) if not r.synced.is_set()]
         if missing:
-            return False, f"{' and '.join(missing)} not read from the API server yet"
+            listed = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+            return False, f"{listed} not read from the API server yet"
         return True, ""
 
     def start(self) -> "CacheView":
