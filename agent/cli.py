@@ -24,8 +24,9 @@ def register(sub) -> None:
                         "pulled with them: it gets the pull secrets of its namespace's default ServiceAccount, read "
                         "through the API server (--kubeconfig or the pod's service account), or none")
     t.add_argument("--pull-secrets", choices=("api", "none"), default="api",
-                   help="where a GKMCache's pull secrets come from: the API server (default), or nowhere "
-                        "(every GKMCache is pulled anonymously; also what happens with no API server at all)")
+                   help="where a GKMCache's pull secrets come from: the API server (default; --kubeconfig, or with "
+                        "--node-name the pod's service account), or nowhere (every GKMCache is pulled anonymously, "
+                        "as when the agent has no API server)")
     p.add_argument("--sysfs-root", default="/sys", help="sysfs to read accelerators from (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
     p.add_argument("--metrics-address", default="127.0.0.1:9811", metavar="HOST:PORT",

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .client import Client, KubeError, is_forbidden, is_not_found
+from .client import Client, KubeError, Unreachable, is_forbidden, is_not_found
 
 SECRET_TYPES = {"kubernetes.io/dockerconfigjson": ".dockerconfigjson", "kubernetes.io/dockercfg": ".dockercfg"}
 GRANT = "accelnode-pull-secret-reader"
@@ -84,6 +84,8 @@ class PullSecretReader:
                 raise NotLent(f"{self.who} may not read {what} (namespace {namespace} has not bound the "
                                       f"ClusterRole {GRANT}, or a Role naming its pull secrets, to it; "
                                       "docs/security.md)") from None
+            raise PullSecretError(f"cannot read {what}: {e}") from None
+        except Unreachable as e:
             raise PullSecretError(f"cannot read {what}: {e}") from None
 
     def _read(self, namespace: str) -> PullSecrets:
