@@ -1,8 +1,9 @@
 """The agent's work, free of any transport: the gRPC service, the status reporter and the
 prefetcher all call this (docs/agent-store.md, docs/csi.md). Invariants:
 
-* one pull per digest at a time (later callers join it), at most ``max_pulls`` at once; a caller
-  never blocks past ``wait_seconds``: a pull still running or queued answers PULLING;
+* one pull per (repository, digest, credentials) at a time (later callers join it; the store's
+  digest lock makes it one download per digest), at most ``max_pulls`` at once; a caller never
+  blocks past ``wait_seconds``: a pull still running or queued answers PULLING;
 * content is handed out per (registry, repository, digest, credentials): only once the named
   repository has served that digest's manifest to a request with the credentials of whoever
   asked (:attr:`Agent._proofs`, proved by the store), so one tenant's credentials, or the
@@ -141,8 +142,9 @@ class Agent:
         self._targets = [a.target() for a in accelerators if a.arch]
         self._lock = threading.Lock()
         self._ready: dict[str, Answer] = {}  # reference digest -> READY/INCOMPATIBLE answer
-        self._pulls: dict[tuple[str, tuple, str], Pull] = {}  # (reference digest, proof, credentials) -> latest
-        self._queue: collections.deque[tuple[str, tuple, Pull]] = collections.deque()  # waiting for a slot, FIFO
+        # (registry, repository, reference digest, credentials key): a "proof" -> its latest pull
+        self._pulls: dict[tuple, Pull] = {}
+        self._queue: collections.deque[tuple[tuple, Pull]] = collections.deque()  # waiting for a slot, FIFO
         self._running = 0  # pull threads (each runs queued pulls until the queue is empty)
         # (registry, repository, digest, credentials key) -> when that repository last served the
         # digest's manifest to those credentials
@@ -184,7 +186,7 @@ class Agent:
             if answer is None or (answer.path and not self.store.mark_used(answer.digest)):
                 answer = self._from_store(key)
         if answer is None:
-            pull = self._pull(key, proof, image, creds)
+            pull = self._pull(proof, image, creds)
             if pull.done.wait(max(0.0, wait_seconds)):
                 answer = pull.answer
             else:
@@ -194,7 +196,7 @@ class Agent:
     def _progress(self, pull: Pull) -> str:
         """How a pull not done is going: running for how long, or its place in the queue."""
         with self._lock:
-            ahead = next((i for i, (*_, p) in enumerate(self._queue) if p is pull), None)
+            ahead = next((i for i, (_, p) in enumerate(self._queue) if p is pull), None)
         if ahead is not None:
             return f"queued ({ahead} ahead; at most {self.max_pulls} pulls at once)"
         return f"pull in progress for {time.monotonic() - (pull.started or pull.asked):.1f}s"
@@ -232,33 +234,33 @@ class Agent:
                 for old in sorted(self._proofs, key=self._proofs.__getitem__)[:MAX_PROOFS // 4]:
                     del self._proofs[old]
 
-    def _pull(self, key: str, proof: tuple, image: str, creds: Credentials) -> Pull:
+    def _pull(self, proof: tuple, image: str, creds: Credentials) -> Pull:
         """The pull (or, for content installed already, the proof) of ``image`` with ``creds``."""
         with self._lock:
-            pull = self._pulls.get((key, proof, creds.key))
+            pull = self._pulls.get(proof)
             if pull is None or pull.done.is_set():
-                pull = self._pulls[(key, proof, creds.key)] = Pull(image, creds)
+                pull = self._pulls[proof] = Pull(image, creds)
                 if self._running < self.max_pulls:
                     self._running += 1
-                    threading.Thread(target=self._pull_worker, args=(key, proof, pull), name=f"pull-{self._running}",
+                    threading.Thread(target=self._pull_worker, args=(proof, pull), name=f"pull-{self._running}",
                                      daemon=True).start()
                 else:
-                    self._queue.append((key, proof, pull))
+                    self._queue.append((proof, pull))
                     log.info("pull queued", extra=kv(image=image, ahead=len(self._queue) - 1))
                 self._count()
                 self.on_change()
             return pull
 
-    def _pull_worker(self, key: str, proof: tuple, pull: Pull) -> None:
+    def _pull_worker(self, proof: tuple, pull: Pull) -> None:
         """Run ``pull``, then the queue's oldest until the queue is empty."""
         while True:
-            self._run_pull(key, proof, pull)
+            self._run_pull(proof, pull)
             with self._lock:
                 if not self._queue:
                     self._running -= 1
                     self._count()
                     return
-                key, proof, pull = self._queue.popleft()
+                proof, pull = self._queue.popleft()
                 self._count()
 
     def _install(self, proof: tuple, pull: Pull):
@@ -281,7 +283,8 @@ class Agent:
         self.metrics.pulls_in_flight.set(self._running)
         self.metrics.pulls_queued.set(len(self._queue))
 
-    def _run_pull(self, key: str, proof: tuple, pull: Pull) -> None:
+    def _run_pull(self, proof: tuple, pull: Pull) -> None:
+        key = proof[2]
         pull.started = time.monotonic()
         creds = pull.credentials
         log.info("pull started", extra=kv(image=pull.image, credentials=creds.key,
@@ -407,7 +410,7 @@ class Agent:
         # wins) rather than vanishing from this answer
         with self._lock:
             held = list(self._refs.values())
-            pulls = [(key, pull, pull.done.is_set()) for (key, *_), pull in self._pulls.items()]
+            pulls = [(proof[2], pull, pull.done.is_set()) for proof, pull in self._pulls.items()]
         refs: dict[str, list] = {}
         for meta in held:
             refs.setdefault(meta.get("digest"), []).append(meta)
