@@ -192,10 +192,17 @@ class Cluster:
     def scrub(self) -> None:
         """With the reconcilers stopped: leave the session as others expect it. Caches other tests
         left behind got claims and the finalizer while ours ran; take both away."""
+        def gone(delete, *args) -> None:  # what the garbage collector took meanwhile is gone already
+            try:
+                delete(*args)
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+
         for pvc in self.core.list_persistent_volume_claim_for_all_namespaces(label_selector=co.KIND_LABEL).items:
-            self.core.delete_namespaced_persistent_volume_claim(pvc.metadata.name, pvc.metadata.namespace)
+            gone(self.core.delete_namespaced_persistent_volume_claim, pvc.metadata.name, pvc.metadata.namespace)
         for pv in self.core.list_persistent_volume(label_selector=co.KIND_LABEL).items:
-            self.core.delete_persistent_volume(pv.metadata.name)
+            gone(self.core.delete_persistent_volume, pv.metadata.name)
         for plural in ("gkmcaches", "clustergkmcaches"):
             for obj in self.objs.list_cluster_custom_object(*GKM, plural)["items"]:
                 md = obj["metadata"]

@@ -159,9 +159,13 @@ def test_cluster_caches_get_the_nodes_credentials_only_when_the_flag_says_so(ten
     objects.create_cluster_custom_object(GROUP, VERSION, "clustergkmcaches", {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "ClusterGKMCache", "metadata": {"name": name},
         "spec": {"image": image}})
-    vol = tenant_node.volume("", pod_namespace="default", cache=name, cache_namespace=None)
-    assert "--node-credentials-for-cluster-caches" in refused(tenant_node, vol)
-    tenant_node.agent.stop()
-    tenant_node.set_agent_flags("--node-credentials-for-cluster-caches")
-    tenant_node.agent.start()
-    assert publish_until(tenant_node, vol) == Code.OK
+    try:
+        vol = tenant_node.volume("", pod_namespace="default", cache=name, cache_namespace=None)
+        assert "--node-credentials-for-cluster-caches" in refused(tenant_node, vol)
+        tenant_node.agent.stop()
+        tenant_node.set_agent_flags("--node-credentials-for-cluster-caches")
+        tenant_node.agent.start()
+        assert publish_until(tenant_node, vol) == Code.OK
+        tenant_node.node_stub().NodeUnpublishVolume(vol.unpublish_request(), timeout=30)
+    finally:  # cluster-scoped: other tests' reconcilers would give it claims in their namespaces
+        objects.delete_cluster_custom_object(GROUP, VERSION, "clustergkmcaches", name)
