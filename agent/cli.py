@@ -17,6 +17,16 @@ def register(sub) -> None:
     p.add_argument("--store", required=True, metavar="DIR", help="root of the node's cache store")
     p.add_argument("--socket", required=True, metavar="PATH", help="unix socket to serve the agent API on")
     add_registry_flags(p, timeout_flag="--registry-timeout")
+    t = p.add_argument_group("whose credentials pull what (docs/security.md)")
+    t.add_argument("--node-credentials-for-cluster-caches", action="store_true",
+                   help="pull ClusterGKMCaches with the node's registry credentials (--registry-config, "
+                        "~/.docker/config.json); without it they are pulled anonymously. A GKMCache is never "
+                        "pulled with them: it gets the pull secrets of its namespace's default ServiceAccount, read "
+                        "through the API server (--kubeconfig or the pod's service account), or none")
+    t.add_argument("--pull-secrets", choices=("api", "none"), default="api",
+                   help="where a GKMCache's pull secrets come from: the API server (default; --kubeconfig, or with "
+                        "--node-name the pod's service account), or nowhere (every GKMCache is pulled anonymously, "
+                        "as when the agent has no API server)")
     p.add_argument("--sysfs-root", default="/sys", help="sysfs to read accelerators from (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
     p.add_argument("--accelerator", action="append", metavar="BACKEND/ARCH[:COUNT]",
@@ -86,6 +96,24 @@ def _percent(text: str) -> float:
     return value
 
 
+def _credentials(args: argparse.Namespace, options):
+    """Whose credentials pull what: the namespaces' pull secrets through the API server when the
+    agent has one (--kubeconfig, or in a pod its service account)."""
+    from accelnode.kube.client import Client, Config
+    from accelnode.kube.pullsecrets import PullSecretReader
+
+    from .credentials import Chooser
+
+    reader = None
+    if args.pull_secrets == "api" and (args.kubeconfig or args.node_name):
+        try:
+            config = Config.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Config.in_cluster()
+        except (ValueError, OSError) as e:
+            raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
+        reader = PullSecretReader(Client(config), who="the accelnode agent")
+    return Chooser(options, reader, node_for_cluster_caches=args.node_credentials_for_cluster_caches)
+
+
 def run(args: argparse.Namespace) -> int:
     from accelnode.malloc import limit_arenas
 
@@ -132,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                                          args.gc_min_idle))
     registry = CollectorRegistry()
     agent = core.Agent(store, found, core.Metrics(registry),
-                       max_pulls=args.max_pulls)
+                       max_pulls=args.max_pulls, credentials=_credentials(args, options))
     health = Health()
     reporter = None  # set below with --node-name; ready once its watches have listed
 

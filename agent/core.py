@@ -1,11 +1,14 @@
 """The agent's work, free of any transport: the gRPC service, the status reporter and the
 prefetcher all call this (docs/agent-store.md, docs/csi.md). Invariants:
 
-* one pull per digest at a time (later callers join it), at most ``max_pulls`` at once; a caller
-  never blocks past ``wait_seconds``: a pull still running or queued answers PULLING;
-* an ``anonymous`` ensure never joins a credentialed pull (nor the reverse) and is handed
-  installed content only for a digest whose manifest an anonymous request has been served
-  (:attr:`Agent._public`), so registry credentials never serve an image a pod author named;
+* one pull per (repository, digest, credentials) at a time (later callers join it; the store's
+  digest lock makes it one download per digest), at most ``max_pulls`` at once; a caller never
+  blocks past ``wait_seconds``: a pull still running or queued answers PULLING;
+* content is handed out per (registry, repository, digest, credentials): only once the named
+  repository has served that digest's manifest to a request with the credentials of whoever
+  asked (:attr:`Agent._proofs`, proved by the store), so one tenant's credentials, or the
+  node's, never serve an image another tenant or a pod author named (agent/credentials.py says
+  whose credentials a request gets); pulls with different credentials never join each other;
 * a volume id holds one digest at one target path (:func:`_refusal`); references are the store's
   durable ones, so they survive restarts. Refusals are :class:`Refused`, named by the status
   code a caller answers with.
@@ -14,7 +17,6 @@ prefetcher all call this (docs/agent-store.md, docs/csi.md). Invariants:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import re
 import threading
@@ -28,12 +30,16 @@ from accelnode.hw.accelerators import Accelerator
 from accelnode.log import kv
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci import errors
+from accelnode.oci.reference import Reference
 
 from . import fit
+from .credentials import Chooser, Credentials, PullSecretError
 
 log = logging.getLogger("accelnode.agent")
 
 DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+PROOF_TTL = 300.0  # seconds a repository's answer for (digest, credentials) is taken as still true
+MAX_PROOFS = 16384
 
 # Answer.state
 READY, PULLING, FAILED, INCOMPATIBLE = "READY", "PULLING", "FAILED", "INCOMPATIBLE"
@@ -94,10 +100,10 @@ class CacheInfo:
 
 @dataclass
 class Pull:
-    """One background pull of one reference digest, with the node's credentials or without."""
+    """One background pull of one image (repository and digest) with one set of credentials."""
 
     image: str
-    anonymous: bool = False
+    credentials: Credentials
     asked: float = field(default_factory=time.monotonic)
     started: float | None = None  # when it left the queue and began
     done: threading.Event = field(default_factory=threading.Event)
@@ -124,22 +130,25 @@ class Metrics:
 
 
 class Agent:
-    def __init__(self, store, accelerators: list[Accelerator], metrics: Metrics, *, max_pulls: int = 3):
+    def __init__(self, store, accelerators: list[Accelerator], metrics: Metrics, *, max_pulls: int = 3,
+                 credentials: Chooser | None = None):
         if max_pulls < 1:
             raise ValueError("max_pulls must be at least 1")
         self.store = store
         self.max_pulls = max_pulls
-        # what an anonymous pull uses: the store's options without any credentials
-        self._anonymous_options = dataclasses.replace(store.options, config_file=None, anonymous=True)
+        self.credentials = credentials or Chooser(store.options, None)
         self.accelerators = accelerators
         self.metrics = metrics
         self._targets = [a.target() for a in accelerators if a.arch]
         self._lock = threading.Lock()
         self._ready: dict[str, Answer] = {}  # reference digest -> READY/INCOMPATIBLE answer
-        self._pulls: dict[tuple[str, bool], Pull] = {}  # (reference digest, anonymous) -> latest pull
-        self._queue: collections.deque[tuple[str, Pull]] = collections.deque()  # waiting for a slot, FIFO
+        # (registry, repository, reference digest, credentials key): a "proof" -> its latest pull
+        self._pulls: dict[tuple, Pull] = {}
+        self._queue: collections.deque[tuple[tuple, Pull]] = collections.deque()  # waiting for a slot, FIFO
         self._running = 0  # pull threads (each runs queued pulls until the queue is empty)
-        self._public: set[str] = set()  # reference digests an anonymous request was served
+        # (registry, repository, digest, credentials key) -> when that repository last served the
+        # digest's manifest to those credentials
+        self._proofs: dict[tuple, float] = {}
         # The store's durable references, mirrored: the agent is their only writer.
         self._refs: dict[str, dict] = store.references()
         metrics.references.set(len(self._refs))
@@ -150,23 +159,34 @@ class Agent:
 
     # -- ensure --------------------------------------------------------------------------
 
-    def ensure(self, image: str, wait_seconds: float, *, anonymous: bool = False) -> Answer:
-        """Is ``image`` installed here and does it fit (READY / INCOMPATIBLE), or how is its pull
-        going? ``anonymous``: the image was named by a pod author; pull it without credentials."""
+    def ensure(self, image: str, wait_seconds: float, *, anonymous: bool = False,
+               cache: tuple[str, str] | None = None) -> Answer:
+        """Is ``image`` installed here, proved to be in its repository for the asker's credentials,
+        and does it fit (READY / INCOMPATIBLE), or how is its pull going? ``anonymous``: the image
+        was named by a pod author; ``cache``: the (namespace, name) of the cache object that
+        named it (namespace "": a ClusterGKMCache); both choose the credentials."""
         if not image:
             raise Refused("INVALID_ARGUMENT", "image is required")
         if not DIGEST_PINNED.match(image):
             return self._answer(Answer(FAILED, failure=INVALID_REFERENCE,
                                        message=f"{image}: not a digest-pinned reference (…@sha256:<64 hex>)"))
-        key = image.rsplit("@", 1)[1]
+        try:
+            creds = self.credentials.choose(cache, anonymous)
+            ref = Reference.parse(image)
+        except PullSecretError as e:
+            return self._answer(Answer(FAILED, failure=DENIED, message=f"{image}: {e}"))
+        except errors.InvalidReference as e:
+            return self._answer(Answer(FAILED, failure=INVALID_REFERENCE, message=str(e)))
+        key = ref.digest
+        proof = (ref.host, ref.repository, key, creds.key)
         answer = None
-        if not anonymous or key in self._public:
+        if not creds.prove or self._proven(proof):
             answer = self._ready.get(key)
             # a hand-out is a use (LRU collection); gone (collected) means asking the store again
             if answer is None or (answer.path and not self.store.mark_used(answer.digest)):
                 answer = self._from_store(key)
         if answer is None:
-            pull = self._pull(key, image, anonymous)
+            pull = self._pull(proof, image, creds)
             if pull.done.wait(max(0.0, wait_seconds)):
                 answer = pull.answer
             else:
@@ -201,63 +221,92 @@ class Agent:
         return Answer(READY, digest=inst.digest, path=str(inst.path), size_bytes=inst.size_bytes,
                       kind=fmt.declared_kind(inst.labels) or "")
 
-    def _pull(self, key: str, image: str, anonymous: bool) -> Pull:
+    def _proven(self, proof: tuple, *, ever: bool = False) -> bool:
+        """Whether the repository served the digest to these credentials within PROOF_TTL
+        (``ever``: at all, since the agent started)."""
+        at = self._proofs.get(proof)
+        return at is not None and (ever or time.monotonic() - at < PROOF_TTL)
+
+    def _prove(self, proof: tuple) -> None:
         with self._lock:
-            pull = self._pulls.get((key, anonymous))
+            self._proofs[proof] = time.monotonic()
+            if len(self._proofs) > MAX_PROOFS:  # bounded: forget the oldest quarter
+                for old in sorted(self._proofs, key=self._proofs.__getitem__)[:MAX_PROOFS // 4]:
+                    del self._proofs[old]
+
+    def _pull(self, proof: tuple, image: str, creds: Credentials) -> Pull:
+        """The pull (or, for content installed already, the proof) of ``image`` with ``creds``."""
+        with self._lock:
+            pull = self._pulls.get(proof)
             if pull is None or pull.done.is_set():
-                pull = self._pulls[(key, anonymous)] = Pull(image, anonymous)
+                pull = self._pulls[proof] = Pull(image, creds)
                 if self._running < self.max_pulls:
                     self._running += 1
-                    threading.Thread(target=self._pull_worker, args=(key, pull), name=f"pull-{self._running}",
+                    threading.Thread(target=self._pull_worker, args=(proof, pull), name=f"pull-{self._running}",
                                      daemon=True).start()
                 else:
-                    self._queue.append((key, pull))
+                    self._queue.append((proof, pull))
                     log.info("pull queued", extra=kv(image=image, ahead=len(self._queue) - 1))
                 self._count()
                 self.on_change()
             return pull
 
-    def _pull_worker(self, key: str, pull: Pull) -> None:
+    def _pull_worker(self, proof: tuple, pull: Pull) -> None:
         """Run ``pull``, then the queue's oldest until the queue is empty."""
         while True:
-            self._run_pull(key, pull)
+            self._run_pull(proof, pull)
             with self._lock:
                 if not self._queue:
                     self._running -= 1
                     self._count()
                     return
-                key, pull = self._queue.popleft()
+                proof, pull = self._queue.popleft()
                 self._count()
+
+    def _install(self, proof: tuple, pull: Pull):
+        """The store's install of ``pull.image``, proved against the named repository with the
+        pull's credentials; while the registry cannot answer, a proof it gave these credentials
+        earlier stands (an outage does not take mounted caches from their tenants)."""
+        targets = self._targets or None
+        if not pull.credentials.prove:
+            return self.store.ensure(pull.image, accelerators=targets)
+        try:
+            return self.store.ensure(pull.image, accelerators=targets, options=pull.credentials.options)
+        except errors.RegistryUnavailable:
+            if not self._proven(proof, ever=True) or self.store.installed(proof[2]) is None:
+                raise
+            log.warning("registry unreachable: handing out installed content on an earlier proof",
+                        extra=kv(image=pull.image, credentials=pull.credentials.key))
+            return self.store.ensure(pull.image, accelerators=targets)
 
     def _count(self) -> None:
         self.metrics.pulls_in_flight.set(self._running)
         self.metrics.pulls_queued.set(len(self._queue))
 
-    def _run_pull(self, key: str, pull: Pull) -> None:
+    def _run_pull(self, proof: tuple, pull: Pull) -> None:
+        key = proof[2]
         pull.started = time.monotonic()
-        log.info("pull started", extra=kv(image=pull.image, anonymous=pull.anonymous,
+        creds = pull.credentials
+        log.info("pull started", extra=kv(image=pull.image, credentials=creds.key,
                                           queued_s=round(pull.started - pull.asked, 3)))
         try:
-            if pull.anonymous:
-                inst = self.store.ensure(pull.image, accelerators=self._targets or None,
-                                         options=self._anonymous_options)
-            else:
-                inst = self.store.ensure(pull.image, accelerators=self._targets or None)
+            inst = self._install(proof, pull)
         except errors.NoMatchingManifest as e:
             answer = Answer(INCOMPATIBLE, digest=key, message=str(e), expected="a platform the image index lists",
                             found=fit.describe_node(self.accelerators))
+        except errors.AuthError as e:
+            answer = Answer(FAILED, digest=key, failure=DENIED, message=f"{e} (pulled with {creds.whose})")
         except Exception as e:  # every failure is reported to the callers, none kills the agent
             answer = Answer(FAILED, digest=key, failure=_failure(e), message=str(e))
         else:
             answer = self._judge(inst)
             self._ready[key] = answer
-            if pull.anonymous:
-                self._public.add(key)
+            self._prove(proof)
         result = answer.state.lower()
         self.metrics.pulls.labels(result).inc()
         self.metrics.pull_seconds.observe(time.monotonic() - pull.started)
         log.log(logging.INFO if answer.state == READY else logging.WARNING, "pull finished",
-                extra=kv(image=pull.image, anonymous=pull.anonymous, result=result, message=answer.message,
+                extra=kv(image=pull.image, credentials=creds.key, result=result, message=answer.message,
                          seconds=round(time.monotonic() - pull.started, 3)))
         pull.answer = answer
         pull.done.set()
@@ -361,7 +410,7 @@ class Agent:
         # wins) rather than vanishing from this answer
         with self._lock:
             held = list(self._refs.values())
-            pulls = [(key, pull, pull.done.is_set()) for (key, _), pull in self._pulls.items()]
+            pulls = [(proof[2], pull, pull.done.is_set()) for proof, pull in self._pulls.items()]
         refs: dict[str, list] = {}
         for meta in held:
             refs.setdefault(meta.get("digest"), []).append(meta)

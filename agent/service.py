@@ -22,7 +22,9 @@ class AgentService(pb_grpc.AgentServicer):
         self.agent = agent
 
     def EnsureCache(self, request, context):  # noqa: N802 (gRPC naming)
-        a = _call(context, self.agent.ensure, request.image, request.wait_seconds, anonymous=request.anonymous)
+        cache = (request.cache.namespace, request.cache.name) if request.HasField("cache") else None
+        a = _call(context, self.agent.ensure, request.image, request.wait_seconds, anonymous=request.anonymous,
+                  cache=cache)
         return Ensure(state=Ensure.State.Value(a.state), digest=a.digest, path=a.path, message=a.message,
                       failure=Ensure.Failure.Value(a.failure) if a.failure else 0, expected=a.expected,
                       found=a.found, size_bytes=a.size_bytes, kind=a.kind)

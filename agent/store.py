@@ -115,10 +115,11 @@ class CacheStore:
                options: RegistryOptions | None = None) -> Installed:
         """Pull, verify and install ``image`` unless its manifest digest is installed already.
 
-        ``options`` replaces the store's registry options for this pull (an anonymous pull of an
-        image a pod named). Content already installed is then handed out only if the repository
-        it was installed from serves its manifest with those options (:meth:`_granted`), so a
-        pull without credentials never gets what credentials fetched."""
+        ``options`` replaces the store's registry options for this pull (whoever asked: a
+        tenant's pull secrets, none, the node's). Content already installed is then handed out
+        only once the repository ``image`` names has served the digest's manifest with those
+        options (:meth:`_granted`), so no one gets what other credentials fetched, nor content by
+        naming its digest under a repository that does not hold it."""
         ref = Reference.parse(image)
         own = options is not None
         if ref.digest:
@@ -146,21 +147,30 @@ class CacheStore:
         return self._granted(found, ref, options, asked=True) if own else found
 
     def _granted(self, found: Installed, ref: Reference, options: RegistryOptions, *, asked: bool) -> Installed:
-        """``found`` for a pull with options of its own, once the repository it was installed from
-        has served the manifest with them. ``asked``: ``ref``'s repository already has; it is not
-        enough when that is another one, since anyone may put a copy of a private manifest (not
-        of its blobs) in a registry of theirs and name it."""
+        """``found`` for a pull with options of its own, once ``ref``'s repository has served the
+        digest's manifest with them (``asked``: it just has) and, when the content was installed
+        from another registry, that one has too: anyone may put a copy of a private manifest (not
+        of its blobs) in a registry of theirs and name it. Within one registry a repository holds
+        a manifest only with its blobs, so the named repository's answer is proof enough."""
+        digest = ref.digest or found.digest
+        if not asked:
+            self._holds(ref, digest, options, str(ref), f"{ref.host}/{ref.repository}")
         origin = Reference.parse(found.image)
-        if asked and (origin.host, origin.repository) == (ref.host, ref.repository):
-            return found
-        reg = Registry(origin.host, options, Deadline(options.timeout))
-        try:
-            get_manifest(reg, Reference(origin.host, origin.repository, digest=ref.digest or found.digest),
-                         found.image, self.limits)
-        except (AuthError, ImageNotFound):  # neither names the other repository to this caller
-            raise AuthError("installed on this node from a repository that does not serve it to this pull "
-                            f"({'anonymous' if options.anonymous else 'other credentials'})", str(ref)) from None
+        if origin.host != ref.host:  # never named to this caller: it may not know that repository
+            self._holds(origin, digest, options, str(ref), "the registry this node installed it from")
         return found
+
+    def _holds(self, repo: Reference, digest: str, options: RegistryOptions, image: str, what: str) -> None:
+        """Raise AuthError unless ``repo``'s repository serves manifest ``digest`` with ``options``
+        (a GET, its body checked against the digest). Neither its absence nor a refusal is told
+        apart in the message: both say only that this pull may not have it."""
+        reg = Registry(repo.host, options, Deadline(options.timeout))
+        try:
+            get_manifest(reg, Reference(repo.host, repo.repository, digest=digest), image, self.limits)
+        except (AuthError, ImageNotFound):
+            raise AuthError(f"{what} does not serve {digest} to this pull "
+                            f"({'anonymous' if options.anonymous else 'with its credentials'}); content installed "
+                            "on this node is handed out only to a pull its repository serves", image) from None
 
     def _installed_offline(self, digest: str, image: str, accelerators) -> Installed | None:
         found = self._use(digest)

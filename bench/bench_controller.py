@@ -307,7 +307,7 @@ def run(tmp: Path) -> None:
         wait_for(lambda: controller_metric(metrics_port, "accelnode_controller_leader") == 1, "the controller to lead",
                  proc)
         register_webhooks(admin, webhook_port, ca.pem)
-        wait_webhooks(admin, reg.host)
+        wait_webhooks(admin, reg.push_raw("bench/probe", "v1"))
         caches = Caches(admin)
         caches.wait(lambda: all(r.synced.is_set() for r in caches.reflectors.values()), "the cache watches", 60)
         nodes = Nodes(agent)
@@ -580,10 +580,9 @@ def register_webhooks(admin: Client, port: int, ca_pem: bytes) -> None:
         admin.request("POST", f"/apis/admissionregistration.k8s.io/v1/{plural}", body=doc)
 
 
-def wait_webhooks(admin: Client, registry: str) -> None:
-    """The API server picks webhook configurations up asynchronously: dry-run creates until both
-    kinds come back pinned."""
-    image = f"{registry}/bench/probe@sha256:{'a' * 64}"
+def wait_webhooks(admin: Client, image: str) -> None:
+    """The API server picks webhook configurations up asynchronously: dry-run creates of
+    ``image`` (a digest the registry holds) until both kinds come back pinned."""
 
     def pinned() -> bool:
         return all("gkm.io/resolvedDigest" in (create_cache(admin, ns, "probe", image, dryRun="All")["metadata"]

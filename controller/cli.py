@@ -240,7 +240,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
 
-    resolver = Resolver(registry_options(args))  # one per process: webhooks and reconcilers share its answers
+    from accelnode.kube.pullsecrets import PullSecretReader
+
+    # one per process: webhooks and reconcilers share its answers; a GKMCache is pinned with the
+    # pull secrets its namespace lends the controller (docs/security.md)
+    resolver = Resolver(registry_options(args), secrets=PullSecretReader(client, who="the accelnode controller"))
     registry = CollectorRegistry()
     reconcilers = always_running(client, resolver)
     if args.tpu_node_groups:

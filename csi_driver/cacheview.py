@@ -1,12 +1,15 @@
-"""The driver's local copy of the cache objects (GKMCache in every namespace, ClusterGKMCache),
-kept current by two watches, so that a publish never waits on the API server.
+"""The driver's local copy of the cache objects (GKMCache in every namespace, ClusterGKMCache)
+and of the ClusterCacheTrustPolicy objects, kept current by three watches, so that a publish
+never waits on the API server.
 
 Objects are trimmed to what a publish reads: name, namespace, labels, ``spec.image``,
 ``spec.workloadNamespaces``, ``status.resolvedDigest`` and the conditions. A kind is usable once
 its first list has arrived (:meth:`CacheView.synced`); until then a publish that needs it is
-answered UNAVAILABLE and ``/readyz`` says which kind is missing. A missing CRD, an unreachable
+answered UNAVAILABLE and ``/readyz`` says which kind is missing (the trust policies too: until
+they are listed, the driver cannot tell which caches need a verified signature, so it mounts
+none). A missing CRD, an unreachable
 server or a refused watch are retried by the reflectors with backoff. Each reflector beats a
-heartbeat (``watch GKMCaches``, ``watch ClusterGKMCaches``) in the driver's
+heartbeat (``watch GKMCaches``, ``watch ClusterGKMCaches``, ``watch ClusterCacheTrustPolicies``) in the driver's
 :class:`~accelnode.health.Health`: a watch thread that dies or hangs turns ``/healthz``.
 """
 
@@ -21,6 +24,7 @@ from accelnode.kube.reflector import Reflector
 from .resolve import CacheRef
 
 GROUP, VERSION = "gkm.io", "v1alpha1"
+POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL = "accelnode.io", "v1alpha1", "clustercachetrustpolicies"
 
 
 def trim(obj: dict) -> dict:
@@ -33,17 +37,29 @@ def trim(obj: dict) -> dict:
                                       for c in status.get("conditions") or [] if isinstance(c, dict)]}}
 
 
-KINDS = (("GKMCaches", "gkmcaches"), ("ClusterGKMCaches", "clustergkmcaches"))
+def trim_policy(obj: dict) -> dict:
+    """What the driver keeps of a trust policy: whom it covers and whether it requires signatures."""
+    md, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+    return {"metadata": {"name": md.get("name")},
+            "spec": {k: spec[k] for k in ("namespaces", "clusterCaches", "requireSignature") if k in spec}}
+
+
+KINDS = (("GKMCaches", "gkmcaches"), ("ClusterGKMCaches", "clustergkmcaches"),
+         ("ClusterCacheTrustPolicies", POLICY_PLURAL))
 
 
 class CacheView:
     def __init__(self, client: Client, health: Health | None = None, **reflector_options):
         """``reflector_options`` go to both reflectors (tests: ``watch_seconds``, ``stall_after``)."""
         health = health or Health()
-        self.namespaced, self.cluster = (
-            Reflector(client, custom_path(GROUP, VERSION, plural), trim=trim,
-                      beat=health.heartbeat(f"watch {kind}", GRACE_DEFAULT), **reflector_options)
-            for kind, plural in KINDS)
+        self.namespaced, self.cluster, self.trust = (
+            Reflector(client, path, trim=trimmed, beat=health.heartbeat(f"watch {kind}", GRACE_DEFAULT),
+                      **reflector_options)
+            for (kind, _), path, trimmed in zip(KINDS, (custom_path(GROUP, VERSION, "gkmcaches"),
+                                                        custom_path(GROUP, VERSION, "clustergkmcaches"),
+                                                        custom_path(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)),
+                                                (trim, trim, trim_policy)))
+        self._all = (self.namespaced, self.cluster, self.trust)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -56,15 +72,20 @@ class CacheView:
     def get(self, cache: CacheRef) -> dict | None:
         return self._of(cache).get(cache.namespace, cache.name)
 
+    def policies(self) -> list[dict] | None:
+        """The trust policies, None until they have been listed once."""
+        return self.trust.snapshot() if self.trust.synced.is_set() else None
+
     def ready(self) -> tuple[bool, str]:
         """(both kinds listed, which are not yet): the driver's readiness."""
-        missing = [kind for (kind, _), r in zip(KINDS, (self.namespaced, self.cluster)) if not r.synced.is_set()]
+        missing = [kind for (kind, _), r in zip(KINDS, self._all) if not r.synced.is_set()]
         if missing:
-            return False, f"{' and '.join(missing)} not read from the API server yet"
+            listed = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+            return False, f"{listed} not read from the API server yet"
         return True, ""
 
     def start(self) -> "CacheView":
-        for (_, name), r in zip(KINDS, (self.namespaced, self.cluster)):
+        for (_, name), r in zip(KINDS, self._all):
             t = threading.Thread(target=r.run, args=(self._stop,), name=f"watch-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -72,7 +93,7 @@ class CacheView:
 
     def stop(self) -> None:
         self._stop.set()
-        for r in (self.namespaced, self.cluster):
+        for r in self._all:
             r.interrupt()
         for t in self._threads:
             t.join(5)

@@ -193,7 +193,9 @@ class NodeServer(csi_grpc.NodeServicer):
             wait = max(0.0, min(wait, remaining - 1.0))
         image = pinned.reference
         answer = self.agent.call(context, "EnsureCache",
-                                 agent.EnsureCacheRequest(image=image, wait_seconds=wait, anonymous=pinned.anonymous),
+                                 agent.EnsureCacheRequest(image=image, wait_seconds=wait, anonymous=pinned.anonymous,
+                                                          cache=agent.CacheRef(namespace=cache.namespace or "",
+                                                                               name=cache.name)),
                                  timeout=wait + 10.0)
         if answer.state == Ensure.READY:
             return answer

@@ -2,7 +2,9 @@
 
 Invariant: the image comes from the cache object, never from the pod. :class:`ApiResolver`
 reads the object from a watch-backed view (:mod:`csi_driver.cacheview`), enforces namespace
-rules, waits for the controller's pin and refuses a cache whose signature check failed. The
+rules, waits for the controller's pin and refuses a cache whose signature check failed; where
+the trust policies themselves require a signature, it mounts only a digest the controller's
+``Verified`` condition names (fail closed, controller up or down: docs/security.md). The
 ``csi.gkm.io/image`` attribute is honoured only with ``--trust-pod-image-attribute``, and then
 pulled without the node's registry credentials. :class:`VolumeResolver` picks between them per
 volume; the driver depends only on the :class:`Resolver` protocol.
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from accelnode.oci.errors import InvalidReference
-from accelnode.oci.refusal import pull_refusal
+from accelnode.oci.refusal import mount_refusal
 from accelnode.oci.reference import Reference
 
 CACHE_KEY = "csi.gkm.io/GKMCache"
@@ -76,6 +78,9 @@ class CacheView(Protocol):
     def get(self, cache: CacheRef) -> dict | None:
         """The (trimmed) object ``cache`` names, None when there is none."""
 
+    def policies(self) -> list[dict] | None:
+        """The ClusterCacheTrustPolicy objects, None until they have been listed once."""
+
 
 class AttributeResolver:
     """The volume's ``csi.gkm.io/image`` attribute is the image; its author is the pod's, so it is
@@ -109,8 +114,15 @@ class ApiResolver:
         spec, status = obj.get("spec") or {}, obj.get("status") or {}
         if cache.namespace is None:
             check_workload_namespaces(cache, pod, spec.get("workloadNamespaces") or [])
-        check_verified(cache, (obj.get("metadata") or {}).get("labels") or {}, status.get("conditions") or [])
-        return Image(pinned(cache, spec.get("image", ""), status))
+        image = pinned(cache, spec.get("image", ""), status)
+        policies = self.view.policies()
+        if policies is None:
+            raise ResolveError("UNAVAILABLE", f"{cache}: the driver has not read the ClusterCacheTrustPolicies from "
+                                              "the API server yet, so it cannot tell whether a signature is "
+                                              "required; retry")
+        check_verified(cache, (obj.get("metadata") or {}).get("labels") or {}, status.get("conditions") or [],
+                       image.rsplit("@", 1)[1], policies)
+        return Image(image)
 
 
 class VolumeResolver:
@@ -174,11 +186,12 @@ def check_workload_namespaces(cache: CacheRef, pod: Pod, namespaces: list[str]) 
                                                 f"{pod.namespace}/{pod.name} is not")
 
 
-def check_verified(cache: CacheRef, labels: dict, conditions: list[dict]) -> None:
+def check_verified(cache: CacheRef, labels: dict, conditions: list[dict], digest: str, policies: list[dict]) -> None:
     """A cache whose signature check failed (condition ``Verified`` False) is not mounted
-    (FAILED_PRECONDITION naming the reason); one that needs a signature and has no verdict yet is
+    (FAILED_PRECONDITION naming the reason); one that needs a signature (its label, or the
+    policies covering its namespace) without a ``Verified`` True naming ``digest`` is
     UNAVAILABLE (kubelet retries). docs/signatures.md."""
-    refused = pull_refusal(labels, conditions)
+    refused = mount_refusal(cache.namespace, labels, conditions, digest, policies)
     if refused is None:
         return
     status, why = refused

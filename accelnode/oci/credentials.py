@@ -13,25 +13,18 @@ from .errors import AuthError
 _HOST_ALIASES = {"index.docker.io": "docker.io", "registry-1.docker.io": "docker.io", "localhost": "127.0.0.1"}
 
 
-def docker_credentials(host: str, config_file: str | None, image: str) -> tuple[str, str] | None:
+def docker_credentials(host: str, config_file: str | None, image: str, *,
+                       inline: tuple[tuple[str, str], ...] = ()) -> tuple[str, str] | None:
     """(username, password) for ``host`` from ``config_file`` (a Docker config JSON or
     dockerconfigjson Secret content), then ``~/.docker/config.json``; None when neither has any.
-    Keys are matched as Docker does (``https://host:port/v1/`` is ``host:port``). Credential
-    helpers (``credsStore``/``credHelpers``) are not run, and OAuth2 ``identitytoken``s are refused
-    with a clear error. Messages never contain credential values."""
-    files = [config_file] if config_file else []
-    home = os.path.expanduser("~/.docker/config.json")
-    if os.path.isfile(home):
-        files.append(home)
+    ``inline``: (name, content) of configs held in memory (a tenant's pull secrets), which
+    replace both files. Keys are matched as Docker does (``https://host:port/v1/`` is
+    ``host:port``). Credential helpers (``credsStore``/``credHelpers``) are not run, and OAuth2
+    ``identitytoken``s are refused with a clear error. Messages never contain credential values."""
     want = _config_host(host)
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                cfg = json.loads(f.read(1 << 20))
-        except FileNotFoundError:
-            raise AuthError(f"registry config {path} does not exist", image) from None
-        except (OSError, ValueError, RecursionError) as e:
-            raise AuthError(f"registry config {path} is not readable JSON ({type(e).__name__})", image) from None
+    for path, cfg in inline or _files(config_file, image):
+        if isinstance(cfg, (str, bytes)):
+            cfg = parse_config(cfg, path, image)
         auths = cfg.get("auths", cfg) if isinstance(cfg, dict) else None  # no "auths": the legacy .dockercfg shape
         if not isinstance(auths, dict):
             raise AuthError(f"registry config {path} has no auths object", image)
@@ -41,6 +34,35 @@ def docker_credentials(host: str, config_file: str | None, image: str) -> tuple[
             if creds is not None:
                 return creds
     return None
+
+
+def _files(config_file: str | None, image: str):
+    """(path, parsed config) of ``config_file``, then ``~/.docker/config.json`` if present."""
+    files = [config_file] if config_file else []
+    home = os.path.expanduser("~/.docker/config.json")
+    if os.path.isfile(home):
+        files.append(home)
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(1 << 20)
+        except FileNotFoundError:
+            raise AuthError(f"registry config {path} does not exist", image) from None
+        except OSError as e:
+            raise AuthError(f"registry config {path} is not readable ({type(e).__name__})", image) from None
+        yield path, parse_config(data, path, image)
+
+
+def parse_config(data: str | bytes, name: str, image: str = "") -> dict:
+    """A Docker config JSON (or the content of a dockerconfigjson Secret) as a dict;
+    :class:`AuthError` naming ``name`` (never the content) when it is not one."""
+    try:
+        cfg = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise AuthError(f"registry config {name} is not readable JSON ({type(e).__name__})", image) from None
+    if not isinstance(cfg, dict):
+        raise AuthError(f"registry config {name} is not a JSON object", image)
+    return cfg
 
 
 def _config_host(key: str) -> str:

@@ -67,6 +67,9 @@ class RegistryOptions:
     plain_http: bool = False  # talk HTTP instead of HTTPS (only when asked for)
     config_file: str | None = None  # Docker config JSON with credentials
     anonymous: bool = False  # send no credentials at all: neither config_file nor ~/.docker/config.json
+    # (name, Docker config JSON) of a tenant's pull secrets: used instead of config_file and
+    # ~/.docker/config.json (docs/security.md)
+    pull_secrets: tuple[tuple[str, str], ...] = ()
     timeout: float = 1800.0  # total deadline of one pull or push, seconds
     # registry host as images name it (quay.io, registry.example.com:5000) -> mirror HOST[:PORT]
     # that every request for its images goes to; checked and normalised on creation (ValueError)
@@ -258,8 +261,9 @@ class Registry:
         elif backend == "basic":
             raise AuthError(f"{self.server} requires credentials and none were found"
                             + (f" under {self.endpoint} or {self.host}" if self.mirrored else "")
-                            + (f" in {self.options.config_file}" if self.options.config_file
-                               else " (use --registry-config)"), image)
+                            + (f" in the pull secrets {', '.join(n for n, _ in self.options.pull_secrets)}"
+                               if self.options.pull_secrets else f" in {self.options.config_file}"
+                               if self.options.config_file else " (use --registry-config)"), image)
         self._oras = client
         return client
 
@@ -267,9 +271,10 @@ class Registry:
         """Credentials for the endpoint; through a mirror, those kept under the mirror's own
         name first (they are for the server that checks them), then the original host's (a pull
         secret written for the images' registry keeps working with a mirror that accepts it)."""
-        creds = docker_credentials(self.endpoint, self.options.config_file, image)
+        inline = self.options.pull_secrets
+        creds = docker_credentials(self.endpoint, self.options.config_file, image, inline=inline)
         if creds is None and self.mirrored:
-            creds = docker_credentials(self.host, self.options.config_file, image)
+            creds = docker_credentials(self.host, self.options.config_file, image, inline=inline)
         return creds
 
     def _send(self, session, method, url, image, doing, headers, **kw) -> requests.Response:

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EnsureCacheRequest(_message.Message):
-    __slots__ = ("image", "wait_seconds", "anonymous")
+    __slots__ = ("image", "wait_seconds", "anonymous", "cache")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ANONYMOUS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     image: str
     wait_seconds: float
     anonymous: bool
-    def __init__(self, image: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., anonymous: _Optional[bool] = ...) -> None: ...
+    cache: CacheRef
+    def __init__(self, image: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., anonymous: _Optional[bool] = ..., cache: _Optional[_Union[CacheRef, _Mapping]] = ...) -> None: ...
 
 class EnsureCacheResponse(_message.Message):
     __slots__ = ("state", "digest", "path", "message", "failure", "expected", "found", "size_bytes", "kind")

@@ -27,7 +27,8 @@ from controller.caches import status as cs
 from controller.caches.pinning import GROUP, VERSION, Pin, Resolver
 from controller.runtime import events
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
-from controller.caches.signatures import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Signer, trim_policy, parse_policy
+from controller.caches.signatures import (POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, UNAVAILABLE, Outcome, Signer,
+                                         parse_policy, trim_policy)
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
 
 log = logging.getLogger("accelnode.controller")
@@ -188,7 +189,7 @@ class CacheReconciler(Reconciler):
         try:
             pin = cs.known_pin(obj)
             if pin is None:
-                pin = self.resolver.pin(image)
+                pin = self.resolver.pin(image, split_key(key)[0])
                 log.info("cache image resolved", extra=kv(reconciler=self.name, key=key, image=image,
                                                           digest=pin.digest, size_bytes=pin.size_bytes))
         except ImageError as e:
@@ -205,7 +206,13 @@ class CacheReconciler(Reconciler):
             return None
         policies = [parse_policy(p) for p in self.cache.list(self.policies_path)]
         ns, _ = split_key(key)
-        return self.signer.outcome(key, obj, pin, ns, policies, cs.condition(obj, cs.VERIFIED))
+        try:
+            _, options = self.resolver.credentials(ns, pin.image)  # the cache's, as for its pin
+        except ImageError as e:
+            if not self.signer.required(obj, ns, policies)[0]:
+                return None
+            return Outcome("Unknown", UNAVAILABLE, f"signatures of {pin.digest} not read: {e}", retry=True)
+        return self.signer.outcome(key, obj, pin, ns, policies, cs.condition(obj, cs.VERIFIED), options=options)
 
     def _reports(self, key: str) -> dict[str, dict]:
         """Node name -> this cache's entries on that node, from the local copies."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from accelnode.log import kv
 from accelnode.oci import signatures as sg
 from accelnode.oci.errors import AuthError, ImageError, RegistryUnavailable
+from accelnode.oci.refusal import stamp
 from accelnode.oci.registry import RegistryOptions
 
 from controller.caches.pinning import SIGNATURE_FORMAT_LABEL, Pin
@@ -97,7 +98,7 @@ class Outcome:
 
 
 def _stamp(digest: str, policies: list[Policy]) -> str:
-    return f"[digest {digest}; policies {','.join(p.tag for p in policies) or 'none'}]"
+    return stamp(digest, [p.tag for p in policies])
 
 
 class Signer:
@@ -120,8 +121,9 @@ class Signer:
         return any(p.require for p in covering), sg.FORMATS
 
     def outcome(self, key: str, obj: dict, pin: Pin, namespace: str | None, policies: list[Policy],
-                old: dict | None) -> Outcome | None:
-        """The Verified condition for ``pin`` (None: this cache needs no signature)."""
+                old: dict | None, *, options: RegistryOptions | None = None) -> Outcome | None:
+        """The Verified condition for ``pin`` (None: this cache needs no signature); the signatures
+        are read with ``options`` (the cache's credentials; None: the signer's own)."""
         needed, formats = self.required(obj, namespace, policies)
         if not needed:
             return None
@@ -150,7 +152,8 @@ class Signer:
         try:
             with self._lock:
                 self.verifications += 1
-            verdict = self._verify(pin.image, pin.digest, keys, self.options, formats=formats, timeout=self.timeout,
+            verdict = self._verify(pin.image, pin.digest, keys, options or self.options, formats=formats,
+                                   timeout=self.timeout,
                                    keyless=tuple(p.keyless for p in covering if p.keyless))
         except (RegistryUnavailable, AuthError) as e:
             log.warning("cache signature not verified: registry did not answer",

@@ -75,10 +75,11 @@ def annotated_size(annotations: dict) -> int | None:
 def known_pin(obj: dict) -> Pin | None:
     """The pin of a cache that needs no registry, or None when its image must be resolved.
 
-    In order: the digest ``spec.image`` names; ``status.resolvedDigest`` when the Resolved
-    condition says it was pinned for this same image; the ``gkm.io/resolvedDigest`` annotation
-    when ``status`` has no digest yet (only the admission webhook of this process or this
-    reconciler writes it, and a changed image gets a fresh one there). Raises
+    In order: ``status.resolvedDigest`` when the Resolved condition says it was pinned for this
+    same image; the ``gkm.io/resolvedDigest`` annotation when ``status`` has no digest yet (only
+    the admission webhook of this process or this reconciler writes it, and a changed image gets
+    a fresh one there). Both were answered by the registry; a digest ``spec.image`` names was
+    not, so it is pinned only once one of them agrees (docs/security.md). Raises
     :class:`~accelnode.oci.errors.InvalidReference` for an image we cannot pull."""
     image = (obj.get("spec") or {}).get("image", "")
     ref = Reference.parse(image)
@@ -87,8 +88,11 @@ def known_pin(obj: dict) -> Pin | None:
     def size_for(digest: str) -> int | None:
         return annotated_size(ann) if ann.get(DIGEST_ANNOTATION) == digest else None
 
-    if ref.digest:
-        return Pin(image, ref.digest, size_for(ref.digest))
+    pin = _known_pin(obj, image, ann, size_for)
+    return pin if pin is None or not ref.digest or pin.digest == ref.digest else None
+
+
+def _known_pin(obj: dict, image: str, ann: dict, size_for) -> Pin | None:
     recorded = (obj.get("status") or {}).get("resolvedDigest")
     if recorded:
         cond = condition(obj, RESOLVED) or {}

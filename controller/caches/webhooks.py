@@ -273,15 +273,17 @@ class CacheHooks:
         return {MUTATE_GKMCACHE: self.mutate, MUTATE_CLUSTERGKMCACHE: self.mutate,
                 VALIDATE_GKMCACHE: self.validate, VALIDATE_CLUSTERGKMCACHE: self.validate}
 
-    def resolve(self, image: str) -> Pin:
-        """The Resolver's pin for ``image`` within the budget, else :class:`Unpinned`."""
+    def resolve(self, image: str, namespace: str | None = None) -> Pin:
+        """The Resolver's pin for ``image`` with the credentials of ``namespace`` (None: a cluster
+        cache) within the budget, else :class:`Unpinned`."""
+        key = (image, namespace)
         with self._lock:
-            future = self._lookups.get(image)
+            future = self._lookups.get(key)
             if future is None:
                 if len(self._lookups) >= self.max_lookups:
                     raise Unpinned(f"{len(self._lookups)} registry lookups are already under way")
-                future = self._lookups[image] = Future()
-                threading.Thread(target=self._lookup, args=(image, future), name="cache-pin", daemon=True).start()
+                future = self._lookups[key] = Future()
+                threading.Thread(target=self._lookup, args=(key, future), name="cache-pin", daemon=True).start()
         try:
             return future.result(timeout=self.budget)
         except FutureTimeout:
@@ -291,19 +293,20 @@ class CacheHooks:
         except ImageNotFound as e:
             raise Unpinned("the registry has no such image", str(e)) from None
         except AuthError as e:
-            raise Unpinned("the registry refused the controller's credentials", str(e)) from None
+            whose = f"namespace {namespace}'s pull secrets" if namespace else "the controller's credentials"
+            raise Unpinned(f"the registry refused {whose}", str(e)) from None
         except InvalidReference:
             raise  # image_of() checked the reference first: this is a bug, not the registry
         except ImageError as e:
             raise Unpinned(f"the registry's answer was refused ({type(e).__name__})", str(e)) from None
 
-    def _lookup(self, image: str, future: Future) -> None:
+    def _lookup(self, key: tuple[str, str | None], future: Future) -> None:
         try:
-            pin, error = self.resolver.pin(image), None
+            pin, error = self.resolver.pin(*key), None
         except BaseException as e:  # handed to every waiting admission
             pin, error = None, e
         with self._lock:  # done before answering: an admission after this one asks the Resolver afresh
-            self._lookups.pop(image, None)
+            self._lookups.pop(key, None)
         if error is None:
             future.set_result(pin)
         else:
@@ -326,7 +329,7 @@ class CacheHooks:
         obj = request.get("object")
         old = request.get("oldObject") if request.get("operation") == "UPDATE" else None
         try:
-            patch, warnings = plan_pin(obj, old, self._resolve_logged)
+            patch, warnings = plan_pin(obj, old, self._resolver_for(request))
         except BadCache as e:
             log.info("cache denied", extra=kv(**self._what(request), reason=str(e)))
             return deny(str(e), code=422)
@@ -340,7 +343,7 @@ class CacheHooks:
         obj = request.get("object")
         old = request.get("oldObject") if request.get("operation") == "UPDATE" else None
         try:
-            message = check_pin(obj, old, self._resolve_logged)
+            message = check_pin(obj, old, self._resolver_for(request))
         except BadCache as e:
             log.info("cache denied", extra=kv(**self._what(request), reason=str(e)))
             return deny(str(e), code=422)
@@ -350,9 +353,14 @@ class CacheHooks:
             return deny(message, code=403)
         return allow()
 
-    def _resolve_logged(self, image: str) -> Pin:
+    def _resolver_for(self, request: dict) -> Resolve:
+        """Resolution with the credentials of the request's namespace (none: a cluster cache)."""
+        namespace = request.get("namespace") if isinstance(request.get("namespace"), str) else None
+        return lambda image: self._resolve_logged(image, namespace or None)
+
+    def _resolve_logged(self, image: str, namespace: str | None = None) -> Pin:
         try:
-            return self.resolve(image)
+            return self.resolve(image, namespace)
         except Unpinned as e:
             log.warning("image not resolved at admission", extra=kv(image=image, reason=e.reason, error=e.detail))
             raise

@@ -32,13 +32,17 @@ def resolved_status(image, digest):
 # -- the pin ----------------------------------------------------------------------------------
 
 
-def test_a_digest_in_the_image_is_the_pin():
-    assert cs.known_pin(cache(f"quay.io/gkm/cache:v1@{D1}")) == Pin(f"quay.io/gkm/cache:v1@{D1}", D1, None)
-    # its size comes from the annotation only when the annotation is about that digest
+def test_a_digest_in_the_image_is_pinned_once_the_registry_agreed():
+    # naming a digest is no proof that the repository holds it: the registry is asked
+    assert cs.known_pin(cache(f"quay.io/gkm/cache:v1@{D1}")) is None
+    # the registry's answer, at admission (the annotation) or at a reconcile (status), stands
     pinned = cache(f"quay.io/gkm/cache@{D1}", annotations={DIGEST_ANNOTATION: D1, SIZE_ANNOTATION: "42"})
-    assert cs.known_pin(pinned).size_bytes == 42
+    assert cs.known_pin(pinned) == Pin(f"quay.io/gkm/cache@{D1}", D1, 42)
+    recorded = cache(f"quay.io/gkm/cache@{D1}", status=resolved_status(f"quay.io/gkm/cache@{D1}", D1))
+    assert cs.known_pin(recorded) == Pin(f"quay.io/gkm/cache@{D1}", D1, None)
+    # an answer about another digest is none about this one
     other = cache(f"quay.io/gkm/cache@{D1}", annotations={DIGEST_ANNOTATION: D2, SIZE_ANNOTATION: "42"})
-    assert cs.known_pin(other).size_bytes is None
+    assert cs.known_pin(other) is None
 
 
 def test_the_recorded_pin_is_kept_while_the_image_is_the_same():

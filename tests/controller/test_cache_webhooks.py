@@ -153,7 +153,7 @@ def _wait_active(e: Env) -> None:
     four webhooks answer (bounded)."""
     from kubernetes.client.rest import ApiException
 
-    pinned = f"{e.registry.host}/hooks/probe@sha256:{'a' * 64}"
+    pinned = e.registry.push_raw("hooks/probe", "v1")  # a digest the registry holds: pinned at admission
     pending = {"m-ns", "m-cluster", "v-ns", "v-cluster"}
     deadline = time.monotonic() + 60
     while pending and time.monotonic() < deadline:

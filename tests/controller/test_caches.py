@@ -125,18 +125,25 @@ def world(kube_api, control_plane, caches_rbac):
     w.cleanup()
 
 
-@pytest.fixture
-def reconcilers(control_plane, caches_rbac, registry):
-    """Both cache reconcilers running in-process as the controller identity; short resync and
-    backoff so steady state is exercised often and a healed registry is noticed soon."""
-    me = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), user_agent="accelnode-controller")
-    resolver = Resolver(registry.options(timeout=10))
+def controller_client(control_plane) -> Client:
+    return Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), user_agent="accelnode-controller")
+
+
+def run_reconcilers(me: Client, resolver: Resolver):
+    """Both cache reconcilers running in-process as ``me`` until the generator is closed; short
+    resync and backoff so steady state is exercised often and a healed registry is noticed soon."""
     metrics = Metrics(CollectorRegistry())
     ctls = [Controller(me, make(me, resolver), metrics, workers=2, resync=0.5, backoff=Backoff(0.2, 2.0)).start()
             for make in (gkmcache_reconciler, clustergkmcache_reconciler)]
     yield ctls
     for c in ctls:
         c.stop(10)
+
+
+@pytest.fixture
+def reconcilers(control_plane, caches_rbac, registry):
+    """Both cache reconcilers as the controller identity, with the registry's options."""
+    yield from run_reconcilers(controller_client(control_plane), Resolver(registry.options(timeout=10)))
 
 
 def status(obj: dict) -> dict:
@@ -179,15 +186,27 @@ def test_a_cache_by_tag_is_pinned_and_mirrored(world, reconcilers, cache_images,
     assert status(got)["lastUpdated"]
 
 
-def test_a_digest_pinned_image_needs_no_registry(world, reconcilers):
-    digest = "sha256:" + "ab" * 32
+def test_a_digest_pinned_image_is_pinned_only_where_its_repository_holds_it(world, reconcilers, registry,
+                                                                          cache_images, tmp_path):
+    """Naming a digest proves nothing: the pin asks the repository named, as it does for a tag."""
+    _, digest = cache_images["v1"]
     name = f"pinned-{uid()}"
-    world.cache(name, f"{UNREACHABLE_HOST}/nowhere/kernels:v1@{digest}")  # a ClusterGKMCache
+    world.cache(name, f"{registry.host}/pin/jax:v1@{digest}")  # a ClusterGKMCache
     got = eventually(lambda: (o := world.get(name)) and status(o).get("resolvedDigest") and o)
     assert status(got)["resolvedDigest"] == digest
     assert cond(got, "Resolved")["status"] == "True"
-    assert eventually(lambda: (world.get(name)["metadata"].get("annotations") or {}).get(DIGEST_ANNOTATION) == digest)
-    assert SIZE_ANNOTATION not in world.get(name)["metadata"]["annotations"]  # unknown without the registry
+    assert eventually(lambda: (world.get(name)["metadata"].get("annotations") or {}).get(SIZE_ANNOTATION) == "3000")
+    # the same digest under a repository that does not hold it, and under a registry that is down
+    registry.push(make_cache(tmp_path / "other", {"xla/o.bin": b"\x04" * 10}), "pin/other", tag="v1", kind="jax",
+                  targets=[{"backend": "tpu", "arch": "v5e"}])
+    for image, why in ((f"{registry.host}/pin/other@{digest}", "ImageNotFound"),
+                       (f"{UNREACHABLE_HOST}/nowhere/kernels:v1@{digest}", "RegistryUnavailable")):
+        name = f"stolen-{uid()}"
+        world.cache(name, image)
+        got = eventually(lambda: (o := world.get(name)) and cond(o, "Resolved") and o)
+        assert (cond(got, "Resolved")["status"], cond(got, "Resolved")["reason"]) == ("False", why), got
+        assert "resolvedDigest" not in status(got)
+        assert DIGEST_ANNOTATION not in (got["metadata"].get("annotations") or {})
 
 
 def test_registry_down_then_back(world, reconcilers, kube_namespace, tmp_path):

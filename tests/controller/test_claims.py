@@ -29,7 +29,8 @@ from tests.conftest import ROOT
 from tests.controller.test_caches import CONTROLLER_USER, GKM, UNREACHABLE_HOST, caches_rbac, status, uid  # noqa: F401
 
 DIGEST = "sha256:" + "ab" * 32
-IMAGE = f"{UNREACHABLE_HOST}/nowhere/kernels:v1@{DIGEST}"  # pinned by its digest: no registry needed
+# pinned by the webhook's annotation (see Cluster.cache): no registry needed
+IMAGE = f"{UNREACHABLE_HOST}/nowhere/kernels:v1@{DIGEST}"
 HOLD = "accelnode.test/hold"  # a finalizer of the test's own: keeps an object until the test lets go
 WAIT = 60  # seconds: a bound on binding, deletion and the garbage collector, never a measurement
 
@@ -67,9 +68,11 @@ class Cluster:
         self.nodes: list[str] = []
 
     def cache(self, name: str, namespace: str | None = None, *, workload_namespaces=None, size=None) -> dict:
-        md = {"name": name}
-        if size is not None:  # the pin's mirror with the size, as the webhook writes it
-            md["annotations"] = {DIGEST_ANNOTATION: DIGEST, SIZE_ANNOTATION: str(size)}
+        # the pin's mirror (with the size), as the webhook writes it once the registry has
+        # answered: a digest in spec.image alone is asked about like a tag
+        md = {"name": name, "annotations": {DIGEST_ANNOTATION: DIGEST}}
+        if size is not None:
+            md["annotations"][SIZE_ANNOTATION] = str(size)
         body = {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache" if namespace else "ClusterGKMCache",
                 "metadata": md, "spec": {"image": IMAGE}}
         if workload_namespaces is not None:
@@ -189,10 +192,17 @@ class Cluster:
     def scrub(self) -> None:
         """With the reconcilers stopped: leave the session as others expect it. Caches other tests
         left behind got claims and the finalizer while ours ran; take both away."""
+        def gone(delete, *args) -> None:  # what the garbage collector took meanwhile is gone already
+            try:
+                delete(*args)
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+
         for pvc in self.core.list_persistent_volume_claim_for_all_namespaces(label_selector=co.KIND_LABEL).items:
-            self.core.delete_namespaced_persistent_volume_claim(pvc.metadata.name, pvc.metadata.namespace)
+            gone(self.core.delete_namespaced_persistent_volume_claim, pvc.metadata.name, pvc.metadata.namespace)
         for pv in self.core.list_persistent_volume(label_selector=co.KIND_LABEL).items:
-            self.core.delete_persistent_volume(pv.metadata.name)
+            gone(self.core.delete_persistent_volume, pv.metadata.name)
         for plural in ("gkmcaches", "clustergkmcaches"):
             for obj in self.objs.list_cluster_custom_object(*GKM, plural)["items"]:
                 md = obj["metadata"]

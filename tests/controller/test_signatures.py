@@ -135,10 +135,18 @@ def test_labelled_cache_verified_once_and_refused_when_wrong(world, policies, si
     assert cosign.verify(good, pub, fmt) and not cosign.verify(bad, pub, fmt)
     # the node side: never pulled, never mounted, the reason named
     assert Cache.from_object(obj).refused and Cache.from_object(world.get("good", kube_namespace)).refused is None
+    trust = world.objs.list_cluster_custom_object("accelnode.io", "v1alpha1", "clustercachetrustpolicies")["items"]
     with pytest.raises(ResolveError) as e:
         check_verified(CacheRef(kube_namespace, "bad"), obj["metadata"].get("labels") or {},
-                       obj["status"]["conditions"])
+                       obj["status"]["conditions"], obj["status"]["resolvedDigest"], trust)
     assert e.value.code == "FAILED_PRECONDITION" and sg.WRONG_KEY in str(e.value)
+    # the controller's verdict names the digest it judged: the driver mounts that one, no other
+    good_obj = world.get("good", kube_namespace)
+    args = (CacheRef(kube_namespace, "good"), good_obj["metadata"]["labels"], good_obj["status"]["conditions"])
+    check_verified(*args, good_obj["status"]["resolvedDigest"], trust)
+    with pytest.raises(ResolveError) as e:
+        check_verified(*args, obj["status"]["resolvedDigest"], trust)
+    assert e.value.code == "UNAVAILABLE"
     # steady state: resyncs and our own status writes verify nothing again
     n = signed[False].verifications
     assert n == 2

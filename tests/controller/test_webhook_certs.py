@@ -56,7 +56,6 @@ CONFIG = "accelnode-gkm-caches"  # the name daemonsets/webhooks-gkm.yaml ships a
 ENV_CONFIG = "accelnode-tpu-env"  # daemonsets/webhooks-tpu-env.yaml's
 WAIT = 60  # seconds: a bound on starts, elections and propagation, never a measurement
 FAST = ("--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1", "--resync", "2")
-IMAGE = "127.0.0.1:9/certs/probe@sha256:" + "a" * 64  # pinned by its own digest: no registry call
 
 
 class World:
@@ -71,6 +70,7 @@ class World:
         self.ns = f"certs-{self.run}"
         self.ports: list[int] = []
         self.procs: list[ControllerProc] = []
+        self.image = ""  # the probe GKMCache's image (set by the fixture: a digest the registry holds)
 
     # -- objects -------------------------------------------------------------------------------
 
@@ -153,20 +153,20 @@ class World:
     def call(self) -> str:
         """A dry-run create of a GKMCache: "" when it came back pinned, else what went wrong."""
         body = {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache", "metadata": {"name": "probe"},
-                "spec": {"image": IMAGE}}
+                "spec": {"image": self.image}}
         try:
             out = self.objs.create_namespaced_custom_object("gkm.io", "v1alpha1", self.ns, "gkmcaches", body,
                                                             dry_run="All")
         except client.ApiException as e:
             return f"{e.status}: {e.body}"
-        if (out["metadata"].get("annotations") or {}).get(DIGEST_ANNOTATION) != IMAGE.rsplit("@", 1)[1]:
+        if (out["metadata"].get("annotations") or {}).get(DIGEST_ANNOTATION) != self.image.rsplit("@", 1)[1]:
             return f"admitted unpinned (the mutating webhook was not reached): {out['metadata']}"
         return ""
 
     # -- controllers -----------------------------------------------------------------------------
 
     def start(self, identity: str, port: int, *extra: str) -> ControllerProc:
-        c = ControllerProc(self.cp, self.tmp, identity, *FAST, "--webhook-address", f"127.0.0.1:{port}",
+        c = ControllerProc(self.cp, self.tmp, identity, *FAST, "--plain-http", "--webhook-address", f"127.0.0.1:{port}",
                            "--webhook-service", self.service, "--webhook-service-namespace", NAMESPACE,
                            *extra).start()
         self.procs.append(c)
@@ -191,12 +191,13 @@ def secret_data(w: World, key: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def world(kube_api, kubectl, control_plane, crds, tmp_path_factory):
+def world(kube_api, kubectl, control_plane, crds, registry, tmp_path_factory):
     rbac = [a for f in sorted((ROOT / "daemonsets").glob("rbac-controller*.yaml")) for a in ("-f", str(f))]
     out = kubectl("admin", "apply", "-f", str(ROOT / "daemonsets/namespace.yaml"), *rbac)
     assert out.returncode == 0, out.stderr
     w = World(kube_api, control_plane, tmp_path_factory.mktemp("webhook-certs"))
     w.delete_everything()  # what an earlier run may have left
+    w.image = registry.push_raw("certs/probe", "v1")  # the probe's digest: one the registry holds, pinned at admission
     w.core.create_namespace(body={"metadata": {"name": w.ns}})
     # the API server dials an ExternalName Service's name and the webhook's port
     w.core.create_namespaced_service(NAMESPACE, body={
@@ -408,8 +409,9 @@ def test_ca_rotation_keeps_the_old_and_new_ca_trusted_and_no_call_fails(world, c
     certs.sync()
     assert stat.S_IMODE(os.stat(tmp_path).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(certs.key_file).st_mode) == 0o600
+    resolver = Resolver(RegistryOptions(anonymous=True, plain_http=True))  # the probe's image is in the registry
     server = AdmissionServer(f"127.0.0.1:{w.ports[0]}", certs.cert_file, certs.key_file,
-                             cache_routes(Resolver(RegistryOptions(anonymous=True)), ControllerIdentity.of(me))).start()
+                             cache_routes(resolver, ControllerIdentity.of(me))).start()
     leader.start()
     caller = Caller(w)
     try:

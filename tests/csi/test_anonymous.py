@@ -139,7 +139,7 @@ def test_a_copied_manifest_elsewhere_does_not_unlock_installed_content(credentia
     try:
         answer = ensure(node, f"{copy.host}/copies/cache@{digest}", anonymous=True)
         assert (answer.state, answer.failure) == (Ensure.FAILED, Ensure.DENIED), answer
-        assert "from a repository that does not serve it to this pull" in answer.message
+        assert f"does not serve {digest} to this pull" in answer.message
         assert ref.repository not in answer.message
     finally:
         copy.close()

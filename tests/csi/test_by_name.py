@@ -236,7 +236,7 @@ def test_not_ready_and_unavailable_until_the_caches_are_read(node, control_plane
     a, _ = namespaces
     start_by_name(node, control_plane, "device-plugin")
     code, body = readyz(node)
-    assert code == 503 and "GKMCaches and ClusterGKMCaches not read from the API server yet" in body
+    assert code == 503 and "GKMCaches, ClusterGKMCaches and ClusterCacheTrustPolicies not read from the API server yet" in body
     err = error_of(node.node_stub().NodePublishVolume,
                    node.volume("", pod_namespace=a, cache="kernels", cache_namespace=a).publish_request())
     assert err.code() == Code.UNAVAILABLE and "has not read the GKMCaches" in err.details()

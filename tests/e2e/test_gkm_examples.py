@@ -13,8 +13,9 @@ The journey, in order (the tests share one module-scoped world and run top to bo
 
 1. ``kubectl apply -f examples/gkm/`` from the repository (its README's scenarios): the caches naming
    ``quay.io/gkm/cache-examples:vector-add-cache-rocm-v2`` are pinned to the digest pushed there,
-   the digest-pinned ``jax-kernels-v6e`` is Resolved by its own digest without a registry
-   lookup (its signature is looked for, not found: Verified False, never pulled), and a PV/PVC pair per workload namespace is Bound.
+   the digest-pinned ``jax-kernels-v6e`` names a digest no registry holds, and a digest is asked
+   about like a tag (docs/security.md): ImageNotFound, never pinned, never pulled; a PV/PVC pair
+   per workload namespace is Bound.
 2. kubelet-shaped publishes: inline by name (the GKMCache) and by claim (the ClusterGKMCache's
    PV in tpu-training); read-only mounts of the pushed files; the node objects and the caches'
    counts follow the pods; unpublish moves them back.
@@ -340,10 +341,11 @@ def test_examples_are_resolved_and_their_claims_bound(world):
     got = eventually(lambda: pinned(o := world.cache(CLUSTER), v2) and o, timeout=WAIT)
     assert got, world.cache(CLUSTER)
 
-    # pinned by its own digest: Resolved with no registry call, and nothing ever pulls it
-    jax = eventually(lambda: pinned(o := world.cache(JAX, NS_INFERENCE), JAX_DIGEST) and o, timeout=WAIT)
+    # a digest the registry does not hold: naming it pins nothing, and nothing ever pulls it
+    jax = eventually(lambda: cond(o := world.cache(JAX, NS_INFERENCE), "Resolved").get("reason") == "ImageNotFound"
+                     and o, timeout=WAIT)
     assert jax, world.cache(JAX, NS_INFERENCE)
-    assert cond(jax, "Resolved")["reason"] == "Resolved"
+    assert cond(jax, "Resolved")["status"] == "False" and not status(jax).get("resolvedDigest")
 
     for cache_ns, name, workload in ((NS_INFERENCE, VECTOR_ADD, NS_INFERENCE), (NS_INFERENCE, JAX, NS_INFERENCE),
                                      (None, CLUSTER, NS_INFERENCE), (None, CLUSTER, NS_TRAINING)):
@@ -425,12 +427,10 @@ def test_a_kubelet_shaped_publish_mounts_the_pinned_digest(world, node):
     assert JAX not in (status(world.node_object(NS_INFERENCE)).get("caches") or {})
     assert JAX_DIGEST not in world.store_digests()
     log = (world.registry.workdir / "registry.log").read_text(errors="replace")
-    # nobody asked the registry for its manifest or blobs; only the controller looked for its
-    # signatures (the example is labelled cosign-v3), found none, and refused it: never pulled
+    # only its manifest was asked for (the pin: 404), never a blob: never pulled
     asked = [ln for ln in log.splitlines() if "caches/jax-kernels" in ln and '"GET ' in ln]
-    assert asked and all("/referrers/" in ln or f"/manifests/sha256-{JAX_DIGEST.split(':')[1]}" in ln
-                         for ln in asked), asked
-    assert cond(world.cache(JAX, NS_INFERENCE), "Verified")["status"] == "False"
+    assert asked and all(f"/manifests/{JAX_DIGEST} " in ln for ln in asked), asked
+    assert cond(world.cache(JAX, NS_INFERENCE), "Resolved")["reason"] == "ImageNotFound"
 
     for vol in (inline, claim):
         node.node_stub().NodeUnpublishVolume(vol.unpublish_request(), timeout=30)
