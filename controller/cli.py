@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import re
 
+import accelnode
 from accelnode import cli as acli
 from accelnode import exitcodes
 from accelnode.oci.flags import add_registry_flags
@@ -97,8 +98,9 @@ def register(sub) -> None:
     g.add_argument("--join-api-server-port", type=int, default=6443, metavar="PORT",
                    help="port of the API server at bootstrapKubernetes.controlPlaneIP that the VMs join; written into "
                         "kubeadm-control-plane-ip when not 6443 (default: %(default)s)")
-    g.add_argument("--device-plugin-image", default="accelnode:0.1.0", metavar="IMAGE",
-                   help="image of the device-plugin DaemonSet the node groups deploy (default: %(default)s)")
+    g.add_argument("--device-plugin-image", default=accelnode.IMAGE, metavar="IMAGE",
+                   help="image of the device-plugin DaemonSet the node groups deploy; the shipped Deployment sets it "
+                        "to the controller's own image (default: %(default)s)")
     add_registry_flags(p.add_argument_group("registry (resolving kernel-cache images to digests)"),
                        timeout_flag="--registry-timeout", timeout=30.0,
                        timeout_help="deadline of resolving one image to its digest (manifests and configs, no layers)")

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from accelnode import IMAGE
 from accelnode.kube.bootstraptoken import METADATA_KEYS
 from accelnode.kube.client import Client, KubeError, custom_path, is_conflict, is_not_found, is_too_many_requests
 from accelnode.log import kv
@@ -53,7 +54,7 @@ class Settings:
     namespace: str = "accelnode-system"  # where the device-plugin DaemonSet goes
     poll: float = 10.0  # operation polls, joining nodes
     drain_timeout: float = 300.0  # bounded wait for evictions at teardown
-    device_plugin_image: str = "accelnode:0.1.0"
+    device_plugin_image: str = IMAGE
     api_server_port: int = 6443  # with bootstrapKubernetes.controlPlaneIP: where the VMs join
 
 
