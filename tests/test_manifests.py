@@ -260,6 +260,7 @@ def test_every_workload_runs_the_one_fully_qualified_image_of_this_version():
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## [{version}]" in changelog, "CHANGELOG.md has no entry for this version"
     assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert f"org.opencontainers.image.version={version}" in (ROOT / "Containerfile").read_text()
 
 
 def test_an_overlays_images_entry_moves_every_container_and_the_controllers_device_plugin_image(tmp_path):
