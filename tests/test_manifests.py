@@ -300,6 +300,15 @@ def device_plugin_terms(docs: list[dict]) -> list[list[dict]]:
         "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]]
 
 
+def test_the_node_groups_device_plugin_stays_off_gke_node_pools_too():
+    """The DaemonSet the controller makes for TPU node groups when the base's is missing
+    (controller/nodegroups/reconciler.py) selects the nodes the base's does."""
+    from controller.nodegroups.reconciler import device_plugin_daemonset
+
+    made = device_plugin_daemonset("accelnode-system", "x")
+    assert device_plugin_terms([made]) == device_plugin_terms(build(BASE))
+
+
 def test_the_self_managed_device_plugin_component_adds_the_opted_in_gke_nodes(tmp_path):
     """The base: TPU nodes outside GKE node pools only. The switch (a kustomize Component used
     from an overlay, as docs/operations.md shows): also TPU nodes labelled

@@ -320,8 +320,9 @@ def device_plugin_daemonset(namespace: str, image: str) -> dict:
                     "priorityClassName": "system-node-critical", "hostNetwork": True,
                     "automountServiceAccountToken": False,
                     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                        "nodeSelectorTerms": [{"matchExpressions": [
-                            {"key": LABEL_ACCELERATOR, "operator": "Exists"}]}]}}},
+                        "nodeSelectorTerms": [{"matchExpressions": [  # as daemonsets/device-plugin.yaml: off GKE pools
+                            {"key": LABEL_ACCELERATOR, "operator": "Exists"},
+                            {"key": "cloud.google.com/gke-nodepool", "operator": "DoesNotExist"}]}]}}},
                     "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},
                                     {"operator": "Exists", "effect": "NoExecute"}],
                     "containers": [{
