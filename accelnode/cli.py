@@ -20,6 +20,7 @@ from . import __version__, exitcodes, log as alog
 # subcommand name -> module that registers it (in the order `--help` lists them)
 COMPONENTS = [
     "device_plugin.cli",
+    "device_plugin.selftest",
     "csi_driver.cli",
     "agent.cli",
     "agent.cache_cli",
@@ -115,12 +116,26 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.register(sub)
+    _own_errors(parser)
     return parser
+
+
+def _own_errors(parser: argparse.ArgumentParser) -> None:
+    """Record on every (sub)command's parser that it is the one that parsed, so that an unknown
+    flag is reported with that command's usage, not the top-level one (argparse leaves the
+    unknown arguments of a subcommand to the top-level parser)."""
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:  # argparse has no public accessor
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _own_errors(child)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     check_env(args)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)

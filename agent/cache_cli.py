@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from accelnode import exitcodes
 from accelnode.cli import add_common, apply_env
@@ -111,9 +112,14 @@ def _progress():
     return Progress(sys.stderr)
 
 
-def _store(args):
+def _store(args, *, create: bool = False):
+    """The store at --store; only ``pull`` (``create``) may make a new one: the other actions on a
+    directory that is not a store fail rather than create an empty one and report it clean."""
     from .store import CacheStore
 
+    if not create and not (Path(args.store) / "caches").is_dir():
+        raise exitcodes.CLIError(f"--store {args.store}: not a cache store (no caches/ directory; `accelnode cache "
+                                 "pull` creates one)", exitcodes.PREREQUISITE)
     return CacheStore(args.store, registry=registry_options(args) if hasattr(args, "plain_http") else None)
 
 
@@ -143,7 +149,8 @@ def _push(args) -> int:
 
 
 def _pull(args) -> int:
-    inst = _errors(lambda: _store(args).ensure(args.image, accelerators=args.accelerator, progress=_progress()))
+    inst = _errors(lambda: _store(args, create=True).ensure(args.image, accelerators=args.accelerator,
+                                                            progress=_progress()))
     if args.json:
         print(json.dumps(_installed_json(inst), indent=2))
     else:

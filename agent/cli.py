@@ -19,6 +19,9 @@ def register(sub) -> None:
     add_registry_flags(p, timeout_flag="--registry-timeout")
     p.add_argument("--sysfs-root", default="/sys", help="sysfs to read accelerators from (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
+    p.add_argument("--accelerator", action="append", metavar="BACKEND/ARCH[:COUNT]",
+                   help="declare this node's accelerators instead of detecting them (repeatable), e.g. cuda/sm_90:8, "
+                        "hip/gfx942:8, tpu/v5e:4 (default: detected: TPU discovery, NVML/amdsmi, PCI ids)")
     p.add_argument("--metrics-address", default="127.0.0.1:9811", metavar="HOST:PORT",
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
     b = p.add_argument_group("bounded work: pulls, image limits and disk (docs/agent-store.md)")
@@ -47,7 +50,8 @@ def register(sub) -> None:
                    help="this node's name (downward API spec.nodeName); when set, the agent writes the node's "
                         "GKMCacheNode/ClusterGKMCacheNode objects and prefetches caches meant for it")
     g.add_argument("--kubeconfig", metavar="FILE",
-                   help="kubeconfig for the API server (default: the pod's service account)")
+                   help="kubeconfig for the API server (default: as kubectl: $KUBECONFIG, ~/.kube/config, else the "
+                        "pod's service account)")
     g.add_argument("--status-resync", type=float, default=30.0, metavar="SECONDS",
                    help="re-read the local store this often even without a change cue (default: %(default)s)")
     acli.add_common(p)
@@ -117,12 +121,17 @@ def run(args: argparse.Namespace) -> int:
                                  f"({high:g})", exitcodes.USAGE)
     if args.gc_interval <= 0:
         raise exitcodes.CLIError("--gc-interval must be positive", exitcodes.USAGE)
+    try:
+        found = accelerators.declared(args.accelerator) if args.accelerator else \
+            accelerators.detect(args.sysfs_root, args.dev_root)
+    except ValueError as e:
+        raise exitcodes.CLIError(f"--accelerator {e}", exitcodes.USAGE) from None
     store = CacheStore(args.store, registry=options,
                        limits=Limits(max_bytes=args.max_image_size, max_files=args.max_image_files),
                        capacity=Capacity(args.pull_headroom, high, args.gc_low_percent,
                                          args.gc_min_idle))
     registry = CollectorRegistry()
-    agent = core.Agent(store, accelerators.detect(args.sysfs_root, args.dev_root), core.Metrics(registry),
+    agent = core.Agent(store, found, core.Metrics(registry),
                        max_pulls=args.max_pulls)
     health = Health()
     reporter = None  # set below with --node-name; ready once its watches have listed

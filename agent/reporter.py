@@ -341,8 +341,8 @@ def local_view(agent: core.Agent) -> Local:
 def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: float,
               pull_timeout: float = 600.0, health: Health | None = None) -> Reporter:
     """A reporter over the in-process agent core, talking to the API server of ``kubeconfig``
-    (the pod's service account when None). Raises ValueError/OSError on bad configuration."""
-    config = Config.from_kubeconfig(kubeconfig) if kubeconfig else Config.in_cluster()
+    (when None: as kubectl finds it, the pod's service account last). Raises ValueError/OSError on bad configuration."""
+    config = Config.load(kubeconfig)
     options = agent.store.options
     return Reporter(Client(config), node, agent.accelerators, lambda: local_view(agent),
                     lambda image: agent.ensure_until_done(image, pull_timeout), resync=resync,

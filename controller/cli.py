@@ -30,8 +30,8 @@ def register(sub) -> None:
     p = sub.add_parser("controller", help="run the cluster controller (leader election, reconcilers, admission "
                                           "webhooks)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: the pod's "
-                                                        "service account)")
+    p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: as kubectl: "
+                                                        "$KUBECONFIG, ~/.kube/config, else the pod's service account)")
     g = p.add_argument_group("leader election (a coordination.k8s.io/v1 Lease)")
     g.add_argument("--namespace", metavar="NS",
                    help="namespace of the Lease (default: the pod's namespace from its service account, else "
@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from controller.caches.webhooks import routes as cache_routes
     from controller.tpuenv.webhooks import routes as env_routes
     from controller.webhooks.certs import Policy, ServingCerts, service_names
+    from controller.runtime import events
     from controller.runtime.leader import LeaderElector, Timing
     from controller.runtime.manager import Manager
     from controller.caches.pinning import Resolver
@@ -220,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     service_namespace = args.webhook_service_namespace or namespace
     identity = args.identity or default_identity()
     try:
-        config = Config.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Config.in_cluster()
+        config = Config.load(args.kubeconfig)
         client = Client(config, user_agent="accelnode-controller", max_connections=32)  # a watch per reconciler kind
     except (ValueError, OSError) as e:
         raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
@@ -247,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
     if self_managed:  # the leader copies the CA into our webhook configurations
         reconcilers.append(CABundleReconciler(client, secret_namespace=namespace, secret=args.webhook_secret,
                                               service=args.webhook_service, service_namespace=service_namespace))
+    recorder = events.Recorder(client, instance=identity).start()  # Events on users' objects (runtime/events.py)
+    events.install(recorder)
     manager = Manager(client, reconcilers, registry, workers=args.workers, resync=args.resync)
     elector = LeaderElector(client, namespace, args.lease_name, identity, timing, on_started_leading=manager.start)
     Gauge("accelnode_controller_leader", "1 while this replica holds the leader Lease",
@@ -308,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         stopped_cleanly = elector.run(stop)
     finally:
         manager.stop(timeout=10.0 if stop.is_set() else 2.0)
+        recorder.flush(2.0)
+        recorder.stop()
     if stopped_cleanly:
         elector.release()
     if webhooks is not None:

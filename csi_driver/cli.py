@@ -100,8 +100,8 @@ def register(sub) -> None:
     p.add_argument("--metrics-address", default="127.0.0.1:9810", metavar="HOST:PORT",
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
     p.add_argument("--kubeconfig", metavar="FILE",
-                   help="kubeconfig for the API server, where caches are looked up by name (default: the pod's "
-                        "service account when running in a pod)")
+                   help="kubeconfig for the API server, where caches are looked up by name (default: as kubectl: "
+                        "$KUBECONFIG, ~/.kube/config, else the pod's service account when running in a pod)")
     p.add_argument(resolve.TRUST_FLAG, action="store_true",
                    help="accept the volume attribute csi.gkm.io/image, for clusters without the controller. This "
                         "trusts pod authors: whoever writes a pod may mount any image they name (pulled without "
@@ -123,15 +123,15 @@ def socket_from_endpoint(endpoint: str) -> str:
 
 
 def api_config(args: argparse.Namespace):
-    """The API server to look caches up in: --kubeconfig, else the pod's service account when its
-    token is mounted, else None (allowed only with --trust-pod-image-attribute)."""
-    from accelnode.kube.client import SA_DIR, Config
+    """The API server to look caches up in, found as kubectl finds it (--kubeconfig, $KUBECONFIG,
+    ~/.kube/config, the pod's service account), else None (allowed only with
+    --trust-pod-image-attribute)."""
+    from accelnode.kube.client import SA_DIR, Config, NoConfig
 
     try:
-        if args.kubeconfig:
-            return Config.from_kubeconfig(args.kubeconfig)
-        if (SA_DIR / "token").is_file():
-            return Config.in_cluster()
+        return Config.load(args.kubeconfig)
+    except NoConfig:
+        pass
     except (ValueError, OSError) as e:
         raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
     if not args.trust_pod_image_attribute:

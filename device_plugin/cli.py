@@ -8,6 +8,7 @@ from accelnode import cli as acli
 from accelnode import exitcodes
 
 from .events import DEFAULT_TICK
+from .topology import RECIPES
 
 
 def _tick(raw: str) -> float:
@@ -35,12 +36,27 @@ def register(sub) -> None:
                    help="file name of our socket in --kubelet-dir (default: %(default)s)")
     p.add_argument("--resource-name", default="google.com/tpu",
                    help="extended resource to offer (default: %(default)s)")
-    p.add_argument("--accelerator-type", default=None,
-                   help="slice type for TPU_ACCELERATOR_TYPE, e.g. v5litepod-16, given to containers holding all of "
-                   "the host's chips (default: not set)")
-    p.add_argument("--topology", default=None,
-                   help="slice topology for TPU_TOPOLOGY/TPU_HOST_BOUNDS, e.g. 4x4 or 2x2x2, given to containers "
-                   "holding all of the host's chips (default: not set)")
+    g = p.add_argument_group("the slice this node is part of (docs/device-plugin.md, \"Slice facts\")")
+    g.add_argument("--tpu-env", choices=RECIPES, default="gke",
+                   help="the TPU env a container gets: gke (GKE's managed plugin: no TPU_VISIBLE_CHIPS, a container "
+                   "of N chips is a host of N chips in the node's slice) or visible-chips (TPU_VISIBLE_CHIPS = host "
+                   "chip indices, TPU_*_PROCESS_BOUNDS) (default: %(default)s)")
+    g.add_argument("--node-name", default=None, metavar="NODE",
+                   help="read the slice from this Node's labels cloud.google.com/gke-tpu-accelerator and "
+                   "cloud.google.com/gke-tpu-topology, and follow them (the DaemonSets set it from spec.nodeName; "
+                   "needs get and watch on nodes) (default: not read)")
+    g.add_argument("--kubeconfig", default=None, metavar="FILE",
+                   help="kubeconfig for --node-name (default: as kubectl: $KUBECONFIG, ~/.kube/config, else the "
+                   "pod's service account)")
+    g.add_argument("--metadata-labels", action="store_true",
+                   help="read the same labels from the GCE metadata server's instance/attributes/kube-labels at "
+                   "start (GCE_METADATA_HOST or 169.254.169.254) (default: off)")
+    g.add_argument("--accelerator-type", default=None,
+                   help="TPU_ACCELERATOR_TYPE, e.g. v5litepod-16; wins over the labels (default: from the labels: "
+                   "<generation>-<TensorCores>)")
+    g.add_argument("--topology", default=None,
+                   help="slice topology for TPU_TOPOLOGY and the host bounds, e.g. 4x4 or 2x2x2; wins over the "
+                   "labels (default: from the labels, else no slice env)")
     p.add_argument("--metrics-address", default="127.0.0.1:2112",
                    help="HOST:PORT for /metrics, /healthz, /readyz; empty disables (default: %(default)s)")
     p.add_argument("--health-interval", type=_tick, default=DEFAULT_TICK,
@@ -68,6 +84,7 @@ def run(args) -> int:
     from .api import KUBELET_SOCKET, is_extended_resource_name
     from .metrics import Metrics
     from .server import Plugin
+    from .nodefacts import NodeFacts
     from .topology import NodeConfig
 
     if not is_extended_resource_name(args.resource_name):
@@ -76,11 +93,21 @@ def run(args) -> int:
     if "/" in args.socket_name or args.socket_name in ("", ".", "..", KUBELET_SOCKET):
         raise exitcodes.CLIError(f"--socket-name {args.socket_name!r} must be a plain file name other than "
                                  "kubelet.sock", exitcodes.USAGE)
-    config = NodeConfig(accelerator_type=args.accelerator_type or None, topology=args.topology or None)
+    config = NodeConfig(accelerator_type=args.accelerator_type or None, topology=args.topology or None,
+                        recipe=args.tpu_env)
     try:
         config.validate()
     except ValueError as e:
         raise exitcodes.CLIError(f"--topology: {e}", exitcodes.USAGE) from None
+    facts = NodeFacts(config)
+    client = None
+    if args.node_name:
+        from accelnode.kube.client import Client, Config
+
+        try:
+            client = Client(Config.load(args.kubeconfig), user_agent="accelnode-device-plugin", max_connections=2)
+        except (ValueError, OSError) as e:
+            raise exitcodes.CLIError(f"--node-name needs the API server: {e}", exitcodes.PREREQUISITE) from None
     if args.metrics_address:
         try:
             parse_address(args.metrics_address)
@@ -103,7 +130,13 @@ def run(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     metrics = Metrics()
     health = Health()
-    plugin = Plugin(sysfs_root=sysfs, dev_root=dev, kubelet_dir=kdir, config=config, metrics=metrics,
+    if args.metadata_labels:
+        from accelnode.gce.metadata import Metadata
+
+        facts.from_metadata(Metadata())
+    if client is not None:
+        facts.watch_node(client, args.node_name)
+    plugin = Plugin(sysfs_root=sysfs, dev_root=dev, kubelet_dir=kdir, config=facts, metrics=metrics,
                     resource=args.resource_name, socket_name=args.socket_name, tick=args.health_interval,
                     health=health)
     http = None
@@ -121,6 +154,7 @@ def run(args) -> int:
         stop.wait()
     finally:
         plugin.stop()
+        facts.stop()
         if http is not None:
             http.stop()
     return exitcodes.OK

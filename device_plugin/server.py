@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 import grpc
 
@@ -74,11 +75,11 @@ def to_device(s: ChipState):
 
 
 class TPUService(api.DevicePluginServicer):
-    def __init__(self, state: DeviceState, dev_root: Path, config: topology.NodeConfig, metrics: Metrics,
-                 closing: threading.Event, on_stream_end):
+    def __init__(self, state: DeviceState, dev_root: Path, config: Callable[[], topology.NodeConfig],
+                 metrics: Metrics, closing: threading.Event, on_stream_end):
         self.state = state
         self.dev_root = dev_root
-        self.config = config
+        self.config = config  # the node's slice facts now (they may change: nodefacts.NodeFacts)
         self.metrics = metrics
         self.closing = closing
         self.on_stream_end = on_stream_end
@@ -140,7 +141,7 @@ class TPUService(api.DevicePluginServicer):
         nodes = dict.fromkeys(p for c in chips for p in c.dev_paths)  # ordered, vfio/vfio once
         specs = [api.DeviceSpec(container_path="/dev/" + os.path.relpath(p, self.dev_root), host_path=p,
                                 permissions="rw") for p in nodes]
-        env = topology.container_env(chips, host_chips, self.config)
+        env = topology.container_env(chips, host_chips, self.config())
         return api.ContainerAllocateResponse(envs=env, devices=specs)
 
     def _chips(self, context, known: dict[str, ChipState], ids, what: str):
@@ -169,8 +170,9 @@ def _ident(path: Path):
 
 
 class Plugin:
-    def __init__(self, *, sysfs_root: Path, dev_root: Path, kubelet_dir: Path, config: topology.NodeConfig,
-                 metrics: Metrics, resource: str, socket_name: str, tick: float, health: Health | None = None,
+    def __init__(self, *, sysfs_root: Path, dev_root: Path, kubelet_dir: Path,
+                 config: topology.NodeConfig | Callable[[], topology.NodeConfig], metrics: Metrics, resource: str,
+                 socket_name: str, tick: float, health: Health | None = None,
                  grace: float = GRACE_DEFAULT):
         self.health = health or Health()
         self.grace = grace
@@ -184,7 +186,8 @@ class Plugin:
         self._server: grpc.Server | None = None
         self._socket_ident = None
         self._registered_with = None  # identity of the kubelet.sock we registered with
-        self.service = TPUService(self.state, dev_root, config, metrics, self.closing, self._kick.set)
+        facts = config if callable(config) else (lambda: config)
+        self.service = TPUService(self.state, dev_root, facts, metrics, self.closing, self._kick.set)
         self.watcher = Watcher(Inventory(sysfs_root, dev_root), kubelet_dir, self._on_devices,
                                self._kick.set, tick, self.health.heartbeat("device watcher", tick + grace), grace,
                                lambda cause: metrics.scans.labels(cause).inc())

@@ -116,3 +116,71 @@ def test_a_bad_value_of_a_repeatable_flag_variable_is_a_usage_error_of_its_comma
     assert "ACCELNODE_TARGET='bad'" in bad.stderr and "Traceback" not in bad.stderr
     other = run("cache", "inspect", "not-a-reference", env={"ACCELNODE_TARGET": "bad"})
     assert "ACCELNODE_TARGET" not in other.stderr
+
+
+# -- issue 24.8: loose ends a new user found --------------------------------------------------
+
+def test_an_unknown_flag_shows_the_usage_of_the_subcommand_it_was_given_to(tmp_path):
+    out = run("cache", "verify", "--store", str(tmp_path), "--bogus")
+    assert out.returncode == exitcodes.USAGE
+    assert out.stderr.startswith("usage: accelnode cache verify") and "--store DIR" in out.stderr
+    assert "accelnode cache verify: error: unrecognized arguments: --bogus" in out.stderr
+    top = run("--bogus")
+    assert top.returncode == exitcodes.USAGE and top.stderr.startswith("usage: accelnode [-h]")
+
+
+def test_cache_verify_of_a_missing_store_fails_and_creates_nothing(tmp_path):
+    for action in (["verify"], ["gc"], ["push", "sha256:" + "0" * 64, "127.0.0.1:1/x:y"]):
+        out = run("cache", action[0], "--store", str(tmp_path / "missing"), *action[1:])
+        assert out.returncode == exitcodes.PREREQUISITE, (action, out.stderr)
+        assert "not a cache store" in out.stderr and "ok" not in out.stdout
+        assert not (tmp_path / "missing").exists()
+
+
+def _kubeconfig(path, server, *, name="c", ca="ca.crt"):
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "current-context": name,
+        "clusters": [{"name": name, "cluster": {"server": server, "certificate-authority": ca}}],
+        "users": [{"name": name, "user": {"token": f"token-{name}"}}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": name}}]}))
+    return path
+
+
+def test_api_server_found_as_kubectl_finds_it(tmp_path, monkeypatch):
+    from accelnode.kube import client
+    from accelnode.kube.client import Config, NoConfig
+
+    a = _kubeconfig(tmp_path / "a/config", "https://a.example:6443", name="a")
+    b = _kubeconfig(tmp_path / "b/config", "https://b.example:6443", name="b")
+    home = _kubeconfig(tmp_path / "home/.kube/config", "https://home.example:6443", name="h")
+    # the flag wins over everything
+    assert Config.load(str(b), {"KUBECONFIG": str(a), "HOME": str(tmp_path / "home")}).server == "https://b.example:6443"
+    # $KUBECONFIG: a list, missing files skipped, the first current-context wins; paths relative to their file
+    merged = Config.load(None, {"KUBECONFIG": os.pathsep.join([str(tmp_path / "nope"), str(a), str(b)])})
+    assert (merged.server, merged.token, merged.ca_file) == ("https://a.example:6443", "token-a",
+                                                             str(tmp_path / "a/ca.crt"))
+    # then ~/.kube/config
+    assert Config.load(None, {"HOME": str(tmp_path / "home")}).server == "https://home.example:6443"
+    assert home.exists()
+    # then the pod's service account, when its token is mounted
+    in_pod = {"HOME": str(tmp_path / "empty"), "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    monkeypatch.setattr(client, "SA_DIR", tmp_path / "sa")
+    with pytest.raises(NoConfig, match="no kubeconfig"):
+        Config.load(None, in_pod)  # no token (automountServiceAccountToken: false)
+    (tmp_path / "sa").mkdir()
+    (tmp_path / "sa/token").write_text("t")
+    pod = Config.load(None, in_pod)
+    assert pod.server == "https://10.96.0.1:443" and pod.token_file == str(tmp_path / "sa/token")
+    with pytest.raises(NoConfig, match="no kubeconfig"):
+        Config.load(None, {"HOME": str(tmp_path / "empty")})
+
+
+def test_the_controller_honours_kubeconfig(tmp_path):
+    bad = tmp_path / "kubeconfig"
+    bad.write_text("current-context: x\ncontexts: []\n")
+    out = run("controller", env={"KUBECONFIG": str(bad)})
+    assert out.returncode == exitcodes.PREREQUISITE, out.stderr
+    assert f"{bad}: no context named 'x'" in out.stderr

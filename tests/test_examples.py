@@ -42,6 +42,7 @@ EXERCISED: dict[str, list[str]] = {
     "tpu/tpunodegroup-from-template.yaml": [CRDS],
     "tpu/tpunodegroup-multi-host.yaml": [CRDS, "tests/controller/test_nodegroups.py"],
     "tpu/tpunodegroup-single-host.yaml": [CRDS, "tests/e2e/test_nodegroup_join.py"],
+    "tpu/selftest/jobs.yaml": ["tests/device_plugin/test_selftest.py", "tests/test_manifests.py"],
     "tpu/walkthrough/10-tpunodegroup.yaml": [CRDS],
     "tpu/walkthrough/20-workload.yaml": [NODE],
     "kro/README.md": [THIS],

@@ -31,8 +31,8 @@ NOT_RUNTIME = ("accelnode.pb",)
 CONTROLLER_RUNTIME = ("controller.runtime",)
 CONTROLLER_WEBHOOKS = ("controller.webhooks",)
 CAPABILITIES = ("controller.caches", "controller.tpuenv", "controller.nodegroups")
-# Imported only where present, inside a try (NVML on GPU nodes).
-OPTIONAL = {"pynvml"}
+# Imported only where present, inside a try (NVML on NVIDIA nodes, amdsmi on AMD nodes).
+OPTIONAL = {"pynvml", "amdsmi"}
 # Third-party imports that are not runtime dependencies of their own (they come with one that is).
 # The ``google`` namespace package is shared: its second level says which distribution it is.
 PROVIDED_BY = {"google.protobuf": "protobuf", "google.cloud": "google-cloud-compute",

@@ -103,3 +103,14 @@ class Metadata:
 
     def close(self) -> None:
         self._http.clear()
+
+
+def kube_labels(value: str) -> dict[str, str]:
+    """The ``kube-labels`` attribute (``k=v,k2=v2``: the Node labels GKE and our node groups give a
+    VM before it joins) as a dict; malformed pairs skipped."""
+    out = {}
+    for pair in (value or "").split(","):
+        k, sep, v = pair.strip().partition("=")
+        if sep and k:
+            out[k] = v
+    return out

@@ -1,9 +1,13 @@
 """This node's accelerators, as cache images describe their targets (backend + arch).
 
 * TPUs come from the TPU discovery in :mod:`accelnode.hw.tpu` (the generation is the arch: ``v5e``...).
-* NVIDIA GPUs come from NVML when ``pynvml`` and the driver are present (arch ``sm_<major><minor>``).
-* Otherwise GPUs are recognised by their PCI ids in sysfs; the arch is known for the parts in
-  :data:`PCI_ARCH` and left unknown (``None``) for others, which then match no image.
+* NVIDIA GPUs come from NVML when ``pynvml`` and the driver are present (arch ``sm_<major><minor>``
+  from the device's CUDA compute capability), AMD GPUs from amdsmi when it is present (arch: the
+  device's ``target_graphics_version``, ``gfx942``).
+* Otherwise GPUs are recognised by their PCI ids in sysfs and named from the PCI ID database
+  (:mod:`accelnode.hw.pciids`); the arch comes from our table of data-centre parts or the chip's
+  code name, and is left unknown (``None``) otherwise: such a GPU then matches no image.
+* :func:`declared` replaces all of this with what the operator states (``--accelerator``).
 
 Everything reads below ``sysfs_root``/``dev_root`` so tests run against simulated hosts.
 """
@@ -11,42 +15,29 @@ Everything reads below ``sysfs_root``/``dev_root`` so tests run against simulate
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelnode.log import kv
 
+from . import pciids
+from .pciids import AMD, NVIDIA
+
 log = logging.getLogger("accelnode.hw")
 
-NVIDIA, AMD = 0x10DE, 0x1002
 BACKEND_BY_VENDOR = {NVIDIA: "cuda", AMD: "hip"}
 # PCI class prefixes of GPUs and compute accelerators: display controllers, processing accelerators.
 GPU_CLASSES = (0x03, 0x12)
-# (vendor, device) -> arch for parts whose arch the PCI id settles.
-PCI_ARCH = {
-    (NVIDIA, 0x1EB8): "sm_75",  # T4
-    (NVIDIA, 0x20B0): "sm_80",  # A100 SXM4 40GB
-    (NVIDIA, 0x20B2): "sm_80",  # A100 SXM4 80GB
-    (NVIDIA, 0x20B5): "sm_80",  # A100 PCIe 80GB
-    (NVIDIA, 0x20F1): "sm_80",  # A100 PCIe 40GB
-    (NVIDIA, 0x27B8): "sm_89",  # L4
-    (NVIDIA, 0x2330): "sm_90",  # H100 SXM5
-    (NVIDIA, 0x2331): "sm_90",  # H100 PCIe
-    (NVIDIA, 0x2335): "sm_90",  # H200
-    (AMD, 0x738C): "gfx908",  # MI100
-    (AMD, 0x740C): "gfx90a",  # MI250X/MI250
-    (AMD, 0x740F): "gfx90a",  # MI210
-    (AMD, 0x74A1): "gfx942",  # MI300X
-}
-
 
 @dataclass(frozen=True)
 class Accelerator:
     backend: str  # "tpu" | "cuda" | "hip"
     arch: str | None  # "v5e", "sm_90", "gfx942"; None when it cannot be told
     count: int
-    source: str  # how it was found: "tpu-discovery", "nvml", "pci 10de:2330"
+    source: str  # how it was found: "tpu-discovery", "nvml", "amdsmi", "pci 10de:2330", "declared"
+    name: str | None = field(default=None, compare=False)  # "H100 SXM5 80GB", "Instinct MI325X"
 
     @property
     def warp_size(self) -> int | None:
@@ -72,12 +63,43 @@ def detect(sysfs_root: str | Path = "/sys", dev_root: str | Path = "/dev") -> li
 
     NVML describes the real host only, so it is asked only when ``sysfs_root`` is ``/sys``.
     """
-    gpus = _nvml_gpus() if Path(sysfs_root) == Path("/sys") else []
-    # NVML sees NVIDIA parts only; PCI ids cover AMD, and NVIDIA when NVML is missing.
-    pci = [a for a in _pci_gpus(sysfs_root) if not (gpus and a.backend == "cuda")]
+    gpus = (_nvml_gpus() + _amdsmi_gpus()) if Path(sysfs_root) == Path("/sys") else []
+    # NVML sees NVIDIA parts only, amdsmi AMD ones; PCI ids cover a vendor whose library is missing.
+    seen = {a.backend for a in gpus}
+    pci = [a for a in _pci_gpus(sysfs_root) if a.backend not in seen]
     found = _tpus(sysfs_root, dev_root) + gpus + pci
-    log.info("accelerators detected", extra=kv(accelerators=[str(a) for a in found]))
+    log.info("accelerators detected", extra=kv(accelerators=[str(a) for a in found],
+                                               names=[a.name for a in found if a.name],
+                                               pci_ids=str(pciids.database_path() or "none")))
     return found
+
+
+TPU_ARCHS = ("v4", "v5e", "v5p", "v6e", "v7x")
+_DECLARED = re.compile(r"^(tpu|cuda|hip)/([A-Za-z0-9_]+)(?::([1-9][0-9]{0,3}))?$")
+
+
+def declared(specs: list[str]) -> list[Accelerator]:
+    """The node's accelerators as the operator states them: ``BACKEND/ARCH[:COUNT]`` each, e.g.
+    ``cuda/sm_90:8``, ``hip/gfx942:8``, ``tpu/v5e:4``. Raises ValueError naming a bad one."""
+    out = []
+    for spec in specs:
+        m = _DECLARED.match(spec.strip())
+        if not m:
+            raise ValueError(f"{spec!r} is not BACKEND/ARCH[:COUNT] with BACKEND tpu, cuda or hip "
+                             "(e.g. cuda/sm_90:8, hip/gfx942:8, tpu/v5e:4)")
+        backend, arch, count = m.group(1), m.group(2), int(m.group(3) or 1)
+        if backend == "cuda":
+            arch = "sm_" + arch.removeprefix("sm_")
+            ok = re.fullmatch(r"sm_[1-9][0-9]{1,2}[af]?", arch)
+        elif backend == "hip":
+            ok = re.fullmatch(r"gfx[0-9a-f]{3,4}", arch)
+        else:
+            ok = arch in TPU_ARCHS
+        if not ok:
+            raise ValueError(f"{spec!r}: {arch!r} is not a {backend} architecture (cuda: sm_90, hip: gfx942, "
+                             f"tpu: {', '.join(TPU_ARCHS)})")
+        out.append(Accelerator(backend, arch, count, "declared"))
+    return out
 
 
 def _tpus(sysfs_root, dev_root) -> list[Accelerator]:
@@ -101,11 +123,34 @@ def _nvml_gpus() -> list[Accelerator]:
     try:
         archs = Counter()
         for i in range(pynvml.nvmlDeviceGetCount()):
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i))
-            archs[f"sm_{major}{minor}"] += 1
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            archs[(f"sm_{major}{minor}", name.decode() if isinstance(name, bytes) else name)] += 1
     finally:
         pynvml.nvmlShutdown()
-    return [Accelerator("cuda", a, n, "nvml") for a, n in sorted(archs.items())]
+    return [Accelerator("cuda", a, n, "nvml", name) for (a, name), n in sorted(archs.items())]
+
+
+def _amdsmi_gpus() -> list[Accelerator]:
+    """AMD GPUs through amdsmi (ROCm's library), or [] when it or the driver is absent."""
+    try:
+        import amdsmi  # optional: only on AMD GPU nodes
+    except ImportError:
+        return []
+    try:
+        amdsmi.amdsmi_init()
+    except Exception as e:  # AmdSmiException: no driver / no device
+        log.debug("amdsmi unavailable", extra=kv(error=str(e)))
+        return []
+    try:
+        archs = Counter()
+        for handle in amdsmi.amdsmi_get_processor_handles():
+            info = amdsmi.amdsmi_get_gpu_asic_info(handle)
+            archs[(str(info.get("target_graphics_version") or "") or None, info.get("market_name"))] += 1
+    finally:
+        amdsmi.amdsmi_shut_down()
+    return [Accelerator("hip", a, n, "amdsmi", name) for (a, name), n in sorted(archs.items(), key=str)]
 
 
 def _pci_gpus(sysfs_root) -> list[Accelerator]:
@@ -119,7 +164,9 @@ def _pci_gpus(sysfs_root) -> list[Accelerator]:
             continue
         if vendor in BACKEND_BY_VENDOR and (klass >> 16) in GPU_CLASSES:
             kinds[(vendor, device)] += 1
-    return [
-        Accelerator(BACKEND_BY_VENDOR[v], PCI_ARCH.get((v, d)), n, f"pci {v:04x}:{d:04x}")
-        for (v, d), n in sorted(kinds.items())
-    ]
+    db = pciids.database_path()
+    out = []
+    for (v, d), n in sorted(kinds.items()):
+        name, arch = pciids.identify(v, d, db)
+        out.append(Accelerator(BACKEND_BY_VENDOR[v], arch, n, f"pci {v:04x}:{d:04x}", name))
+    return out

@@ -81,6 +81,10 @@ def is_too_many_requests(e: BaseException) -> bool:
     return isinstance(e, KubeError) and e.code == 429
 
 
+class NoConfig(ValueError):
+    """No kubeconfig and not in a pod: nowhere to find an API server (:meth:`Config.load`)."""
+
+
 class Unreachable(Exception):
     """No answer from the API server (connection refused, reset, timed out)."""
 
@@ -108,52 +112,84 @@ class Config:
     @classmethod
     def from_kubeconfig(cls, path: str | os.PathLike) -> "Config":
         """The current context of a kubeconfig file (file paths or inline ``*-data``)."""
+        return cls._from_files([Path(path)])
+
+    @classmethod
+    def load(cls, kubeconfig: str | os.PathLike | None = None, environ=os.environ) -> "Config":
+        """The API server as kubectl finds it: ``kubeconfig`` (a flag) when given; else the files of
+        ``$KUBECONFIG`` (``:``-separated, merged: the first file to name a cluster, user or
+        context, or to set current-context, wins; missing files are skipped); else
+        ``~/.kube/config``; and when none of these exists, the pod's service account (when its token is
+        mounted). Raises :class:`NoConfig` when there is none of these."""
+        if kubeconfig:
+            return cls.from_kubeconfig(kubeconfig)
+        if environ.get("KUBECONFIG"):
+            paths = [Path(p) for p in environ["KUBECONFIG"].split(os.pathsep) if p]
+        else:
+            paths = [Path(environ.get("HOME") or Path.home()) / ".kube" / "config"]
+        found = [p for p in paths if p.is_file()]
+        if found:
+            return cls._from_files(found)
+        if environ.get("KUBERNETES_SERVICE_HOST") and (SA_DIR / "token").is_file():  # as client-go: both
+            return cls.in_cluster(environ)
+        raise NoConfig(f"no kubeconfig ({', '.join(map(str, paths))} not found; give --kubeconfig or set KUBECONFIG) "
+                       f"and not in a pod with a service account token ({SA_DIR / 'token'})")
+
+    @classmethod
+    def _from_files(cls, paths: list[Path]) -> "Config":
         import yaml  # only here: an agent in its pod (in_cluster) never loads it
 
-        doc = yaml.safe_load(Path(path).read_text()) or {}
-        base = Path(path).resolve().parent
+        named_entries: dict[tuple[str, str], tuple[dict, Path]] = {}  # (kind, name) -> (entry, its file's dir)
+        current = None
+        for path in paths:
+            doc = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(doc, dict):
+                raise ValueError(f"{path}: not a kubeconfig")
+            current = current or doc.get("current-context")
+            for kind in ("cluster", "user", "context"):
+                for entry in doc.get(kind + "s") or []:
+                    named_entries.setdefault((kind, entry.get("name")), (entry.get(kind) or {}, path.resolve().parent))
+        where = str(paths[0]) if len(paths) == 1 else "KUBECONFIG " + os.pathsep.join(map(str, paths))
 
-        def named(kind: str, name: str) -> dict:
-            for entry in doc.get(kind + "s") or []:
-                if entry.get("name") == name:
-                    return entry.get(kind) or {}
-            raise ValueError(f"{path}: no {kind} named {name!r}")
+        def named(kind: str, name: str) -> tuple[dict, Path]:
+            if (kind, name) not in named_entries:
+                raise ValueError(f"{where}: no {kind} named {name!r}")
+            return named_entries[(kind, name)]
 
-        current = doc.get("current-context")
         if not current:
-            raise ValueError(f"{path}: no current-context")
-        ctx = named("context", current)
-        cluster, user = named("cluster", ctx.get("cluster", "")), named("user", ctx.get("user", ""))
+            raise ValueError(f"{where}: no current-context")
+        ctx, _ = named("context", current)
+        (cluster, cbase), (user, ubase) = named("cluster", ctx.get("cluster", "")), named("user", ctx.get("user", ""))
         if not cluster.get("server"):
-            raise ValueError(f"{path}: cluster {ctx.get('cluster')!r} has no server")
+            raise ValueError(f"{where}: cluster {ctx.get('cluster')!r} has no server")
         if cluster.get("insecure-skip-tls-verify"):
-            raise ValueError(f"{path}: cluster {ctx.get('cluster')!r} sets insecure-skip-tls-verify; the agent always "
+            raise ValueError(f"{where}: cluster {ctx.get('cluster')!r} sets insecure-skip-tls-verify; accelnode always "
                              "verifies the API server (give certificate-authority)")
 
         plugin = next((k for k in ("exec", "auth-provider") if user.get(k)), None)
         if plugin:
-            raise ValueError(f"{path}: user {ctx.get('user')!r} authenticates with {plugin!r}, which this client does "
-                             "not run (requests would go out anonymous); give a token, tokenFile or client "
+            raise ValueError(f"{where}: user {ctx.get('user')!r} authenticates with {plugin!r}, which this client "
+                             "does not run (requests would go out anonymous); give a token, tokenFile or client "
                              "certificate instead")
         if user.get("username") or user.get("password"):
-            raise ValueError(f"{path}: user {ctx.get('user')!r} uses basic auth (username/password), which this "
+            raise ValueError(f"{where}: user {ctx.get('user')!r} uses basic auth (username/password), which this "
                              "client does not support; give a token, tokenFile or client certificate instead")
 
-        def file(section: dict, key: str) -> str | None:
+        def file(section: dict, base: Path, key: str) -> str | None:
             return str(base / section[key]) if section.get(key) else None
 
         def data(section: dict, key: str) -> bytes | None:
             return base64.b64decode(section[key + "-data"]) if section.get(key + "-data") else None
 
-        return cls(cluster["server"].rstrip("/"), file(cluster, "certificate-authority"),
-                   file(user, "client-certificate"), file(user, "client-key"), file(user, "tokenFile"),
-                   data(cluster, "certificate-authority"), data(user, "client-certificate"),
-                   data(user, "client-key"), user.get("token") or None)
+        return cls(cluster["server"].rstrip("/"), file(cluster, cbase, "certificate-authority"),
+                   file(user, ubase, "client-certificate"), file(user, ubase, "client-key"),
+                   file(user, ubase, "tokenFile"), data(cluster, "certificate-authority"),
+                   data(user, "client-certificate"), data(user, "client-key"), user.get("token") or None)
 
     @classmethod
-    def in_cluster(cls) -> "Config":
+    def in_cluster(cls, environ=os.environ) -> "Config":
         """The pod's service account, as kubelet mounts it."""
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+        host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT")
         if not host or not port:
             raise ValueError("not in a pod: KUBERNETES_SERVICE_HOST/PORT are not set (give --kubeconfig)")
         host = f"[{host}]" if ":" in host else host
@@ -217,10 +253,10 @@ class Client:
             cached = self._token = (Path(self.config.token_file).read_text().strip(), time.monotonic())
         return cached[0]
 
-    def _headers(self, has_body: bool) -> dict:
+    def _headers(self, has_body: bool, method: str = "GET") -> dict:
         h = {"Accept": "application/json", "User-Agent": self.user_agent}
-        if has_body:
-            h["Content-Type"] = "application/json"
+        if has_body:  # a PATCH body is a JSON merge patch (RFC 7386)
+            h["Content-Type"] = "application/merge-patch+json" if method == "PATCH" else "application/json"
         token = self._bearer()
         if token:
             h["Authorization"] = "Bearer " + token
@@ -234,7 +270,7 @@ class Client:
             with self._count:
                 self.sent += 1
             try:
-                resp = self._http.request(method, url, body=data, headers=self._headers(body is not None),
+                resp = self._http.request(method, url, body=data, headers=self._headers(body is not None, method),
                                           timeout=timeout, preload_content=not stream)
             except urllib3.exceptions.HTTPError as e:
                 raise Unreachable(f"{method} {path}: {e}") from None

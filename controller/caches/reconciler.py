@@ -25,6 +25,7 @@ from accelnode.oci.errors import ImageError
 
 from controller.caches import status as cs
 from controller.caches.pinning import GROUP, VERSION, Pin, Resolver
+from controller.runtime import events
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
 from controller.caches.signatures import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, Signer, trim_policy, parse_policy
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
@@ -242,6 +243,7 @@ class CacheReconciler(Reconciler):
                 with self._lock:
                     self._last_write[key] = time.monotonic()
                 self._written.remember(key, obj, current)
+        events.transitions(obj, status, progress=(cs.DOWNLOADING, cs.PENDING), quiet=(cs.READY,))
         log.info("cache status written", extra=kv(reconciler=self.name, key=key,
                                                   reason=status["conditions"][0]["reason"],
                                                   digest=status.get("resolvedDigest")))

@@ -27,6 +27,7 @@ from accelnode.log import kv
 
 from controller.nodegroups import generations
 from controller.nodegroups.compute import BASE, GCE, GCEError
+from controller.runtime import events
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
 
@@ -318,7 +319,7 @@ def device_plugin_daemonset(namespace: str, image: str) -> dict:
                 "metadata": {"labels": labels},
                 "spec": {
                     "priorityClassName": "system-node-critical", "hostNetwork": True,
-                    "automountServiceAccountToken": False,
+                    "serviceAccountName": "accelnode-device-plugin",  # rbac-device-plugin.yaml: its Node's labels
                     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                         "nodeSelectorTerms": [{"matchExpressions": [  # as daemonsets/device-plugin.yaml: off GKE pools
                             {"key": LABEL_ACCELERATOR, "operator": "Exists"},
@@ -330,7 +331,9 @@ def device_plugin_daemonset(namespace: str, image: str) -> dict:
                         "env": [{"name": "ACCELNODE_SYSFS_ROOT", "value": "/sys"},
                                 {"name": "ACCELNODE_DEV_ROOT", "value": "/dev"},
                                 {"name": "ACCELNODE_KUBELET_DIR", "value": "/var/lib/kubelet/device-plugins"},
-                                {"name": "ACCELNODE_METRICS_ADDRESS", "value": "127.0.0.1:2112"}],
+                                {"name": "ACCELNODE_METRICS_ADDRESS", "value": "127.0.0.1:2112"},
+                                {"name": "ACCELNODE_NODE_NAME",  # the slice facts: the Node's labels
+                                 "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
                         "resources": {"requests": {"cpu": "20m", "memory": "48Mi"}, "limits": {"memory": "96Mi"}},
                         "securityContext": {"runAsUser": 0, "allowPrivilegeEscalation": False,
                                             "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
@@ -419,6 +422,8 @@ class TPUNodeGroupReconciler(Reconciler):
         written = update_status(self.client, self._path(key), g, status)
         if written is None:
             return g
+        events.transitions(g, status, progress=("AwaitingNodeJoin", "Provisioning", "DrainingNodes", "DeletingMIG",
+                                                "DeletingTemplate", "DeletingPolicy"))
         self.rw.remember(key, g, written)
         return written
 

@@ -2,8 +2,8 @@
 SubjectAccessReviews (the authorizer's own answer, groups included): each verb its component
 needs is allowed, and a list of dangerous ones is denied to all of them.
 
-The device plugin runs with no token (automountServiceAccountToken: false) as the namespace's
-``default`` ServiceAccount: it must be allowed nothing. What each component does with its rights
+The device plugin may read and watch Nodes (its own Node's TPU labels) and nothing else; the
+namespace's ``default`` ServiceAccount must be allowed nothing. What each component does with its rights
 is tested beside it (tests/agent, tests/controller, tests/csi); this is the whole table."""
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from kubernetes import client
 
 NS = "accelnode-system"
 RBAC = ["daemonsets/namespace.yaml", "daemonsets/rbac-agent.yaml", "daemonsets/rbac-csi.yaml",
+        "daemonsets/rbac-device-plugin.yaml", "daemonsets/rbac-controller-events.yaml",
         "daemonsets/rbac-controller.yaml", "daemonsets/rbac-controller-caches.yaml",
         "daemonsets/rbac-controller-claims.yaml", "daemonsets/rbac-controller-jointokens.yaml",
         "daemonsets/rbac-controller-nodegroups.yaml", "daemonsets/rbac-controller-tpuenv.yaml",
         "daemonsets/rbac-controller-webhooks.yaml"]
-ACCOUNTS = ("accelnode-agent", "accelnode-csi", "accelnode-controller", "default")
+ACCOUNTS = ("accelnode-agent", "accelnode-csi", "accelnode-device-plugin", "accelnode-controller", "default")
 
 # (verb, group, resource, namespace, name); "" namespace: cluster-wide
 CACHES_READ = [(v, "gkm.io", r, "", "") for r in ("gkmcaches", "clustergkmcaches") for v in ("get", "list", "watch")]
 NEEDS = {
     "accelnode-csi": CACHES_READ,
+    "accelnode-device-plugin": [("get", "", "nodes", "", "n1"), ("watch", "", "nodes", "", "n1")],
     "accelnode-agent": CACHES_READ + [
         ("create", "gkm.io", "gkmcachenodes", "team-a", ""), ("get", "gkm.io", "gkmcachenodes", "team-a", "n1"),
         ("list", "gkm.io", "gkmcachenodes", "", ""), ("list", "gkm.io", "clustergkmcachenodes", "", ""),
@@ -47,7 +49,10 @@ NEEDS = {
         ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-tpu-env"),
         # node groups' join tokens: bootstrap-token Secrets live in kube-system (docs/bootstrap.md)
         ("create", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-x"),
-        ("list", "", "secrets", "kube-system", ""), ("get", "", "configmaps", "kube-public", "cluster-info")],
+        ("list", "", "secrets", "kube-system", ""), ("get", "", "configmaps", "kube-public", "cluster-info"),
+        # Events on users' objects (rbac-controller-events.yaml)
+        ("create", "", "events", "team-a", ""), ("patch", "", "events", "team-a", "c.1"),
+        ("create", "", "events", "default", "")],
     "default": [],
 }
 DANGEROUS = [
@@ -118,9 +123,10 @@ NODE_GROUPS = {"accelnode-controller": [("create", "", "pods/eviction", "team-a"
 
 def test_what_one_component_needs_is_not_granted_to_the_others(authz):
     """Each account's rights are its own: the CSI driver cannot write node status, the agent cannot
-    touch PVs or Leases, the device plugin's account nothing at all."""
+    touch PVs or Leases, the device plugin's account nothing but reading Nodes."""
     for account, others in (("accelnode-csi", ("accelnode-agent", "accelnode-controller")),
                             ("accelnode-agent", ("accelnode-controller",)),
+                            ("accelnode-device-plugin", ("accelnode-csi", "accelnode-agent", "accelnode-controller")),
                             ("default", ("accelnode-csi", "accelnode-agent", "accelnode-controller"))):
         for other in others:
             extra = [n for n in NEEDS[other] if n not in NEEDS[account] and allowed(authz, account, *n)]

@@ -55,22 +55,21 @@ def test_allocate_vfio_generation(tpu_host, kubelet, run_plugin):
     dev = host.dev_root
     assert specs == [("/dev/vfio/3", f"{dev}/vfio/3", "rw"), ("/dev/vfio/vfio", f"{dev}/vfio/vfio", "rw"),
                      ("/dev/vfio/2", f"{dev}/vfio/2", "rw")]
-    assert dict(resp.envs) == {"TPU_VISIBLE_CHIPS": "0,1", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,2,1",
-                               "TPU_PROCESS_BOUNDS": "1,1,1"}
+    assert dict(resp.envs) == {}  # GKE's recipe and no slice facts: nothing, and no TPU_VISIBLE_CHIPS
 
 
 def test_allocate_v4_accel_nodes(tpu_host, kubelet, run_plugin):
     host = tpu_host("v4-4")
-    run_plugin(host)
+    run_plugin(host, "--topology", "2x2x1")
     ids = sorted(registered(kubelet))
     resp = kubelet.allocate(ids)
     assert [d.container_path for d in resp.devices] == ["/dev/accel0", "/dev/accel1", "/dev/accel2", "/dev/accel3"]
-    assert resp.envs["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "2,2,1"
+    assert (resp.envs["TPU_CHIPS_PER_HOST_BOUNDS"], resp.envs["TPU_HOST_BOUNDS"]) == ("2,2,1", "1,1,1")
 
 
 def test_node_config_env(tpu_host, kubelet, run_plugin):
     host = tpu_host("v6e-8")
-    run_plugin(host, "--accelerator-type", "v6e-16", "--topology", "4x4")
+    run_plugin(host, "--accelerator-type", "v6e-16", "--topology", "4x4", "--tpu-env", "visible-chips")
     ids = sorted(registered(kubelet, 8))
     whole = kubelet.allocate(ids).envs
     assert whole["TPU_VISIBLE_CHIPS"] == "0,1,2,3,4,5,6,7"
@@ -126,7 +125,7 @@ def test_chip_unreadable_at_start_is_listed_once_it_reads(tpu_host, kubelet, run
     host = tpu_host("v5e-4")
     late = host.chips()[2]
     host.set_vendor(late, 0xFFFF)
-    run_plugin(host)
+    run_plugin(host, "--tpu-env", "visible-chips")
     assert f"tpu-{late}" not in registered(kubelet, 3)
     host.set_vendor(late, 0x1AE0)
     devices = registered(kubelet, 4)
@@ -155,7 +154,7 @@ def test_every_open_stream_gets_each_change(tpu_host, kubelet, run_plugin):
 
 def test_hotplug_add_and_remove(tpu_host, kubelet, run_plugin):
     host = tpu_host("v5e-4")
-    run_plugin(host)
+    run_plugin(host, "--tpu-env", "visible-chips")
     registered(kubelet)
     new = host.add_chip("v5e", iommu_group=17)
     kubelet.wait(lambda k: f"tpu-{new}" in k.devices(), what="hot-added chip listed")
@@ -171,7 +170,7 @@ def test_hotplug_add_and_remove(tpu_host, kubelet, run_plugin):
 
 def test_kubelet_restart_re_registers(tpu_host, kubelet, run_plugin):
     host = tpu_host("v5e-4")
-    plugin = run_plugin(host)
+    plugin = run_plugin(host, "--tpu-env", "visible-chips")
     registered(kubelet)
     for n in (2, 3):
         kubelet.restart()
@@ -221,7 +220,7 @@ def test_non_socket_in_the_way_is_an_error(tpu_host, kubelet, run_plugin):
 
 def test_bad_requests(tpu_host, kubelet, run_plugin):
     host = tpu_host("v5e-4")
-    run_plugin(host)
+    run_plugin(host, "--topology", "2x2")
     ids = sorted(registered(kubelet))
     stub = kubelet.endpoint().stub
     cases = [
@@ -242,7 +241,7 @@ def test_bad_requests(tpu_host, kubelet, run_plugin):
     with pytest.raises(grpc.RpcError) as e:
         stub.Allocate(req, timeout=5)
     assert "container request 1" in e.value.details()
-    assert kubelet.allocate([ids[0]]).envs["TPU_VISIBLE_CHIPS"] == "0"
+    assert kubelet.allocate([ids[0]]).envs["TPU_HOST_BOUNDS"] == "2,2,1"
 
 
 def test_harness_rejects_what_kubelet_rejects(kubelet):

@@ -265,7 +265,7 @@ def test_gkes_indexed_job_gets_its_env_in_the_running_containers(deployed, stand
         index = pod["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"]
         assert env["TPU_WORKER_HOSTNAMES"] == hosts and env["TPU_WORKER_ID"] == index, env
         assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "tpu-job-podslice-0.headless-svc", env
-        assert len(env["TPU_VISIBLE_CHIPS"].split(",")) == 1, env  # the device plugin's, beside ours
+        assert env["TPU_CHIPS_PER_HOST_BOUNDS"] == "1,1,1", env  # the device plugin's, beside ours
     w.kubectl("delete", "namespace", ns, "--wait=false")
 
 

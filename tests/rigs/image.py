@@ -134,7 +134,7 @@ def build_base(out: Path, root: Path = ROOT, log=print) -> None:
                 f'echo "accelnode:x:{UID}:" >> "$1/etc/group"')
         env = dict(os.environ, SOURCE_DATE_EPOCH=str(EPOCH))
         tmp = out.with_name(out.stem + ".partial.tar")  # mmdebstrap picks its output format by the name
-        _run(["mmdebstrap", "--variant=essential", "--mode=root", "--include=python3,python3-venv,ca-certificates,libstdc++6",
+        _run(["mmdebstrap", "--variant=essential", "--mode=root", "--include=python3,python3-venv,ca-certificates,libstdc++6,pci.ids",
               "--aptopt=APT::Install-Recommends \"false\"",
               "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
               "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",

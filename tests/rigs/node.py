@@ -382,7 +382,7 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
         "spec": {"template": {"spec": {
             "containers": [{
                 "name": "device-plugin",
-                "env": hw_env + env(metrics_address=f"127.0.0.1:{ports['device_plugin']}")
+                "env": api + hw_env + env(metrics_address=f"127.0.0.1:{ports['device_plugin']}")
                 + (env(accelerator_type=accelerator_type) if accelerator_type else [])
                 + (env(topology=topology) if topology else []),
                 **probes(ports["device_plugin"]),
