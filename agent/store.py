@@ -129,8 +129,8 @@ class CacheStore:
         reg = Registry(ref.host, options, Deadline(options.timeout))
         body, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits)
         if media_type in INDEX_TYPES:
+            desc = self._choose(manifest, image, accelerators)  # a refused index is not kept
             self._save_index(digest, body)
-            desc = self._choose(manifest, image, accelerators)
             found = self._use(desc["digest"])
             if found is not None:
                 return self._granted(found, ref, options, asked=True) if own else found

@@ -142,7 +142,7 @@ def run(tmp: Path, steady_s: float) -> None:
         proc = subprocess.Popen(accelnode_cmd() + [
             "controller", "--kubeconfig", str(cp.kubeconfig("controller")), "--identity", "bench",
             "--namespace", "accelnode-system", "--metrics-address", f"127.0.0.1:{metrics_port}", "--disable-webhooks",
-            "--tpu-node-groups", "--gce-endpoint", gce.endpoint, "--node-group-poll", "1",
+            "--tpu-node-groups", "--gce-endpoint", gce.endpoint, "--gce-project", PROJECT, "--node-group-poll", "1",
             "--resync", str(max(10.0, min(300.0, steady_s / 3)))], cwd=ROOT, stdout=log, stderr=log)
         controller = psutil.Process(proc.pid)
         kubelets = Kubelets(admin, gce)

@@ -4,6 +4,7 @@ its metadata (docs/bootstrap.md)."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 
 from accelnode import cli as acli
@@ -65,6 +66,9 @@ def register(sub) -> None:
     p.add_argument("--ignore-preflight-errors", action="append", default=[], metavar="CHECK",
                    help="kubeadm preflight checks to ignore (repeatable; 'all' ignores every one)")
     p.add_argument("--cri-socket", default=None, help="the container runtime's socket, when kubeadm cannot tell")
+    p.add_argument("--patches", default=None, metavar="DIR",
+                   help="kubeadm patches for this node (JoinConfiguration patches.directory), e.g. "
+                        "kubeletconfiguration+merge.yaml to adjust the cluster's KubeletConfiguration here")
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
@@ -86,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    if args.patches is not None and not os.path.isdir(args.patches):
+        raise exitcodes.CLIError(f"--patches {args.patches}: not a directory", exitcodes.USAGE)
     kubeadm = shutil.which(args.kubeadm)
     if kubeadm is None:
         raise exitcodes.CLIError(f"kubeadm not found ({args.kubeadm}): install it or pass --kubeadm PATH",
@@ -114,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
                     bootstrap_id=values.token_id))
                 skip = values.token
         config = join_configuration(values, node_name=name, provider=provider,
-                                    ignore_preflight_errors=args.ignore_preflight_errors, cri_socket=args.cri_socket)
+                                    ignore_preflight_errors=args.ignore_preflight_errors, cri_socket=args.cri_socket,
+                                    patches=os.path.abspath(args.patches) if args.patches else None)
         Joiner(kubeadm, attempts=args.attempts, backoff_s=args.backoff, dry_run=args.dry_run).join(values, config)
     except CAMismatch as e:
         log.critical(str(e))

@@ -301,21 +301,25 @@ def provider_id(project: str, zone: str, name: str) -> str:
 
 
 def join_configuration(values: JoinValues, *, node_name: str, provider: str,
-                       ignore_preflight_errors: list[str] = (), cri_socket: str | None = None) -> dict:
+                       ignore_preflight_errors: list[str] = (), cri_socket: str | None = None,
+                       patches: str | None = None) -> dict:
     """The ``kubeadm.k8s.io/v1beta4`` JoinConfiguration (kubeletExtraArgs is a list of
-    name/value pairs in v1beta4)."""
+    name/value pairs in v1beta4; ``patches``: a directory of kubeadm patches)."""
     registration = {"name": node_name, "kubeletExtraArgs": [{"name": "provider-id", "value": provider}]}
     if ignore_preflight_errors:
         registration["ignorePreflightErrors"] = list(ignore_preflight_errors)
     if cri_socket:
         registration["criSocket"] = cri_socket
-    return {
+    config = {
         "apiVersion": "kubeadm.k8s.io/v1beta4", "kind": "JoinConfiguration",
         "discovery": {"bootstrapToken": {"token": values.token, "apiServerEndpoint": values.endpoint,
                                          "caCertHashes": [values.ca_hash]},
                       "tlsBootstrapToken": values.token},
         "nodeRegistration": registration,
     }
+    if patches:
+        config["patches"] = {"directory": patches}
+    return config
 
 
 class Joiner:

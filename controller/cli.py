@@ -15,6 +15,7 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import accelnode
@@ -58,7 +59,9 @@ def register(sub) -> None:
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
     g.add_argument("--webhook-address", default="127.0.0.1:9443", metavar="HOST:PORT",
                    help="where the admission webhooks listen (HTTPS); loopback by default, so a pod must set "
-                        "0.0.0.0:9443 (or its pod IP) for the API server to reach it (default: %(default)s)")
+                        "0.0.0.0:PORT (or its pod IP) for the API server to reach it; the Deployment uses "
+                        "0.0.0.0:10250, the port GKE private clusters let the control plane reach "
+                        "(default: %(default)s)")
     g = p.add_argument_group("webhook certificates (docs/webhook-certificates.md)")
     g.add_argument("--tls-cert-file", metavar="FILE",
                    help="serving certificate of the webhooks (PEM, reloaded when it changes), made by something else "
@@ -95,6 +98,14 @@ def register(sub) -> None:
                    help="Compute API endpoint with anonymous credentials, e.g. the emulator "
                         "(`make gce-emulator` in a checkout, docs/tpu-node-groups.md); default: compute.googleapis.com with Application "
                         "Default Credentials")
+    g.add_argument("--gce-project", metavar="PROJECT",
+                   help="the controller's own GCE project: without --node-group-placement, the only project node "
+                        "groups may use (default: Application Default Credentials' project; none with --gce-endpoint)")
+    g.add_argument("--node-group-placement", metavar="FILE",
+                   help="JSON file saying which GCE projects (and zones) the node groups of each namespace may use: "
+                        '{"<namespace>" or "*": {"projects": [...], "zones": [...]}} (zones optional: any); a '
+                        "namespace not named and no \"*\" may use none (docs/security.md). Default: --gce-project "
+                        "for every namespace")
     g.add_argument("--node-group-poll", type=float, default=10.0, metavar="SECONDS",
                    help="how often GCE operations and joining nodes are looked at (default: %(default)s)")
     g.add_argument("--drain-timeout", type=float, default=300.0, metavar="SECONDS",
@@ -112,6 +123,37 @@ def register(sub) -> None:
     acli.add_common(p)
     acli.apply_env(p)
     p.set_defaults(func=run)
+
+
+def node_group_placement(path: str | None) -> dict | None:
+    """--node-group-placement's file, checked; None without the flag."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            rules = json.load(f)
+    except (OSError, ValueError) as e:
+        raise exitcodes.CLIError(f"--node-group-placement {path}: {e}", exitcodes.USAGE) from None
+    ok = isinstance(rules, dict) and all(
+        isinstance(r, dict) and set(r) <= {"projects", "zones"} and isinstance(r.get("projects"), list)
+        and all(isinstance(x, str) for x in r["projects"] + (r.get("zones") or []))
+        and isinstance(r.get("zones", []), list) for r in rules.values())
+    if not ok:
+        raise exitcodes.CLIError(f"--node-group-placement {path}: expected "
+                                 '{"<namespace>" or "*": {"projects": ["..."], "zones": ["..."]}}', exitcodes.USAGE)
+    return rules
+
+
+def own_gce_project(endpoint: str | None) -> str | None:
+    """The project of Application Default Credentials (none against an emulator, or without them)."""
+    if endpoint:
+        return None
+    try:
+        import google.auth
+
+        return google.auth.default()[1]
+    except Exception:  # no credentials: no project is allowed until the operator names one
+        return None
 
 
 def parse_duration(text: str) -> float:
@@ -238,7 +280,9 @@ def run(args: argparse.Namespace) -> int:
                                      "--join-api-server-port a port number", exitcodes.USAGE)
         settings = nodegroups.Settings(namespace=namespace, poll=args.node_group_poll,
                                        drain_timeout=args.drain_timeout, device_plugin_image=args.device_plugin_image,
-                                       api_server_port=args.join_api_server_port)
+                                       api_server_port=args.join_api_server_port,
+                                       placement=node_group_placement(args.node_group_placement),
+                                       own_project=args.gce_project or own_gce_project(args.gce_endpoint))
         from prometheus_client import Counter as _Counter
 
         gce_calls = _Counter("accelnode_controller_gce_requests", "Compute API calls of the node-group reconcilers, "

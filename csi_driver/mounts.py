@@ -7,10 +7,16 @@ mounts). Whether a path is a mount point and what it shows is one statx(2)
 ``os.path.ismount`` cannot); its options are statvfs(2)'s (:func:`options_at`). The mount table
 is read only on kernels before 5.8, to describe a mount in an error, and by tests; paths are
 compared in its escaped, resolved form (:func:`resolve`).
+
+A publish mounts onto a directory it holds open (:func:`target_dir`), never onto a path looked
+up again after its checks: a bind is attached there with open_tree(2)/move_mount(2)
+(:func:`bind_readonly_at`, Linux 5.2), other mounts go through ``/proc/self/fd/N``
+(:func:`fd_path`), so a symlink swapped in for the target after the checks is never followed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -18,7 +24,9 @@ import re
 from dataclasses import dataclass
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
-MNT_DETACH = 2
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
+OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH, MOVE_MOUNT_T_EMPTY_PATH = 0x1, 0x4, 0x40
+SYS_OPEN_TREE, SYS_MOVE_MOUNT = 428, 429  # one number on every architecture (added in Linux 5.2)
 AT_FDCWD, AT_SYMLINK_NOFOLLOW, AT_NO_AUTOMOUNT = -100, 0x100, 0x800
 STATX_TYPE, STATX_INO, STATX_ATTR_MOUNT_ROOT = 0x1, 0x100, 0x2000
 # mount option name -> flag, for the options a read-only cache mount may carry
@@ -79,6 +87,61 @@ def bind_readonly(source: str | os.PathLike, target: str | os.PathLike, extra_fl
         raise
 
 
+@contextlib.contextmanager
+def target_dir(path: str, *, create: bool, mode: int = 0o750):
+    """A descriptor of the directory ``path`` (created first when ``create``), opened without
+    following a symlink at its last component (ENOTDIR, ELOOP); mounts made through it
+    (:func:`bind_readonly_at`, or mount(2) on :func:`fd_path`) land on that very directory
+    whatever happens to the name afterwards. Readable: ``os.listdir(fd)`` checks it is empty."""
+    parent, name = os.path.split(path)
+    pfd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if create:
+            os.mkdir(name, mode, dir_fd=pfd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def fd_path(fd: int) -> str:
+    """The path that names exactly what ``fd`` refers to, for a call that takes paths only."""
+    return f"/proc/self/fd/{fd}"
+
+
+def bind_readonly_at(source: str | os.PathLike, target_fd: int, extra_flags: int = 0, name: str = "") -> None:
+    """:func:`bind_readonly` onto the directory ``target_fd`` refers to (``name``: for errors):
+    ``source`` is cloned as a detached mount (open_tree), attached onto ``target_fd``
+    (move_mount), then remounted read-only, nosuid, nodev (| ``extra_flags``) through the
+    clone's own descriptor and checked; any failure takes the mount away again."""
+    flags = ALWAYS | extra_flags
+    name = name or fd_path(target_fd)
+    tree = _libc.syscall(ctypes.c_long(SYS_OPEN_TREE), ctypes.c_int(AT_FDCWD), os.fsencode(source),
+                         ctypes.c_uint(OPEN_TREE_CLONE | os.O_CLOEXEC))
+    _check(0 if tree >= 0 else -1, "open_tree of", source)
+    try:
+        _check(_libc.syscall(ctypes.c_long(SYS_MOVE_MOUNT), ctypes.c_int(tree), b"", ctypes.c_int(target_fd), b"",
+                             ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH)), "bind mount onto", name)
+        try:
+            _check(_libc.mount(None, os.fsencode(fd_path(tree)), None, MS_BIND | MS_REMOUNT | flags, None),
+                   "read-only remount of", name)
+            got = options_of(os.fstatvfs(tree).f_flag)
+            if not options_of(flags) <= got:
+                raise OSError(errno.EROFS, f"{name} lacks {sorted(options_of(flags))} after the remount "
+                                           f"(it has: {sorted(got)})", name)
+        except BaseException as e:
+            os.close(tree)  # an open descriptor of the mount would keep it busy
+            tree = -1
+            undo(fd_path(target_fd), e)
+            raise
+    finally:
+        if tree >= 0:
+            os.close(tree)
+
+
 def mount(source: str, target: str | os.PathLike, fstype: str, flags: int, data: str) -> None:
     """mount(2) of a ``fstype`` file system (tmpfs, overlay) at ``target`` with ``data`` options."""
     _check(_libc.mount(os.fsencode(source), os.fsencode(target), os.fsencode(fstype), flags, os.fsencode(data)),
@@ -96,8 +159,9 @@ def undo(target, cause: BaseException) -> None:
 
 
 def unmount(target: str | os.PathLike) -> None:
-    """Unmount the top mount at ``target``; a busy mount is an error (EBUSY), never detached lazily."""
-    _check(_libc.umount2(os.fsencode(target), 0), "unmount", target)
+    """Unmount the top mount at ``target``; a busy mount is an error (EBUSY), never detached lazily.
+    A symlink at ``target`` is not followed (EINVAL: nothing is mounted on the link itself)."""
+    _check(_libc.umount2(os.fsencode(target), UMOUNT_NOFOLLOW), "unmount", target)
 
 
 def resolve(path: str | os.PathLike) -> str:

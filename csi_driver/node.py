@@ -156,16 +156,18 @@ class NodeServer(csi_grpc.NodeServicer):
             if top is not None:
                 return csi.NodePublishVolumeResponse()
             created = not os.path.lexists(where)
-            try:
-                if created:
-                    os.mkdir(where, 0o750)
-                if size is None:
-                    mounts.bind_readonly(ready.path, where, flags & ~mounts.ALWAYS)
-                else:
-                    self.views.create(where, ready.path, size, flags, ready.digest)
+            try:  # onto the directory checked, held open: a symlink swapped in for it is not followed
+                with mounts.target_dir(where, create=created) as fd:
+                    if os.listdir(fd):
+                        raise OSError(errno.ENOTEMPTY, "the target is not an empty directory")
+                    if size is None:
+                        mounts.bind_readonly_at(ready.path, fd, flags & ~mounts.ALWAYS, target)
+                    else:
+                        self.views.create(where, ready.path, size, flags, ready.digest, at=mounts.fd_path(fd))
             except OSError as e:
                 if created:
-                    _rmdir(where)
+                    with contextlib.suppress(OSError):  # not a directory any more: what replaced it is not ours
+                        _rmdir(where)
                 self._release_after_failure(context, vid, target)
                 context.abort(Code.INTERNAL, f"cannot mount {cache} at {target}: {e.strerror or e}")
         log.info("volume published", extra=kv(volume_id=vid, cache=str(cache), digest=ready.digest,
@@ -243,6 +245,8 @@ class NodeServer(csi_grpc.NodeServicer):
         _require(context, target, "target_path")
         where = self._confined(context, target)
         with self._only_call_on(where, context):
+            if mounts.mounted_root(where) is not None:
+                self._check_holder(context, vid, target, where)
             try:
                 for _ in range(MAX_STACKED_UNMOUNTS):
                     shown = mounts.mounted_root(where)
@@ -266,6 +270,16 @@ class NodeServer(csi_grpc.NodeServicer):
                                    agent.ReleaseReferenceRequest(volume_id=vid, target_path=target))
         log.info("volume unpublished", extra=kv(volume_id=vid, target=target, released=released.released))
         return csi.NodeUnpublishVolumeResponse()
+
+    def _check_holder(self, context, vid: str, target: str, where: str) -> None:
+        """Refuse to take away what another volume holds at this target: the agent's references
+        say which volume was published there. A mount that no reference holds (its record lost)
+        is taken away as before: nothing else could ever clean it up."""
+        listing = self.agent.call(context, "ListCaches", agent.ListCachesRequest())
+        holders = {r.volume_id for c in listing.caches for r in c.references if r.target_path in (target, where)}
+        if holders and vid not in holders:
+            context.abort(Code.FAILED_PRECONDITION, f"{target} holds volume {', '.join(sorted(holders))}, not "
+                                                    f"{vid}; leaving it mounted")
 
     def _confined(self, context, target: str) -> str:
         try:

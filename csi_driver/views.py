@@ -157,9 +157,11 @@ class Views:
 
     # -- making and taking away ----------------------------------------------------------------
 
-    def create(self, target: str, lower: str, size: int, flags: int, digest: str) -> None:
+    def create(self, target: str, lower: str, size: int, flags: int, digest: str, at: str | None = None) -> None:
         """Mount a view of ``lower`` at ``target`` (an empty directory) with a ``size``-byte
-        writable layer; ``flags``: nosuid, nodev (always) and noexec. Any failure undoes it all."""
+        writable layer; ``flags``: nosuid, nodev (always) and noexec. ``at``: the path the overlay
+        is mounted on, when not ``target`` (``/proc/self/fd/N`` of the directory the caller holds
+        open). Any failure undoes it all."""
         check_path(lower, "cache directory")
         d = self.dir_of(target)
         self.remove(target)  # what a crashed publish or unpublish left
@@ -171,7 +173,7 @@ class Views:
             os.mkdir(work, 0o700)
             _writable_dirs(lower, upper)
             self._write(d, Record(target, digest, size, None))
-            mounts.mount(SOURCE, target, "overlay", flags, f"lowerdir={lower},upperdir={upper},workdir={work}")
+            mounts.mount(SOURCE, at or target, "overlay", flags, f"lowerdir={lower},upperdir={upper},workdir={work}")
             try:
                 got = mounts.options_at(target) if mounts.is_mountpoint(target) else None
                 if got is None or "ro" in got or not mounts.options_of(flags) <= got:
@@ -179,7 +181,7 @@ class Views:
                                                f"after the overlay mount (it has {sorted(got or [])})", target)
                 self._write(d, Record(target, digest, size, mounts.mounted_root(target)))
             except BaseException as e:
-                mounts.undo(target, e)
+                mounts.undo(at or target, e)
                 raise
         except BaseException:
             self._teardown(d)

@@ -206,12 +206,39 @@ def test_the_controller_service_reaches_the_webhook_port():
     env = {e["name"]: e.get("value") for e in c["env"]}
     port = {p["name"]: p["containerPort"] for p in c["ports"]}[svc["spec"]["ports"][0]["targetPort"]]
     assert env["ACCELNODE_WEBHOOK_ADDRESS"] == f"0.0.0.0:{port}" and svc["spec"]["ports"][0]["port"] == 443
+    # a GKE private cluster's control plane reaches pods on 443 and 10250 only, and dials the
+    # container port (../shared/reference/gke.md section 2); never on the node's network, where
+    # kubelet holds 10250. The API server's own routing: tests/controller/test_webhook_routing.py
+    assert port == 10250 and not dep["spec"]["template"]["spec"].get("hostNetwork")
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     hooks = [h for d in docs if d["kind"].endswith("WebhookConfiguration") for h in d["webhooks"]]
     assert hooks and all(h["clientConfig"]["service"] | {"path": None} == {
         "name": svc["metadata"]["name"], "namespace": svc["metadata"]["namespace"], "port": 443, "path": None}
         for h in hooks if "port" in h["clientConfig"]["service"])
     assert all(h["clientConfig"]["service"]["name"] == svc["metadata"]["name"] for h in hooks)
+
+
+def test_the_network_policy_admits_the_api_server_to_the_webhooks_and_leaves_the_probes_open():
+    """Only addresses (ipBlock), never pods or namespaces, may reach the webhook port; the metrics
+    port stays open to kubelet's probes and Prometheus; no other port of the controller is reachable
+    and no port it serves is left out (limits per network plugin: docs/security.md)."""
+    docs = build(BASE)
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (pol,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pod = dep["spec"]["template"]
+    assert pol["metadata"]["namespace"] == dep["metadata"]["namespace"]
+    assert pol["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    c = pod["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert int(env["ACCELNODE_METRICS_ADDRESS"].rpartition(":")[2]) == ports["metrics"]
+    rules = {p["port"]: rule for rule in pol["spec"]["ingress"] for p in rule["ports"]}
+    assert set(rules) == set(ports.values())
+    webhook = rules[ports["webhook"]]
+    assert webhook["from"] and all(set(peer) == {"ipBlock"} for peer in webhook["from"])
+    assert {peer["ipBlock"]["cidr"] for peer in webhook["from"]} == {"0.0.0.0/0", "::/0"}
+    assert "from" not in rules[ports["metrics"]]
 
 
 def test_the_cert_manager_overlay_mounts_its_certificate_and_drops_the_self_managed_rights():

@@ -120,11 +120,13 @@ def choose_manifest(index: dict, accelerators: list[dict] | None) -> dict | None
     for desc in index.get("manifests") or []:
         if not isinstance(desc, dict):
             continue
-        plat = desc.get("platform") or {}
+        plat, notes = desc.get("platform") or {}, desc.get("annotations") or {}
+        if not isinstance(plat, dict) or not isinstance(notes, dict):
+            continue  # a malformed entry is never chosen
         if plat and (plat.get("os", "linux") != host["os"] or plat.get("architecture", host["architecture"])
                      != host["architecture"]):
             continue
-        raw = (desc.get("annotations") or {}).get(TARGETS_ANNOTATION)
+        raw = notes.get(TARGETS_ANNOTATION)
         if raw is None:
             fallback = fallback or desc
             continue
@@ -132,7 +134,7 @@ def choose_manifest(index: dict, accelerators: list[dict] | None) -> dict | None
             continue
         try:
             targets = [normalize_target(t) for t in json.loads(raw)]
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, RecursionError):
             continue
         if any(target_fits(t, accelerators) for t in targets):
             return desc

@@ -83,6 +83,8 @@ def check_index(index: dict, image: str, limits: Limits) -> None:
     if len(manifests) > limits.max_index_entries:
         raise HostileContent(f"image index lists {len(manifests)} manifests (limit {limits.max_index_entries})",
                              image)
+    if not all(isinstance(d, dict) for d in manifests):
+        raise HostileContent("image index has an entry that is not an object", image)
 
 
 def validate_manifest(manifest: dict, image: str, limits: Limits) -> tuple[list[dict], dict]:

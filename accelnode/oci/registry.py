@@ -5,16 +5,20 @@ Invariants: every request goes through :meth:`Registry.request`, so one deadline
 whole operation (oras-py's own path retries for minutes without timeouts), and every read
 returns what one ``recv`` brought, so a dripping server cannot hold a pull past it; blobs are
 checked for size and digest as they flow (:class:`BlobStream`); no credential-helper program is
-ever run; the Authorization header never follows a redirect to another host; a mirrored host is
-talked to only at its mirror, never falling back to the original.
+ever run; the Authorization header never follows a redirect to another host; a token realm is
+asked only over https, or over http at the very host:port contacted with ``--plain-http``
+(:class:`_TokenAuth`), so credentials never cross a network in clear to a host the registry
+names; a mirrored host is talked to only at its mirror, never falling back to the original.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import time
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.cookiejar import DefaultCookiePolicy
@@ -53,6 +57,8 @@ CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 30.0
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _NET_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
+MAX_TOKEN_ANSWER = 1 << 20  # a token server's JSON answer (JWTs are a few KiB)
+_TOKEN = re.compile(r"[\x21-\x7e]{1,65536}")  # what may follow "Bearer " in a header
 
 
 
@@ -142,6 +148,69 @@ class _Client:
         self.auth, self.session = auth, session  # take a cookie for a browser and ask for CSRF tokens
 
 
+class _TokenAuth(oras.auth.TokenAuth):
+    """oras-py's token backend, strict where it trusts what the registry says. The realm of a
+    Bearer challenge must be https (any host, as Docker Hub's auth.docker.io), or http only at the
+    very host:port contacted when the operator chose plain HTTP (``http_host``); anything else is
+    refused before a byte goes there, credentials or not. The answer must be a JSON object of at
+    most MAX_TOKEN_ANSWER bytes whose token is one header-safe word. Refusals are ValueError,
+    which :meth:`Registry.request` reports as a failed token request."""
+
+    def __init__(self, session: requests.Session, http_host: str | None):
+        super().__init__()
+        self.session, self._tls_verify = session, True
+        self.prefix = "http" if http_host else "https"  # for a realm written without a scheme
+        self.http_host = http_host
+
+    def request_token(self, h):
+        return self._fetch(h, getattr(self, "_basic_auth", None))
+
+    def request_anonymous_token(self, h):
+        return self._fetch(h, None)
+
+    def _realm(self, h) -> str:
+        if not isinstance(h.realm, str) or not h.realm:
+            raise ValueError("the registry's Bearer challenge names no realm")
+        realm = h.realm if "://" in h.realm else f"{self.prefix}://{h.realm}"
+        try:
+            url = urllib.parse.urlsplit(realm)
+            where = _netloc(url)
+        except ValueError:
+            raise ValueError(f"token realm {h.realm!r} is not a URL") from None
+        if url.scheme == "https" or (url.scheme == "http" and self.http_host is not None
+                                     and where == _netloc(urllib.parse.urlsplit(f"http://{self.http_host}"))):
+            return realm
+        raise ValueError(f"token realm {h.realm!r} refused: a token is asked for only over https, or over "
+                         "http at the registry's own host:port with --plain-http")
+
+    def _fetch(self, h, basic: str | None) -> str | None:
+        realm = self._realm(h)
+        params = {k: v for k in ("service", "scope") if (v := getattr(h, k, None))}
+        headers = {"Accept": "application/json"} | ({"Authorization": f"Basic {basic}"} if basic else {})
+        with self.session.get(realm, headers=headers, params=params, stream=True) as resp:
+            if resp.status_code != 200:
+                log.debug("token request refused", extra=kv(realm=realm, status=resp.status_code))
+                return None
+            body = resp.raw.read(MAX_TOKEN_ANSWER + 1, decode_content=True)
+        if len(body) > MAX_TOKEN_ANSWER:
+            raise ValueError(f"the token answer is over {MAX_TOKEN_ANSWER} bytes")
+        try:
+            info = json.loads(body)
+        except RecursionError:
+            raise ValueError("the token answer nests too deeply") from None
+        token = (info.get("token") or info.get("access_token")) if isinstance(info, dict) else None
+        if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
+            raise ValueError("the token answer's token is not a header-safe string")
+        return token
+
+
+def _netloc(url: urllib.parse.SplitResult) -> tuple[str, int]:
+    """(host, port) of an http(s) URL, the scheme's default port filled in; ValueError if none."""
+    if not url.hostname:
+        raise ValueError("no host")
+    return url.hostname.lower(), url.port or {"http": 80, "https": 443}.get(url.scheme, 0)
+
+
 class Registry:
     """Requests for the images of one registry host with a deadline, auth and retries. They go
     to ``endpoint``: the host's mirror when the options give one, else the host itself."""
@@ -177,7 +246,9 @@ class Registry:
         backend = "basic" if resp.status_code == 401 and challenge.lower().startswith("basic") else "token"
         session = _Session()
         session.deadline = self.deadline
-        client = _Client(oras.auth.get_auth_backend(backend, session, self.options.plain_http), session)
+        auth = (oras.auth.get_auth_backend("basic", session, self.options.plain_http) if backend == "basic"
+                else _TokenAuth(session, self.endpoint if self.options.plain_http else None))
+        client = _Client(auth, session)
         creds = None if self.options.anonymous else self._credentials(image)
         if creds is not None:
             client.auth.set_basic_auth(*creds)
@@ -233,7 +304,7 @@ class Registry:
                 break
             try:
                 headers, changed = client.auth.authenticate_request(resp, headers, refresh=True)
-            except (requests.RequestException, ValueError) as e:
+            except (*_NET_ERRORS, ValueError) as e:
                 raise AuthError(f"{doing}: token request failed: {_describe(e)}", image) from None
             resp.close()
             if not changed:

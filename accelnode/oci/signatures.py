@@ -262,6 +262,16 @@ def _b64(text) -> bytes:
         return b""
 
 
+def _obj(value) -> dict:
+    """``value`` when a registry's JSON has an object there, else an empty one (what is not an
+    object is no signature: left out, never a crash)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
+
+
 def _sig_tag(digest: str) -> str:
     return digest.replace(":", "-")
 
@@ -270,7 +280,7 @@ def _payload_digest(payload: bytes) -> str | None:
     try:
         doc = json.loads(payload)
         return doc["critical"]["image"]["docker-manifest-digest"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
@@ -282,7 +292,7 @@ def _statement_digest(payload: bytes) -> str | None:
             hexd = (s.get("digest") or {}).get("sha256")
             if isinstance(hexd, str):
                 return f"sha256:{hexd}"
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError, RecursionError):
         pass
     return None
 
@@ -308,7 +318,7 @@ def _manifest(reg: Registry, ref: Reference, image: str, tag: str) -> dict | Non
 
 
 def _blob(reg: Registry, ref: Reference, desc: dict, image: str) -> bytes:
-    if not isinstance(desc, dict) or int(desc.get("size") or 0) > MAX_SIG_BYTES:
+    if not isinstance(desc, dict) or not isinstance(desc.get("size"), int) or desc["size"] > MAX_SIG_BYTES:
         raise IntegrityError("signature layer missing or over the size limit", image)
     return reg.read_blob(ref.repository, desc, image, limit=MAX_SIG_BYTES)
 
@@ -317,10 +327,10 @@ def fetch_v2(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Fo
     """The simple-signing signatures under ``sha256-<hex>.sig``."""
     doc = _manifest(reg, ref, image, _sig_tag(digest) + ".sig")
     out = []
-    for layer in (doc or {}).get("layers", [])[:MAX_SIGNATURES]:
+    for layer in _list(_obj(doc).get("layers"))[:MAX_SIGNATURES]:
         if not isinstance(layer, dict) or layer.get("mediaType") != SIMPLESIGNING:
             continue
-        ann = layer.get("annotations") or {}
+        ann = _obj(layer.get("annotations"))
         payload = _blob(reg, ref, layer, image)
         out.append(_Found(V2, payload, _b64(ann.get(SIG_ANNOTATION)), _payload_digest(payload),
                           keyless=bool(ann.get(CERT_ANNOTATION)),
@@ -350,14 +360,14 @@ def _referrers(reg: Registry, ref: Reference, digest: str, image: str) -> list[d
         with resp:
             if resp.headers.get("Content-Type", "").split(";")[0].strip() == INDEX_TYPE:
                 doc = json.loads(resp.content[:MAX_SIG_BYTES])
-                return [m for m in doc.get("manifests") or () if isinstance(m, dict)]
-    except (ImageNotFound, ValueError):
+                return [m for m in _list(_obj(doc).get("manifests")) if isinstance(m, dict)]
+    except (ImageNotFound, ValueError, RecursionError):
         pass  # no referrers API (404): the fallback tag
     except RegistryUnavailable as e:
         if "unexpected HTTP 4" not in str(e):  # 400/405...: no referrers API either; else a real outage
             raise
     doc = _manifest(reg, ref, image, _sig_tag(digest))
-    return [m for m in (doc or {}).get("manifests") or () if isinstance(m, dict)]
+    return [m for m in _list(_obj(doc).get("manifests")) if isinstance(m, dict)]
 
 
 def fetch_v3(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Found]:
@@ -367,32 +377,31 @@ def fetch_v3(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Fo
         if desc.get("artifactType") not in BUNDLE_TYPES:
             continue
         art = _manifest(reg, ref, image, check_digest(desc.get("digest", ""), image))
-        if not art or (art.get("subject") or {}).get("digest") != digest:
+        if not art or _obj(art.get("subject")).get("digest") != digest:
             continue  # listed under this digest but not about it: not a signature of it
-        for layer in (art.get("layers") or [])[:1]:
+        for layer in _list(art.get("layers"))[:1]:
             try:
                 bundle = json.loads(_blob(reg, ref, layer, image))
-            except ValueError:
-                out.append(_Found(V3, b"", b"", None))
-                continue
-            out.append(_bundle(bundle))
+            except (ValueError, RecursionError):
+                bundle = None
+            out.append(_bundle(bundle) if isinstance(bundle, dict) else _Found(V3, b"", b"", None))
     return out
 
 
 def _bundle(bundle: dict) -> _Found:
-    material = bundle.get("verificationMaterial") or {}
+    material = _obj(bundle.get("verificationMaterial"))
     keyless = bool(material.get("certificate") or material.get("x509CertificateChain"))
-    raws = [material.get("certificate") or {}, *((material.get("x509CertificateChain") or {}).get("certificates") or ())]
+    raws = [material.get("certificate"), *_list(_obj(material.get("x509CertificateChain")).get("certificates"))]
     certs = tuple(d for d in (_b64(r.get("rawBytes")) for r in raws if isinstance(r, dict)) if d)[:MAX_CHAIN + 1]
     hint = (material.get("publicKey") or {}).get("hint") if isinstance(material.get("publicKey"), dict) else None
     env = bundle.get("dsseEnvelope")
     if isinstance(env, dict):
         payload = _b64(env.get("payload"))
-        sigs = env.get("signatures") or [{}]
-        return _Found(V3, _pae(str(env.get("payloadType", "")), payload), _b64(sigs[0].get("sig")),
+        sigs = _list(env.get("signatures")) or [{}]
+        return _Found(V3, _pae(str(env.get("payloadType", "")), payload), _b64(_obj(sigs[0]).get("sig")),
                       _statement_digest(payload), keyless, hint, certs)
-    ms = bundle.get("messageSignature") or {}
-    md = ms.get("messageDigest") or {}
+    ms = _obj(bundle.get("messageSignature"))
+    md = _obj(ms.get("messageDigest"))
     hexd = _b64(md.get("digest")).hex()
     # a message signature is over the artifact itself: here, the manifest; cosign signs the
     # simple-signing payload, which we cannot rebuild byte for byte, so only the digest it names counts

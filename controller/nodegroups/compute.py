@@ -32,6 +32,34 @@ class GCEError(Exception):
         return self.code == 404
 
 
+@dataclass(frozen=True)
+class Owner:
+    """The ownership marker of the GCE resources a node group makes: the cluster's id (the
+    ``kube-system`` namespace's UID) and the group's UID, in the ``description`` of every resource
+    and, where GCE has labels (instance templates, so their VMs), in labels too. Nothing without
+    it is adopted, changed or deleted (docs/security.md)."""
+
+    cluster: str
+    group_uid: str
+    group: str = ""  # namespace/name, for people reading the description
+
+    @property
+    def token(self) -> str:
+        return f"accelnode-owner={self.cluster}/{self.group_uid}"
+
+    @property
+    def description(self) -> str:
+        return f"accelnode TPU node group {self.group} {self.token}".replace("  ", " ")
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"accelnode-cluster": self.cluster[:63], "accelnode-group-uid": self.group_uid[:63]}
+
+    def owns(self, res) -> bool:
+        """Whether the GCE resource ``res`` carries this marker."""
+        return self.token in (getattr(res, "description", "") or "").split()
+
+
 @dataclass
 class Operation:
     name: str
@@ -114,6 +142,12 @@ class GCE:
     def _op_name(self, op) -> str:
         return op.name
 
+    def _insert(self, method: str, client: str, request) -> str:
+        """An insert carrying a ``requestId``: GCE answers a repeated one with the first one's
+        operation, so a caller that lost the answer (a crash, a timeout) learns it again instead
+        of creating twice."""
+        return self._op_name(self._call(True, method, self._client(client).insert, request=request))
+
     # -- operations ----------------------------------------------------------------------------
 
     def operation(self, kind: str, project: str, location: str, name: str) -> Operation:
@@ -140,13 +174,14 @@ class GCE:
         return self._get("ResourcePoliciesClient", "resourcePolicies.get", project=project, region=region,
                          resource_policy=name)
 
-    def insert_policy(self, project: str, region: str, name: str, type_: str, topology: str) -> str:
+    def insert_policy(self, project: str, region: str, name: str, type_: str, topology: str, owner: Owner,
+                      request_id: str) -> str:
         c = self.compute
-        body = c.ResourcePolicy(name=name, region=region, description="accelnode TPU node group",
+        body = c.ResourcePolicy(name=name, region=region, description=owner.description,
                                 workload_policy=c.ResourcePolicyWorkloadPolicy(type_=type_,
                                                                                accelerator_topology=topology))
-        return self._op_name(self._call(True, "resourcePolicies.insert", self._client("ResourcePoliciesClient").insert,
-                                        project=project, region=region, resource_policy_resource=body))
+        return self._insert("resourcePolicies.insert", "ResourcePoliciesClient", c.InsertResourcePolicyRequest(
+            project=project, region=region, resource_policy_resource=body, request_id=request_id))
 
     def delete_policy(self, project: str, region: str, name: str) -> str:
         return self._op_name(self._call(True, "resourcePolicies.delete", self._client("ResourcePoliciesClient").delete,
@@ -165,7 +200,8 @@ class GCE:
         return self._get("RegionInstanceTemplatesClient", "regionInstanceTemplates.get", project=parts[1],
                          region=parts[3], instance_template=parts[-1])
 
-    def insert_template(self, project: str, name: str, spec: dict, metadata: dict[str, str]) -> str:
+    def insert_template(self, project: str, name: str, spec: dict, metadata: dict[str, str], owner: Owner,
+                        request_id: str) -> str:
         c = self.compute
         sched = c.Scheduling(on_host_maintenance=spec.get("maintenancePolicy") or "TERMINATE",
                              automatic_restart=False)
@@ -188,6 +224,7 @@ class GCE:
                                   initialize_params=init)],
             scheduling=sched,
             metadata=c.Metadata(items=[c.Items(key=k, value=v) for k, v in sorted(metadata.items())]),
+            labels=owner.labels, description=owner.description,
             network_interfaces=[c.NetworkInterface(subnetwork=spec.get("subnetwork") or "default")])
         if spec.get("reservation"):
             props.reservation_affinity = c.ReservationAffinity(
@@ -198,9 +235,9 @@ class GCE:
         if spec.get("serviceAccounts"):
             props.service_accounts = [c.ServiceAccount(email=a["email"], scopes=list(a["scopes"]))
                                       for a in spec["serviceAccounts"]]
-        body = c.InstanceTemplate(name=name, properties=props)
-        return self._op_name(self._call(True, "instanceTemplates.insert", self._client("InstanceTemplatesClient").insert,
-                                        project=project, instance_template_resource=body))
+        body = c.InstanceTemplate(name=name, properties=props, description=owner.description)
+        return self._insert("instanceTemplates.insert", "InstanceTemplatesClient", c.InsertInstanceTemplateRequest(
+            project=project, instance_template_resource=body, request_id=request_id))
 
     def delete_template(self, project: str, name: str) -> str:
         return self._op_name(self._call(True, "instanceTemplates.delete", self._client("InstanceTemplatesClient").delete,
@@ -212,10 +249,11 @@ class GCE:
         return self._get("InstanceGroupManagersClient", "instanceGroupManagers.get", project=project, zone=zone,
                          instance_group_manager=name)
 
-    def insert_mig(self, project: str, zone: str, name: str, spec: dict) -> str:
+    def insert_mig(self, project: str, zone: str, name: str, spec: dict, owner: Owner, request_id: str) -> str:
         c = self.compute
         body = c.InstanceGroupManager(
             name=name, base_instance_name=name, instance_template=spec["instanceTemplate"],
+            description=owner.description,
             target_size=int(spec["targetSize"]),
             instance_lifecycle_policy=c.InstanceGroupManagerInstanceLifecyclePolicy(
                 default_action_on_failure=spec.get("defaultActionOnFailure") or "DO_NOTHING"))
@@ -223,9 +261,10 @@ class GCE:
             body.target_size_policy = c.InstanceGroupManagerTargetSizePolicy(mode=spec["targetSizePolicyMode"])
         if spec.get("workloadPolicy"):
             body.resource_policies = c.InstanceGroupManagerResourcePolicies(workload_policy=spec["workloadPolicy"])
-        return self._op_name(self._call(True, "instanceGroupManagers.insert",
-                                        self._client("InstanceGroupManagersClient").insert,
-                                        project=project, zone=zone, instance_group_manager_resource=body))
+        return self._insert("instanceGroupManagers.insert", "InstanceGroupManagersClient",
+                            c.InsertInstanceGroupManagerRequest(project=project, zone=zone,
+                                                                instance_group_manager_resource=body,
+                                                                request_id=request_id))
 
     def delete_mig(self, project: str, zone: str, name: str) -> str:
         return self._op_name(self._call(True, "instanceGroupManagers.delete",

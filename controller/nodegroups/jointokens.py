@@ -1,11 +1,13 @@
 """kubeadm bootstrap tokens for node groups: the controller side of the pull-model join
 (docs/bootstrap.md).
 
-:class:`JoinTokens` keeps one bootstrap-token Secret per group, in the form the API server and
-kubeadm expect, labelled :data:`GROUP_LABEL` so the group's tokens can be found, reused and
-revoked. A token is reused only while enough of its lifetime is left for a VM that reads it to
-join; :meth:`JoinTokens.revoke` deletes them all once the group's nodes have joined or the
-group goes. The CA hash is what ``kubeadm join --discovery-token-ca-cert-hash`` checks.
+:class:`JoinTokens` keeps the bootstrap-token Secrets of a group, in the form the API server and
+kubeadm expect, each bound to its group (annotation :data:`GROUP_ANNOTATION`) and named from a
+fixed pool of ids that the group records in its status: the controller reads and deletes only
+those names and lists no Secret (docs/security.md). A token is reused only while enough of its
+lifetime is left for a VM that reads it to join; :meth:`JoinTokens.revoke` deletes them once the
+group's nodes have joined or the group goes, and the cluster's token cleaner deletes any that
+expire. The CA hash is what ``kubeadm join --discovery-token-ca-cert-hash`` checks.
 
 A token's secret half is never logged: :class:`JoinInfo`'s repr leaves it out and log lines
 carry the token id only (which is public: it names the Secret).
@@ -18,10 +20,11 @@ import datetime as dt
 import hashlib
 import logging
 import re
+import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 from accelnode.kube.bootstraptoken import ENDPOINT_RE, METADATA_KEYS, TOKEN_RE, ca_cert_hash
 from accelnode.kube.client import Client, KubeError, is_conflict, is_not_found
@@ -35,6 +38,9 @@ GROUP_LABEL = "accelnode.io/join-group"  # the group's name, or a hash of it whe
 GROUP_ANNOTATION = "accelnode.io/join-group"  # the group's full name
 CLUSTER_INFO = "/api/v1/namespaces/kube-public/configmaps/cluster-info"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+# The token ids the controller uses, and so the only bootstrap-token Secrets it may read and
+# delete: daemonsets/rbac-controller-jointokens.yaml names exactly these (a test checks).
+POOL = tuple(f"acn{i:03d}" for i in range(64))
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
 
 
@@ -97,7 +103,13 @@ class _Token:
 
 class JoinTokens:
     """Bootstrap-token Secrets of node groups in ``namespace`` (``kube-system``: where the API
-    server's bootstrap authenticator looks)."""
+    server's bootstrap authenticator looks).
+
+    The controller may create Secrets there but read and delete only the ones named from
+    :data:`POOL` (daemonsets/rbac-controller-jointokens.yaml lists exactly those names: RBAC cannot
+    narrow ``create`` or ``list`` by name, so the controller lists nothing and draws its token ids
+    from a fixed pool). A group records the ids it drew in its status *before* creating the
+    Secret (``reserve``), so a crash never leaves a token that no group names."""
 
     def __init__(self, kube: Client, *, ca_pem: bytes, namespace: str = "kube-system", ttl_s: int = 3600,
                  clock: Callable[[], float] = time.time):
@@ -110,26 +122,48 @@ class JoinTokens:
         self.ca_hash = ca_cert_hash(ca_pem)
         self.clock = clock
         self._path = f"/api/v1/namespaces/{namespace}/secrets"
+        self._ledger: dict[str, list[str]] = {}  # group -> ids, for callers that keep no status of their own
 
     # -- public surface ------------------------------------------------------------------------
 
-    def ensure(self, group: str, control_plane: str) -> JoinInfo:
-        """The group's join values: a token with comfortable time left (reused or new), the CA
-        hash and ``control_plane``. KubeError/Unreachable from the API pass through."""
+    def ensure(self, group: str, control_plane: str, recorded: list[str] | None = None,
+               taken: Collection[str] = (), reserve: Callable[[list[str]], None] | None = None) -> JoinInfo:
+        """The group's join values: a token with comfortable time left (one of ``recorded``
+        reused, or a new one), the CA hash and ``control_plane``. ``taken``: the ids other groups
+        record; ``reserve(ids)`` writes the group's ids before a new Secret is made (without
+        ``recorded``, this object keeps them: one process, tests and benches).
+        KubeError/Unreachable from the API pass through."""
         check_control_plane(control_plane)
         if not group:
             raise ValueError("a join token needs a node group name")
+        if recorded is None:
+            recorded = self._ledger.get(group, [])
+            reserve = lambda ids: self._ledger.__setitem__(group, list(ids))  # noqa: E731
         now = self.clock()
+        alive: list[str] = []
         usable: list[_Token] = []
-        for tok in self._list(group):
+        for tid in recorded:
+            tok = self._read(tid, group)
+            if tok is None:
+                continue
             if tok.expires <= now:
                 self._delete(tok.name, group, "expired")
-            elif tok.expires - now >= self.min_left_s:
+                continue
+            alive.append(tid)
+            if tok.expires - now >= self.min_left_s:
                 usable.append(tok)
         if usable:
             best = max(usable, key=lambda t: t.expires)
             return JoinInfo(best.token, self.ca_hash, control_plane)
-        return JoinInfo(self._create(group, now), self.ca_hash, control_plane)
+        free = [t for t in POOL if t not in taken and t not in recorded]
+        for tid in random.sample(free, min(5, len(free))):
+            alive.append(tid)
+            reserve(list(alive))
+            token = self._create(group, tid, now)
+            if token is not None:
+                return JoinInfo(token, self.ca_hash, control_plane)
+        raise RuntimeError(f"no free join token id: the {len(POOL)} ids accelnode may use are taken "
+                           "(by other groups' live tokens or Secrets not ours)")
 
     def signed(self, info: JoinInfo) -> bool:
         """Whether the bootstrap signer has signed ``kube-public/cluster-info`` for the token yet
@@ -144,63 +178,72 @@ class JoinTokens:
             raise
         return f"jws-kubeconfig-{info.token_id}" in (cm.get("data") or {})
 
-    def revoke(self, group: str) -> None:
-        """Delete every token Secret of ``group`` (none: nothing to do)."""
-        for tok in self._list(group):
-            self._delete(tok.name, group, "revoked")
+    def revoke(self, group: str, recorded: list[str] | None = None) -> None:
+        """Delete the group's token Secrets among ``recorded`` (default: the ids this object
+        keeps for it); one that is not the group's is left alone."""
+        for tid in self._ledger.pop(group, []) if recorded is None else recorded:
+            tok = self._read(tid, group)
+            if tok is not None:
+                self._delete(tok.name, group, "revoked")
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _list(self, group: str) -> list[_Token]:
-        """The group's well-formed token Secrets (one that is not is skipped with a warning:
-        the API server would not accept it as a token either)."""
-        out = self.kube.list(self._path, query={"labelSelector": f"{GROUP_LABEL}={group_label_value(group)}"})
-        tokens = []
-        for s in out.get("items") or []:
-            meta = s.get("metadata") or {}
-            if s.get("type") != SECRET_TYPE or (meta.get("annotations") or {}).get(GROUP_ANNOTATION) != group:
-                continue
-            data = s.get("data") or {}
-            try:
-                tid, tsecret = _unb64(data["token-id"]), _unb64(data["token-secret"])
-                expires = parse_rfc3339(_unb64(data["expiration"]))
-            except (KeyError, ValueError) as e:
-                log.warning("join token secret is malformed; ignored",
-                            extra=kv(secret=meta.get("name"), group=group, error=type(e).__name__))
-                continue
-            token = f"{tid}.{tsecret}"
-            if not TOKEN_RE.match(token) or meta.get("name") != f"bootstrap-token-{tid}":
-                log.warning("join token secret is malformed; ignored", extra=kv(secret=meta.get("name"), group=group))
-                continue
-            tokens.append(_Token(meta["name"], token, expires))
-        return tokens
+    def _read(self, tid: str, group: str) -> _Token | None:
+        """The group's well-formed token Secret with id ``tid``; None when there is none, or it
+        is someone else's (another group's, or not made by us), or malformed (the API server
+        would not accept it as a token either)."""
+        if tid not in POOL:
+            return None
+        try:
+            s = self.kube.request("GET", f"{self._path}/bootstrap-token-{tid}")
+        except KubeError as e:
+            if is_not_found(e):
+                return None
+            raise
+        meta = s.get("metadata") or {}
+        if s.get("type") != SECRET_TYPE or (meta.get("annotations") or {}).get(GROUP_ANNOTATION) != group:
+            log.warning("join token secret is not this group's; left alone",
+                        extra=kv(secret=meta.get("name"), group=group))
+            return None
+        data = s.get("data") or {}
+        try:
+            token = f"{_unb64(data['token-id'])}.{_unb64(data['token-secret'])}"
+            expires = parse_rfc3339(_unb64(data["expiration"]))
+        except (KeyError, ValueError) as e:
+            log.warning("join token secret is malformed; ignored",
+                        extra=kv(secret=meta.get("name"), group=group, error=type(e).__name__))
+            return None
+        if not TOKEN_RE.match(token) or not token.startswith(tid + "."):
+            log.warning("join token secret is malformed; ignored", extra=kv(secret=meta.get("name"), group=group))
+            return None
+        return _Token(meta["name"], token, expires)
 
-    def _create(self, group: str, now: float) -> str:
-        for _ in range(5):  # a clash of random ids: draw again
-            token = new_token()
-            tid, tsecret = token.split(".")
-            expiration = rfc3339(now + self.ttl_s)
-            body = {
-                "apiVersion": "v1", "kind": "Secret", "type": SECRET_TYPE,
-                "metadata": {"name": f"bootstrap-token-{tid}", "namespace": self.namespace,
-                             "labels": {GROUP_LABEL: group_label_value(group),
-                                        "app.kubernetes.io/managed-by": "accelnode-controller"},
-                             "annotations": {GROUP_ANNOTATION: group}},
-                "data": {k: _b64(v) for k, v in {
-                    "description": f"accelnode: joins the nodes of node group {group}",
-                    "token-id": tid, "token-secret": tsecret, "expiration": expiration,
-                    "usage-bootstrap-authentication": "true", "usage-bootstrap-signing": "true",
-                    "auth-extra-groups": NODE_GROUP}.items()},
-            }
-            try:
-                self.kube.request("POST", self._path, body=body)
-            except KubeError as e:
-                if is_conflict(e):
-                    continue
+    def _create(self, group: str, tid: str, now: float) -> str | None:
+        """A new token with id ``tid``; None when its Secret exists already (and is not a
+        usable one of this group's, made before a crash)."""
+        tsecret = new_token().split(".")[1]
+        expiration = rfc3339(now + self.ttl_s)
+        body = {
+            "apiVersion": "v1", "kind": "Secret", "type": SECRET_TYPE,
+            "metadata": {"name": f"bootstrap-token-{tid}", "namespace": self.namespace,
+                         "labels": {GROUP_LABEL: group_label_value(group),
+                                    "app.kubernetes.io/managed-by": "accelnode-controller"},
+                         "annotations": {GROUP_ANNOTATION: group}},
+            "data": {k: _b64(v) for k, v in {
+                "description": f"accelnode: joins the nodes of node group {group}",
+                "token-id": tid, "token-secret": tsecret, "expiration": expiration,
+                "usage-bootstrap-authentication": "true", "usage-bootstrap-signing": "true",
+                "auth-extra-groups": NODE_GROUP}.items()},
+        }
+        try:
+            self.kube.request("POST", self._path, body=body)
+        except KubeError as e:
+            if not is_conflict(e):
                 raise
-            log.info("join token created", extra=kv(group=group, bootstrap_id=tid, expiration=expiration))
-            return token
-        raise RuntimeError("could not create a join token: five random token ids were all taken")
+            tok = self._read(tid, group)
+            return tok.token if tok is not None and tok.expires - now >= self.min_left_s else None
+        log.info("join token created", extra=kv(group=group, bootstrap_id=tid, expiration=expiration))
+        return f"{tid}.{tsecret}"
 
     def _delete(self, name: str, group: str, why: str) -> None:
         try:

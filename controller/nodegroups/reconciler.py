@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
+import re
 import time
+import uuid
 from dataclasses import dataclass
 
 from accelnode import IMAGE
@@ -26,7 +27,7 @@ from accelnode.kube.client import Client, KubeError, custom_path, is_conflict, i
 from accelnode.log import kv
 
 from controller.nodegroups import generations
-from controller.nodegroups.compute import BASE, GCE, GCEError
+from controller.nodegroups.compute import BASE, GCE, TERMINAL, GCEError, Owner
 from controller.runtime import events
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
@@ -48,6 +49,8 @@ TAINT = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
 DEVICE_PLUGIN = "accelnode-tpu-device-plugin"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "accelnode-controller"}
 TERMINAL_REASONS = ("RequestRejected", "OperationFailed")
+SYNC_WAIT = 0.5  # seconds: a key that comes before every watch has listed once waits this long
+CHILD_FAILURES = (*TERMINAL_REASONS, "NotOwned", "NotAllowed")  # a child that will not come up as it is
 
 
 @dataclass
@@ -57,6 +60,40 @@ class Settings:
     drain_timeout: float = 300.0  # bounded wait for evictions at teardown
     device_plugin_image: str = IMAGE
     api_server_port: int = 6443  # with bootstrapKubernetes.controlPlaneIP: where the VMs join
+    # Where groups may put resources: namespace (or "*", every other one) -> {"projects": [...],
+    # optional "zones": [...]}. None: the controller's own project (own_project) only, any zone.
+    placement: dict | None = None
+    own_project: str | None = None
+    cluster: str = ""  # the cluster's id in ownership markers; "": the kube-system Namespace's UID
+
+
+def cluster_id(client: Client, settings: Settings) -> str:
+    """The cluster's id in the ownership marker of our GCE resources: ``settings.cluster``, or
+    the UID of the ``kube-system`` Namespace (read once; it lives as long as the cluster)."""
+    if not settings.cluster:
+        settings.cluster = client.request("GET", "/api/v1/namespaces/kube-system")["metadata"]["uid"]
+    return settings.cluster
+
+
+def placement_problem(settings: Settings, namespace: str, project: str, zone: str | None = None,
+                      region: str | None = None) -> str | None:
+    """Why a group in ``namespace`` may not use ``project`` (and ``zone`` or ``region``); None
+    when it may. The operator's configuration decides, never the namespace's user."""
+    rules = settings.placement
+    if rules is None:
+        rules = {"*": {"projects": [settings.own_project]}} if settings.own_project else {}
+    rule = rules.get(namespace) or rules.get("*")
+    if not rule:
+        return (f"namespace {namespace} may not create node groups in any GCE project: the operator allows "
+                "projects per namespace (--node-group-placement, --gce-project; docs/security.md)")
+    if project not in (rule.get("projects") or []):
+        return f"GCE project {project!r} is not allowed for namespace {namespace} (allowed: {rule.get('projects')})"
+    zones = rule.get("zones")
+    if zones is not None and zone is not None and zone not in zones:
+        return f"zone {zone!r} is not allowed for namespace {namespace} (allowed: {zones})"
+    if zones is not None and region is not None and not any(z.rsplit("-", 1)[0] == region for z in zones):
+        return f"region {region!r} is not allowed for namespace {namespace} (allowed zones: {zones})"
+    return None
 
 
 def now_rfc3339() -> str:
@@ -106,10 +143,13 @@ class ChildReconciler(Reconciler):
     def scope(self, obj: dict) -> tuple[str, str, str]:  # (operation kind, project, location)
         raise NotImplementedError
 
+    def place(self, obj: dict) -> tuple[str, str | None, str | None]:  # (project, zone, region) to allow
+        raise NotImplementedError
+
     def get(self, obj: dict):
         raise NotImplementedError
 
-    def insert(self, obj: dict) -> str:
+    def insert(self, obj: dict, owner: Owner, request_id: str) -> str:
         raise NotImplementedError
 
     def delete(self, obj: dict) -> str:
@@ -140,7 +180,37 @@ class ChildReconciler(Reconciler):
                                      generation=obj["metadata"].get("generation"))
         return st
 
+    def owner(self, obj: dict) -> Owner | None:
+        """The marker of the group controlling ``obj`` (None: no TPUNodeGroup controls it)."""
+        md = obj["metadata"]
+        ref = next((r for r in md.get("ownerReferences") or [] if r.get("controller") and
+                    r.get("kind") == "TPUNodeGroup" and r.get("apiVersion", "").startswith(GROUP + "/")), None)
+        if ref is None:
+            return None
+        return Owner(cluster_id(self.client, self.settings), ref["uid"], f"{md['namespace']}/{ref['name']}")
+
+    def _refused(self, obj: dict) -> str | None:
+        if self.owner(obj) is None:
+            return f"{self.kind} {obj['metadata']['name']} is not controlled by a TPUNodeGroup: nothing is made for it"
+        return placement_problem(self.settings, obj["metadata"]["namespace"], *self.place(obj))
+
+    def _learn(self, key: str, obj: dict, owner: Owner, request_id: str, creating: str) -> Result:
+        """Insert the resource with ``request_id`` (recorded in the status first: a crash after
+        GCE accepted the insert is answered, on the next try with the same id, by the same
+        operation) and keep the operation to poll."""
+        if (obj.get("status") or {}).get("requestId") != request_id:
+            obj = self._write_status(key, obj, self._status(obj, ("False", "Provisioning", creating),
+                                                            requestId=request_id))
+        name = self.insert(obj, owner, request_id)
+        log.info("GCE resource creating", extra=kv(kind=self.kind, key=key, operation=name))
+        st = self._status(obj, ("False", "Provisioning", creating), requestId=request_id)
+        st.update(operationName=name, operationType="CREATE")
+        self._write_status(key, obj, st)
+        return Result(requeue_after=self.settings.poll)
+
     def reconcile(self, key: str) -> Result | None:
+        if not self.cache.synced():
+            return Result(requeue_after=SYNC_WAIT)
         obj = self.rw.current(key, self.cache.get(self.path, key))
         if obj is None:
             self.rw.forget(key)
@@ -148,6 +218,12 @@ class ChildReconciler(Reconciler):
         md = obj["metadata"]
         if md.get("deletionTimestamp"):
             return self._teardown(key, obj)
+        refused = self._refused(obj)
+        if refused:  # before the finalizer: nothing was made, nothing to clean up
+            self._write_status(key, obj, self._status(obj, ("False", "NotAllowed", refused)))
+            log.warning("GCE resource refused", extra=kv(kind=self.kind, key=key, reason=refused))
+            return None
+        owner = self.owner(obj)
         if self.finalizer not in (md.get("finalizers") or []):
             written = update_if_changed(self.client, self._obj_path(obj), obj,
                                         lambda o: o["metadata"].setdefault("finalizers", []).append(self.finalizer))
@@ -155,15 +231,21 @@ class ChildReconciler(Reconciler):
             obj = written
         status = obj.get("status") or {}
         kind, project, location = self.scope(obj)
+        creating = f"creating {self.kind} {md['name']}"
         if status.get("operationName") and status.get("operationType") == "CREATE":
             op = self.gce.operation(kind, project, location, status["operationName"])
             if not op.done:
                 return Result(requeue_after=self.settings.poll)
-            if op.error_code:
-                self._write_status(key, obj, self._status(obj, ("False", "OperationFailed",
-                                                                f"GCE {op.error_code}: {op.error_message}")))
+            if op.error_code and op.error_code != 409:  # 409: it exists; whose it is is checked below
+                transient = op.error_code not in TERMINAL
+                self._write_status(key, obj, self._status(obj, ("False", "Provisioning" if transient else
+                                                                "OperationFailed",
+                                                                f"GCE {op.error_code}: {op.error_message}"),
+                                                          requestId=None))
                 log.warning("GCE operation failed", extra=kv(kind=self.kind, key=key, code=op.error_code,
                                                               error=op.error_message))
+                if transient:  # a new request (new id) after the runtime's backoff
+                    raise GCEError(op.error_code, f"operation failed: {op.error_message}")
                 return None
             # done: the status written below (with the resource's URI) drops the operation
         ready = get_condition(obj, "Ready")
@@ -172,39 +254,69 @@ class ChildReconciler(Reconciler):
         res = self.get(obj)
         if res is None:
             try:
-                name = self.insert(obj)
+                return self._learn(key, obj, owner, status.get("requestId") or str(uuid.uuid4()), creating)
             except GCEError as e:
-                if not e.terminal:
-                    raise
-                self._write_status(key, obj, self._status(obj, ("False", "RequestRejected", f"GCE {e.code}: {e.message}"),
-                                                          **{self.uri_field: None}))
-                log.warning("GCE refused the request", extra=kv(kind=self.kind, key=key, code=e.code, error=e.message))
-                return None
-            log.info("GCE resource creating", extra=kv(kind=self.kind, key=key, operation=name))
-            st = self._status(obj, ("False", "Provisioning", f"creating {self.kind} {md['name']}"),
-                              **{self.uri_field: None})
-            st.update(operationName=name, operationType="CREATE")
-            self._write_status(key, obj, st)
-            return Result(requeue_after=self.settings.poll)
+                if e.code == 409:  # exists after all: whose it is is checked below
+                    res = self.get(obj)
+                if res is None:
+                    if not e.terminal:
+                        raise
+                    obj = self.rw.current(key, obj)
+                    self._write_status(key, obj, self._status(obj, ("False", "RequestRejected",
+                                                                    f"GCE {e.code}: {e.message}"),
+                                                              **{self.uri_field: None, "requestId": None}))
+                    log.warning("GCE refused the request", extra=kv(kind=self.kind, key=key, code=e.code,
+                                                                    error=e.message))
+                    return None
+        if not owner.owns(res):
+            obj = self.rw.current(key, obj)
+            self._write_status(key, obj, self._status(obj, ("False", "NotOwned", (
+                f"GCE already has {self.kind} {md['name']} in project {project} without this group's ownership "
+                f"marker ({owner.token}): it is neither adopted, changed nor deleted")), requestId=None))
+            log.warning("GCE resource exists without our marker; left alone", extra=kv(kind=self.kind, key=key))
+            return None
         fields, ready, requeue = self.observe(obj, res)
-        self._write_status(key, obj, self._status(obj, ready, **{self.uri_field: res.self_link}, **fields))
+        self._write_status(key, obj, self._status(obj, ready, **{self.uri_field: res.self_link, "requestId": None},
+                                                  **fields))
         return Result(requeue_after=requeue) if requeue else None
 
     def _teardown(self, key: str, obj: dict) -> Result | None:
+        """Delete the GCE resource, once every operation of ours on it has finished (a pending
+        insert is waited for, a lost one learnt again by its request id), and only when it
+        carries the group's marker; ``spec.deletionPolicy: Orphan`` leaves it in GCE."""
         md = obj["metadata"]
         if self.finalizer not in (md.get("finalizers") or []):
             return None
         status = obj.get("status") or {}
         kind, project, location = self.scope(obj)
-        if status.get("operationName") and status.get("operationType") == "DELETE":
+        owner = self.owner(obj)
+        if status.get("operationName"):
             op = self.gce.operation(kind, project, location, status["operationName"])
             if not op.done:
                 return Result(requeue_after=self.settings.poll)
-            if op.error_code and op.error_code != 404:
+            if status.get("operationType") == "CREATE":  # finished: what it made is looked at below
+                obj = self._write_status(key, obj, self._status(obj, ("False", "Deleting", "insert finished"),
+                                                                requestId=None))
+                status = obj["status"]
+            elif op.error_code and op.error_code != 404:
                 self._write_status(key, obj, self._status(obj, ("False", "OperationFailed",
                                                                 f"delete: GCE {op.error_code}: {op.error_message}")))
                 return Result(requeue_after=3 * self.settings.poll)  # in use a little longer: try again
+        if (obj.get("spec") or {}).get("deletionPolicy") == "Orphan" or owner is None:
+            return self._release(key, obj, "GCE resource orphaned")
         res = self.get(obj)  # even with nothing recorded: a crash may have lost the operation's name
+        if res is None and status.get("requestId") and not status.get(self.uri_field):
+            # an insert may have been accepted and its answer lost: the same request id answers
+            # with its operation (or makes the resource now, deleted next)
+            try:
+                return self._learn(key, obj, owner, status["requestId"], f"insert of {md['name']} being finished")
+            except GCEError as e:
+                if not e.terminal:
+                    raise
+                res = self.get(obj)
+        if res is not None and not owner.owns(res):
+            log.warning("GCE resource without our marker left alone", extra=kv(kind=self.kind, key=key))
+            res = None
         if res is not None:
             try:
                 name = self.delete(obj)
@@ -223,10 +335,14 @@ class ChildReconciler(Reconciler):
                 self._write_status(key, obj, st)
                 log.info("GCE resource deleting", extra=kv(kind=self.kind, key=key, operation=name))
                 return Result(requeue_after=self.settings.poll)
+        return self._release(key, obj, "GCE resource deleted")
+
+    def _release(self, key: str, obj: dict, what: str) -> None:
+        md = obj["metadata"]
         self.client.request("PUT", self._obj_path(obj), body={
             **obj, "metadata": {**md, "finalizers": [f for f in md.get("finalizers") or [] if f != self.finalizer]}})
         self.rw.forget(key)
-        log.info("GCE resource deleted", extra=kv(kind=self.kind, key=key))
+        log.info(what, extra=kv(kind=self.kind, key=key))
         return None
 
 
@@ -236,14 +352,17 @@ class WorkloadPolicyReconciler(ChildReconciler):
     def scope(self, obj):
         return "regions", obj["spec"]["project"], obj["spec"]["region"]
 
+    def place(self, obj):
+        return obj["spec"]["project"], None, obj["spec"]["region"]
+
     def get(self, obj):
         s = obj["spec"]
         return self.gce.get_policy(s["project"], s["region"], obj["metadata"]["name"])
 
-    def insert(self, obj):
+    def insert(self, obj, owner, request_id):
         s = obj["spec"]
         return self.gce.insert_policy(s["project"], s["region"], obj["metadata"]["name"],
-                                      s.get("type") or "HIGH_THROUGHPUT", s["acceleratorTopology"])
+                                      s.get("type") or "HIGH_THROUGHPUT", s["acceleratorTopology"], owner, request_id)
 
     def delete(self, obj):
         s = obj["spec"]
@@ -256,12 +375,16 @@ class InstanceTemplateReconciler(ChildReconciler):
     def scope(self, obj):
         return "global", obj["spec"]["project"], ""
 
+    def place(self, obj):
+        return obj["spec"]["project"], None, None
+
     def get(self, obj):
         return self.gce.get_template(obj["spec"]["project"], obj["metadata"]["name"])
 
-    def insert(self, obj):
+    def insert(self, obj, owner, request_id):
         s = obj["spec"]
-        return self.gce.insert_template(s["project"], obj["metadata"]["name"], s, dict(s.get("metadata") or {}))
+        return self.gce.insert_template(s["project"], obj["metadata"]["name"], s, dict(s.get("metadata") or {}),
+                                        owner, request_id)
 
     def delete(self, obj):
         return self.gce.delete_template(obj["spec"]["project"], obj["metadata"]["name"])
@@ -273,13 +396,16 @@ class ManagedInstanceGroupReconciler(ChildReconciler):
     def scope(self, obj):
         return "zones", obj["spec"]["project"], obj["spec"]["location"]
 
+    def place(self, obj):
+        return obj["spec"]["project"], obj["spec"]["location"], None
+
     def get(self, obj):
         s = obj["spec"]
         return self.gce.get_mig(s["project"], s["location"], obj["metadata"]["name"])
 
-    def insert(self, obj):
+    def insert(self, obj, owner, request_id):
         s = obj["spec"]
-        return self.gce.insert_mig(s["project"], s["location"], obj["metadata"]["name"], s)
+        return self.gce.insert_mig(s["project"], s["location"], obj["metadata"]["name"], s, owner, request_id)
 
     def delete(self, obj):
         s = obj["spec"]
@@ -342,6 +468,21 @@ def device_plugin_daemonset(namespace: str, image: str) -> dict:
                     "volumes": [{"name": n, "hostPath": {"path": p, "type": t}} for n, p, _, t in mounts]}}}}
 
 
+def mig_name_of(g: dict) -> str:
+    """The group's MIG: its VMs are named ``<this>-<4 characters>`` (GCE's base instance name)."""
+    md = g["metadata"]
+    return f"{md['name']}-mig-{hashlib.sha256(md['uid'].encode()).hexdigest()[:8]}"
+
+
+def is_group_node(g: dict, node: dict) -> bool:
+    """Whether ``node`` is a VM of group ``g``, by its providerID alone (project, zone and the
+    MIG's instance names): found after a restart, labelled or not."""
+    m = re.fullmatch(r"gce://([^/]+)/([^/]+)/([^/]+)", (node.get("spec") or {}).get("providerID") or "")
+    spec = g.get("spec") or {}
+    return bool(m and m[1] == spec.get("project") and m[2] == spec.get("nodeLocation")
+                and re.fullmatch(re.escape(mig_name_of(g)) + r"-[a-z0-9]{4}", m[3]))
+
+
 def kube_labels(value: str) -> dict[str, str]:
     """The ``kube-labels`` metadata value (``k=v,k2=v2``) as a dict; malformed pairs skipped."""
     out = {}
@@ -366,10 +507,7 @@ class TPUNodeGroupReconciler(Reconciler):
         self.client, self.gce, self.settings = client, gce, settings
         self.rw = ReadYourWrites()
         self._tokens = tokens  # controller.nodegroups.jointokens.JoinTokens, made on first use
-        self._lock = threading.Lock()
-        self._by_provider: dict[str, str] = {}  # providerID -> group key
         self._withdrawn: set[str] = set()  # providerIDs whose join metadata is known gone
-        self._tokens_live: dict[str, bool] = {}  # group key -> tokens may exist (unknown: True)
         self._pending_meta: dict[str, str] = {}  # instance path -> setMetadata operation
         self._labels: dict[str, dict] = {}  # providerID -> the VM's kube-labels
         self._machine: dict[str, str] = {}  # group key -> machine type of an instanceTemplateURI group
@@ -390,16 +528,7 @@ class TPUNodeGroupReconciler(Reconciler):
     # -- mapping -------------------------------------------------------------------------------
 
     def _node_keys(self, node: dict) -> list[str]:
-        keys = set()
-        pid = (node.get("spec") or {}).get("providerID")
-        with self._lock:
-            if pid in self._by_provider:
-                keys.add(self._by_provider[pid])
-        value = (node["metadata"].get("labels") or {}).get(LABEL_GROUP)
-        if value:
-            keys.update(object_key(g) for g in self.cache.list(TNG)
-                        if f"{g['metadata']['namespace']}-{g['metadata']['name']}" == value)
-        return sorted(keys)
+        return sorted(object_key(g) for g in self.cache.list(TNG) if is_group_node(g, node))
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -430,6 +559,8 @@ class TPUNodeGroupReconciler(Reconciler):
     # -- reconcile -------------------------------------------------------------------------------
 
     def reconcile(self, key: str) -> Result | None:
+        if not self.cache.synced():  # a teardown on a half-listed cache (no Nodes, no children yet) would let go
+            return Result(requeue_after=SYNC_WAIT)
         g = self.rw.current(key, self.cache.get(TNG, key))
         if g is None:
             self.rw.forget(key)
@@ -455,6 +586,11 @@ class TPUNodeGroupReconciler(Reconciler):
         ns, name = split_key(key)
         project, zone = spec["project"], spec["nodeLocation"]
         region = zone.rsplit("-", 1)[0]
+        refused = placement_problem(self.settings, ns, project, zone)
+        if refused:
+            self._set_status(key, g, condition(conds, "Ready", "False", "NotAllowed", refused, gen))
+            log.warning("node group refused", extra=kv(group=key, reason=refused))
+            return None
         h = hashlib.sha256(md["uid"].encode()).hexdigest()[:8]
         machine = (spec.get("instanceConfig") or {}).get("machineType")
         if machine is None:
@@ -493,10 +629,8 @@ class TPUNodeGroupReconciler(Reconciler):
         else:
             template_url = BASE + spec["instanceTemplateURI"]
         if waiting:
-            conds = condition(conds, "Ready", "False", "AwaitingNodeJoin", f"waiting for {', '.join(waiting)}", gen)
-            self._set_status(key, g, conds)
-            return Result(requeue_after=self.settings.poll)
-        mig_name = f"{name}-mig-{h}"
+            return self._waiting(key, g, conds, ", ".join(waiting))
+        mig_name = mig_name_of(g)
         mspec = {"project": project, "location": zone, "instanceTemplate": template_url,
                  "targetSize": int(spec["nodeCount"]), "defaultActionOnFailure": "DO_NOTHING"}
         if spec.get("targetSizePolicyMode"):
@@ -507,10 +641,10 @@ class TPUNodeGroupReconciler(Reconciler):
         mig_url = (child.get("status") or {}).get("url")
         conds = self._child_condition(conds, "ManagedInstanceGroupReady", child, mig_url, gen)
         if not mig_url:
-            conds = condition(conds, "Ready", "False", "AwaitingNodeJoin", "waiting for ManagedInstanceGroup", gen)
-            self._set_status(key, g, conds)
-            return Result(requeue_after=self.settings.poll)
-        summary, message, again = self._nodes(key, g, project, zone, mig_name, labels)
+            return self._waiting(key, g, conds, "ManagedInstanceGroup")
+        box = [g]
+        summary, message, again = self._nodes(key, box, project, zone, mig_name, labels)
+        g = box[0]
         self._ensure_device_plugin()
         n = int(spec["nodeCount"])
         if summary["ready"] >= n:
@@ -526,6 +660,19 @@ class TPUNodeGroupReconciler(Reconciler):
             return None
         return Result(requeue_after=min(again or self.settings.poll, self.settings.poll))
 
+    def _waiting(self, key: str, g: dict, conds: list[dict], what: str) -> Result | None:
+        """Ready=False while children are made; a child that failed for good fails the group
+        with its reason (the children's watch brings the group back when that changes)."""
+        gen = g["metadata"].get("generation")
+        failed = next((c for c in conds if c["type"] != "Ready" and c.get("status") == "False"
+                       and c.get("reason") in CHILD_FAILURES), None)
+        if failed:
+            self._set_status(key, g, condition(conds, "Ready", "False", failed["reason"],
+                                               f"{failed['type']}: {failed['message']}", gen))
+            return None
+        self._set_status(key, g, condition(conds, "Ready", "False", "AwaitingNodeJoin", f"waiting for {what}", gen))
+        return Result(requeue_after=self.settings.poll)
+
     def _template_machine(self, key: str, spec: dict) -> str | None:
         if key not in self._machine:
             res = self.gce.get_template_url(BASE + spec["instanceTemplateURI"])
@@ -538,6 +685,7 @@ class TPUNodeGroupReconciler(Reconciler):
         ns = g["metadata"]["namespace"]
         path = self.children[plural]
         child = self.cache.get(path, f"{ns}/{name}")
+        spec = {**spec, "deletionPolicy": g["spec"].get("deletionPolicy") or "Delete"}
         owner = {"apiVersion": API_VERSION, "kind": "TPUNodeGroup", "name": g["metadata"]["name"],
                  "uid": g["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
         if child is None:
@@ -569,9 +717,10 @@ class TPUNodeGroupReconciler(Reconciler):
 
     # -- instances and nodes -------------------------------------------------------------------
 
-    def _nodes(self, key: str, g: dict, project: str, zone: str, mig: str, labels: dict):
-        spec = g["spec"]
-        boot = spec.get("bootstrapKubernetes")
+    def _nodes(self, key: str, box: list, project: str, zone: str, mig: str, labels: dict):
+        """Offer the join to RUNNING VMs of the group's MIG, label their Nodes. ``box[0]`` is the
+        group, replaced when the join tokens' ledger in its status is written."""
+        boot = box[0]["spec"].get("bootstrapKubernetes")
         nodes = {(n.get("spec") or {}).get("providerID"): n for n in self.cache.list(NODES)}
         ready = reconciling = failed = 0
         problems, again, joining = [], None, False
@@ -583,8 +732,6 @@ class TPUNodeGroupReconciler(Reconciler):
                 problems += errors
                 continue
             pid = f"gce://{project}/{zone}/{inst}"
-            with self._lock:
-                self._by_provider[pid] = key
             node = nodes.get(pid)
             if node is None:
                 reconciling += 1
@@ -593,7 +740,7 @@ class TPUNodeGroupReconciler(Reconciler):
                     joining = True
                     ip, port = boot["controlPlaneIP"], self.settings.api_server_port
                     endpoint = ip if port == 6443 else (f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-                    again = self._offer_join(key, project, zone, inst, endpoint) or again
+                    again = self._offer_join(key, box, project, zone, mig, inst, endpoint) or again
                 elif status != "RUNNING":
                     problems.append(f"{inst} is {status}")
                 continue
@@ -605,10 +752,23 @@ class TPUNodeGroupReconciler(Reconciler):
                 ready += 1
             else:
                 reconciling += 1
-        if boot and not joining and self._tokens_live.get(key, True):
-            self._join_tokens().revoke(key)
-            self._tokens_live[key] = False
+        if not joining:
+            self._revoke(key, box)
         return {"ready": ready, "reconciling": reconciling, "failed": failed}, "; ".join(problems)[:4000], again
+
+    def _reserve(self, key: str, box: list, ids: list[str]) -> None:
+        """Record the group's join token ids (its ledger: the only Secrets it may read or delete)."""
+        g = box[0]
+        written = update_status(self.client, self._path(key), g, {**(g.get("status") or {}), "joinTokens": ids})
+        if written is not None:
+            self.rw.remember(key, g, written)
+            box[0] = written
+
+    def _revoke(self, key: str, box: list) -> None:
+        ids = (box[0].get("status") or {}).get("joinTokens") or []
+        if ids:
+            self._join_tokens().revoke(key, ids)
+            self._reserve(key, box, [])
 
     def _join_tokens(self):
         if self._tokens is None:
@@ -649,15 +809,25 @@ class TPUNodeGroupReconciler(Reconciler):
             return True
         raise GCEError(503, f"instance {inst}: metadata kept changing under five attempts (412)")
 
-    def _offer_join(self, key: str, project: str, zone: str, inst: str, control_plane: str) -> float | None:
+    def _offer_join(self, key: str, box: list, project: str, zone: str, mig: str, inst: str,
+                    control_plane: str) -> float | None:
         if self._meta_op_pending(project, zone, inst):
             return 1.0
         tokens = self._join_tokens()
-        info = tokens.ensure(key, control_plane)
-        self._tokens_live[key] = True
+        taken = {t for o in self.cache.list(TNG) if object_key(o) != key
+                 for t in (o.get("status") or {}).get("joinTokens") or []}
+        info = tokens.ensure(key, control_plane, list((box[0].get("status") or {}).get("joinTokens") or []), taken,
+                             lambda ids: self._reserve(key, box, ids))
         if not tokens.signed(info):  # the bootstrap signer signs cluster-info within seconds
             return 1.0
-        if self._set_items(project, zone, inst, lambda items: {**items, **info.metadata_items()}):
+
+        def offer(items: dict) -> dict:
+            # only to a VM our MIG made (GCE writes the MIG into created-by): never to another's
+            if not items.get("created-by", "").endswith(f"/zones/{zone}/instanceGroupManagers/{mig}"):
+                log.warning("VM not made by the group's MIG: no join token for it", extra=kv(group=key, instance=inst))
+                return items
+            return {**items, **info.metadata_items()}
+        if self._set_items(project, zone, inst, offer):
             log.info("join metadata offered", extra=kv(group=key, instance=inst, bootstrap_id=info.token_id))
         return None
 
@@ -698,14 +868,24 @@ class TPUNodeGroupReconciler(Reconciler):
 
     # -- teardown ------------------------------------------------------------------------------
 
-    def _group_nodes(self, key: str, g: dict) -> list[dict]:
-        ns, name = split_key(key)
-        value = f"{ns}-{name}"
-        with self._lock:
-            pids = {p for p, k in self._by_provider.items() if k == key}
-        return [n for n in self.cache.list(NODES)
-                if (n["metadata"].get("labels") or {}).get(LABEL_GROUP) == value
-                or (n.get("spec") or {}).get("providerID") in pids]
+    def _orphan(self, key: str, g: dict) -> dict:
+        """``deletionPolicy: Orphan``: every child keeps its GCE resource (its own teardown reads
+        the policy), the join tokens go, the VMs and their Nodes stay."""
+        ns = g["metadata"]["namespace"]
+        for plural in ("managedinstancegroups", "instancetemplates", "workloadpolicies"):
+            for c in self._children(plural, g):
+                update_if_changed(self.client, custom_path(GROUP, VERSION, plural, ns, c["metadata"]["name"]), c,
+                                  lambda o: o["spec"].update(deletionPolicy="Orphan"))
+        box = [g]
+        self._revoke(key, box)
+        log.info("node group orphaned: its GCE resources stay", extra=kv(group=key))
+        return box[0]
+
+    def _children(self, plural: str, g: dict) -> list[dict]:
+        md = g["metadata"]
+        return [c for c in self.cache.list(self.children[plural])
+                if c["metadata"]["namespace"] == md["namespace"] and any(
+                    r.get("uid") == md["uid"] for r in c["metadata"].get("ownerReferences") or [])]
 
     def _teardown(self, key: str, g: dict) -> Result | None:
         md = g["metadata"]
@@ -719,7 +899,9 @@ class TPUNodeGroupReconciler(Reconciler):
             self._set_status(key, g, condition(conds, "Ready", "False", reason, message, gen))
             return Result(requeue_after=self.settings.poll)
 
-        nodes = self._group_nodes(key, g)
+        if g["spec"].get("deletionPolicy") == "Orphan":
+            return self._release(key, self._orphan(key, g))
+        nodes = [n for n in self.cache.list(NODES) if is_group_node(g, n)]
         for n in nodes:  # cordon: spec.unschedulable, as kubectl cordon does
             update_if_changed(self.client, f"{NODES}/{n['metadata']['name']}", n,
                               lambda o: o.setdefault("spec", {}).update(unschedulable=True))
@@ -736,9 +918,7 @@ class TPUNodeGroupReconciler(Reconciler):
                 log.warning("drain timed out; deleting the VMs anyway", extra=kv(group=key, pods=left[:20]))
         for plural, reason in (("managedinstancegroups", "DeletingMIG"), ("instancetemplates", "DeletingTemplate"),
                                ("workloadpolicies", "DeletingPolicy")):
-            children = [c for c in self.cache.list(self.children[plural])
-                        if c["metadata"]["namespace"] == ns and any(
-                            r.get("uid") == md["uid"] for r in c["metadata"].get("ownerReferences") or [])]
+            children = self._children(plural, g)
             if children:
                 for c in children:
                     if not c["metadata"].get("deletionTimestamp"):
@@ -756,8 +936,9 @@ class TPUNodeGroupReconciler(Reconciler):
             except KubeError as e:
                 if not is_not_found(e):
                     raise
-        if g["spec"].get("bootstrapKubernetes"):
-            self._join_tokens().revoke(key)
+        box = [g]
+        self._revoke(key, box)
+        g = box[0]
         others = [o for o in self.cache.list(TNG) if object_key(o) != key and not o["metadata"].get("deletionTimestamp")]
         if not others:
             path = f"/apis/apps/v1/namespaces/{self.settings.namespace}/daemonsets"
@@ -769,17 +950,19 @@ class TPUNodeGroupReconciler(Reconciler):
                 except KubeError as e:
                     if not is_not_found(e):
                         raise
+        for n in nodes:
+            pid = (n.get("spec") or {}).get("providerID")
+            self._withdrawn.discard(pid)
+            self._labels.pop(pid, None)
+        return self._release(key, g)
+
+    def _release(self, key: str, g: dict) -> None:
+        md = g["metadata"]
         self.client.request("PUT", self._path(key), body={
             **g, "metadata": {**md, "finalizers": [f for f in md.get("finalizers") or [] if f != GROUP_FINALIZER]}})
-        with self._lock:
-            for p in [p for p, k in self._by_provider.items() if k == key]:
-                del self._by_provider[p]
-                self._withdrawn.discard(p)
-                self._labels.pop(p, None)
-        self._tokens_live.pop(key, None)
         self._machine.pop(key, None)
         self.rw.forget(key)
-        log.info("node group deleted", extra=kv(group=key))
+        log.info("node group released", extra=kv(group=key))
         return None
 
     def _drain(self, nodes: list[dict]) -> list[str]:

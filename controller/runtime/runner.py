@@ -5,7 +5,7 @@ One :class:`Controller` per reconciler. Invariants: level-based (a periodic resy
 every watched key, so a missed event is caught within one resync); a key is never reconciled
 twice at once (:class:`~controller.runtime.queue.WorkQueue`); an error or ``requeue=True`` backs
 off per key, and a success resets it; :meth:`Controller.stop` lets workers finish the key in
-hand. :class:`Metrics` is one set per process, labelled by reconciler name.
+hand; workers take no key before every watch has listed once. :class:`Metrics` is one set per process, labelled by reconciler name.
 """
 
 from __future__ import annotations
@@ -119,6 +119,11 @@ class Controller:
     # -- working -------------------------------------------------------------------------------
 
     def _work(self) -> None:
+        # As client-go's WaitForCacheSync: no key is reconciled on a half-listed cache (a teardown
+        # that sees no Nodes or children yet would let them go). Keys queued meanwhile wait.
+        while not self.synced():
+            if self._stop.wait(0.05):
+                return
         while True:
             key = self.queue.get()
             if key is None:

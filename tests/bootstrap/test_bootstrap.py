@@ -126,7 +126,7 @@ def test_kubeadm_itself_accepts_our_join_configuration(tmp_path):
                                          "kubeadm-control-plane-ip": "10.0.0.2", "kubeadm-ca-hash": "sha256:" + "a" * 64})
     path = tmp_path / "join.yaml"
     path.write_text(yaml.safe_dump(join_configuration(values, node_name="tpu-0", provider="gce://p/z/tpu-0",
-                                                      ignore_preflight_errors=["Swap"])))
+                                                      ignore_preflight_errors=["Swap"], patches=str(tmp_path))))
     out = subprocess.run([tool("kubeadm"), "config", "validate", "--config", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 

@@ -85,6 +85,37 @@ def test_the_join_configuration_carries_the_provider_id_as_v1beta4_wants():
     assert cfg["nodeRegistration"]["kubeletExtraArgs"] == [{"name": "provider-id",
                                                             "value": "gce://p/us-east5-b/tpu-0"}]
     assert cfg["nodeRegistration"]["name"] == "tpu-0"
+    assert "patches" not in cfg
+    assert join_configuration(v, node_name="tpu-0", provider="gce://p/z/tpu-0",
+                              patches="/etc/accelnode/kubeadm-patches")["patches"] == {
+        "directory": "/etc/accelnode/kubeadm-patches"}
+
+
+def test_patches_must_be_a_directory(tmp_path):
+    import subprocess
+
+    from tests.conftest import accelnode_cmd
+
+    out = subprocess.run(accelnode_cmd() + ["bootstrap", "--patches", str(tmp_path / "missing"), "--metadata-host",
+                                            "127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"--patches {tmp_path / 'missing'}: not a directory" in out.stderr, out.stderr
+
+
+def test_the_shipped_kubelet_units_give_kubelet_what_kubeadm_wrote(tmp_path):
+    """The unit + drop-in, read as systemd reads them (tests/rigs/unitctl.py), with the
+    environment file kubeadm writes: kubelet's argv."""
+    from tests.conftest import ROOT
+    from tests.rigs.unitctl import command, environment, read_unit
+
+    flags = tmp_path / "kubeadm-flags.env"
+    flags.write_text('KUBELET_KUBEADM_ARGS="--hostname-override=tpu-0 --provider-id=gce://p/z/tpu-0"\n')
+    settings = read_unit(ROOT / "daemonsets/systemd", "kubelet.service")
+    settings["EnvironmentFile"] = [f"-{flags}" if v.endswith("kubeadm-flags.env") else v
+                                   for v in settings["EnvironmentFile"]]
+    assert command(settings, environment(settings), None) == [
+        "/usr/local/bin/kubelet", "--bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf",
+        "--kubeconfig=/etc/kubernetes/kubelet.conf", "--config=/var/lib/kubelet/config.yaml",
+        "--hostname-override=tpu-0", "--provider-id=gce://p/z/tpu-0"]
 
 
 def test_the_systemd_unit_is_valid(tmp_path):
@@ -101,6 +132,16 @@ def test_the_systemd_unit_is_valid(tmp_path):
     path = tmp_path / "accelnode-bootstrap.service"
     path.write_text(unit.replace("/usr/local/bin/accelnode", shutil.which("true")))
     out = subprocess.run([exe, "verify", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+    # kubelet's unit with its kubeadm drop-in
+    kubelet = tmp_path / "kubelet.service"
+    kubelet.write_text((ROOT / "daemonsets/systemd/kubelet.service").read_text().replace(
+        "/usr/local/bin/kubelet", shutil.which("true")))
+    (tmp_path / "kubelet.service.d").mkdir()
+    (tmp_path / "kubelet.service.d/10-kubeadm.conf").write_text(
+        (ROOT / "daemonsets/systemd/kubelet.service.d/10-kubeadm.conf").read_text().replace(
+            "/usr/local/bin/kubelet", shutil.which("true")))
+    out = subprocess.run([exe, "verify", str(kubelet)], capture_output=True, text=True)
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
 
 

@@ -9,12 +9,13 @@ import subprocess
 import sys
 import time
 import urllib.error
+import uuid
 import urllib.request
 
 import pytest
 
 from tests.rigs.gce import BASE, Server
-from controller.nodegroups.compute import GCE, GCEError
+from controller.nodegroups.compute import GCE, GCEError, Owner
 from tests.csi.conftest import free_ports
 
 P, R, Z = "my-tpu-project", "us-east5", "us-east5-b"
@@ -25,6 +26,13 @@ def srv():
     s = Server().start()
     yield s
     s.stop()
+
+
+OWNER = Owner("cluster-uid", "group-uid", "ns/g")
+
+
+def rid() -> str:
+    return str(uuid.uuid4())
 
 
 def post(srv, path: str, body: dict) -> tuple[int, dict]:
@@ -38,11 +46,13 @@ def post(srv, path: str, body: dict) -> tuple[int, dict]:
 
 
 def make_group(gce: GCE, size: int = 3, mode: str = "BULK") -> None:
-    gce.insert_policy(P, R, "pol", "HIGH_THROUGHPUT", "2x2x2")
-    gce.insert_template(P, "tmpl", {"machineType": "tpu7x-standard-4t", "provisioningModel": "SPOT"}, {"a": "b"})
+    gce.insert_policy(P, R, "pol", "HIGH_THROUGHPUT", "2x2x2", OWNER, rid())
+    gce.insert_template(P, "tmpl", {"machineType": "tpu7x-standard-4t", "provisioningModel": "SPOT"}, {"a": "b"},
+                        OWNER, rid())
     gce.insert_mig(P, Z, "mig", {"instanceTemplate": f"{BASE}projects/{P}/global/instanceTemplates/tmpl",
                                  "targetSize": size, "targetSizePolicyMode": mode,
-                                 "workloadPolicy": f"{BASE}projects/{P}/regions/{R}/resourcePolicies/pol"})
+                                 "workloadPolicy": f"{BASE}projects/{P}/regions/{R}/resourcePolicies/pol"},
+                   OWNER, rid())
 
 
 def test_a_body_field_the_discovery_document_does_not_know_is_refused(srv):
@@ -92,14 +102,14 @@ def test_metadata_fingerprints_and_412(srv):
 def test_operations_run_slow_and_fail_with_gce_errors(srv):
     gce = GCE(srv.endpoint)
     srv.compute.set_faults(op_delay_s=0.3)
-    name = gce.insert_policy(P, R, "pol", "HIGH_THROUGHPUT", "2x2x2")
+    name = gce.insert_policy(P, R, "pol", "HIGH_THROUGHPUT", "2x2x2", OWNER, rid())
     assert not gce.operation("regions", P, R, name).done
     time.sleep(0.35)
     assert gce.operation("regions", P, R, name).done
     srv.compute.set_faults(op_delay_s=0)
-    gce.insert_template(P, "tmpl", {"machineType": "ct6e-standard-4t"}, {})
+    gce.insert_template(P, "tmpl", {"machineType": "ct6e-standard-4t"}, {}, OWNER, rid())
     gce.insert_mig(P, Z, "mig", {"instanceTemplate": f"{BASE}projects/{P}/global/instanceTemplates/tmpl",
-                                 "targetSize": 1})
+                                 "targetSize": 1}, OWNER, rid())
     with pytest.raises(GCEError):  # in use by the MIG: the delete's operation... or the call, fails
         op = gce.delete_template(P, "tmpl")
         o = gce.operation("global", P, "", op)
@@ -114,9 +124,9 @@ def test_faults_503_and_one_shot_errors(srv):
         gce.get_policy(P, R, "p")
     assert err.value.code == 503 and not err.value.terminal
     with pytest.raises(GCEError) as err:
-        gce.insert_policy(P, R, "p", "HIGH_THROUGHPUT", "2x2x2")
+        gce.insert_policy(P, R, "p", "HIGH_THROUGHPUT", "2x2x2", OWNER, rid())
     assert err.value.code == 429 and not err.value.terminal
-    gce.insert_policy(P, R, "p", "HIGH_THROUGHPUT", "2x2x2")  # and then it works
+    gce.insert_policy(P, R, "p", "HIGH_THROUGHPUT", "2x2x2", OWNER, rid())  # and then it works
 
 
 def test_stuck_provisioning_and_bulk_unplaceable(srv):
@@ -127,7 +137,7 @@ def test_stuck_provisioning_and_bulk_unplaceable(srv):
     assert not gce.get_mig(P, Z, "mig").status.is_stable
     srv.compute.set_faults(bulk_unplaceable=True, stuck_provisioning=False)
     gce.insert_mig(P, Z, "mig2", {"instanceTemplate": f"{BASE}projects/{P}/global/instanceTemplates/tmpl",
-                                  "targetSize": 2, "targetSizePolicyMode": "BULK"})
+                                  "targetSize": 2, "targetSizePolicyMode": "BULK"}, OWNER, rid())
     mis = gce.managed_instances(P, Z, "mig2")
     assert [e.code for mi in mis for e in mi.last_attempt.errors.errors] == ["ZONE_RESOURCE_POOL_EXHAUSTED"] * 2
     assert len(srv.compute.instances(P)) == 2  # only mig's
@@ -140,8 +150,44 @@ def test_the_emulator_runs_standalone():
     try:
         assert proc.stdout.readline().strip() == f"GCE emulator on http://127.0.0.1:{port}"
         gce = GCE(f"http://127.0.0.1:{port}")
-        gce.insert_policy(P, R, "p", "HIGH_THROUGHPUT", "2x2x2")
+        gce.insert_policy(P, R, "p", "HIGH_THROUGHPUT", "2x2x2", OWNER, rid())
         assert gce.get_policy(P, R, "p").workload_policy.accelerator_topology == "2x2x2"
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_repeated_request_id_answers_the_first_operation_and_vms_carry_their_origin(srv):
+    """What crash recovery and the ownership checks rest on, as GCE does it: an insert repeated
+    with its requestId (its answer lost) gets the first operation back and makes nothing twice;
+    a MIG's VMs carry the template's labels and the MIG in metadata created-by."""
+    gce = GCE(srv.endpoint)
+    srv.compute.set_faults(op_delay_s=0.3)
+    req = rid()
+    first = gce.insert_template(P, "tmpl", {"machineType": "ct6e-standard-4t"}, {"a": "b"}, OWNER, req)
+    assert gce.insert_template(P, "tmpl", {"machineType": "ct6e-standard-4t"}, {"a": "b"}, OWNER, req) == first
+    with pytest.raises(GCEError) as err:  # exists: a new request id is a conflict
+        time.sleep(0.35)
+        gce.insert_template(P, "tmpl", {"machineType": "ct6e-standard-4t"}, {}, OWNER, rid())
+    assert err.value.code == 409
+    assert OWNER.owns(gce.get_template(P, "tmpl"))
+    assert not Owner("cluster-uid", "another-group").owns(gce.get_template(P, "tmpl"))
+    srv.compute.set_faults(op_delay_s=0)
+    gce.insert_mig(P, Z, "mig", {"instanceTemplate": f"{BASE}projects/{P}/global/instanceTemplates/tmpl",
+                                 "targetSize": 1}, OWNER, rid())
+    assert OWNER.owns(gce.get_mig(P, Z, "mig"))
+    (inst,) = srv.compute.instances(P)
+    assert inst["labels"] == OWNER.labels
+    md = {i["key"]: i["value"] for i in inst["metadata"]["items"]}
+    assert md["created-by"].endswith(f"/zones/{Z}/instanceGroupManagers/mig") and md["a"] == "b"
+
+
+def test_an_operation_can_fail_late(srv):
+    gce = GCE(srv.endpoint)
+    srv.compute.set_faults(fail_ops=[{"type": "insert", "path": "/resourcePolicies/late$", "code": 503}])
+    op = gce.insert_policy(P, R, "late", "HIGH_THROUGHPUT", "2x2x2", OWNER, rid())  # accepted
+    o = gce.operation("regions", P, R, op)
+    assert o.done and o.error_code == 503
+    assert gce.get_policy(P, R, "late") is None
+    gce.insert_policy(P, R, "late", "HIGH_THROUGHPUT", "2x2x2", OWNER, rid())  # once only
+    assert gce.get_policy(P, R, "late") is not None

@@ -12,8 +12,8 @@ import uuid
 import pytest
 
 from accelnode.kube.client import Client, Config, KubeError
-from controller.nodegroups.jointokens import (GROUP_LABEL, METADATA_KEYS, NODE_GROUP, SECRET_TYPE, TOKEN_RE, JoinInfo, JoinTokens,
-                                  ca_cert_hash)
+from controller.nodegroups.jointokens import (GROUP_LABEL, METADATA_KEYS, NODE_GROUP, POOL, SECRET_TYPE, TOKEN_RE,
+                                              JoinInfo, JoinTokens, ca_cert_hash)
 
 SECRETS = "/api/v1/namespaces/kube-system/secrets"
 
@@ -39,6 +39,23 @@ def group() -> str:
     return f"ns-{uuid.uuid4().hex[:8]}-v6e"
 
 
+class Ledger:
+    """A group's token ids as the reconciler keeps them in the group's status."""
+
+    def __init__(self, jt: JoinTokens, group: str):
+        self.jt, self.group, self.ids = jt, group, []
+
+    def ensure(self, control_plane: str = "10.0.0.2", jt: JoinTokens | None = None):
+        return (jt or self.jt).ensure(self.group, control_plane, self.ids, set(), self.reserve)
+
+    def reserve(self, ids: list[str]) -> None:
+        self.ids = list(ids)
+
+    def revoke(self) -> None:
+        self.jt.revoke(self.group, self.ids)
+        self.ids = []
+
+
 def tokens(me: JoinTokens, admin: Client, group: str) -> dict:
     out = admin.request("GET", SECRETS, query={"labelSelector": f"{GROUP_LABEL}={group}"})
     return {s["metadata"]["name"]: s for s in out["items"]}
@@ -53,8 +70,9 @@ def whoami(control_plane, token: str) -> dict:
 
 def test_a_new_token_is_a_kubeadm_node_bootstrap_token(control_plane, me, admin, group):
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
-    info = jt.ensure(group, "10.0.0.2")
-    assert TOKEN_RE.match(info.token)
+    ledger = Ledger(jt, group)
+    info = ledger.ensure("10.0.0.2")
+    assert TOKEN_RE.match(info.token) and info.token_id in POOL
     tid, tsecret = info.token.split(".")
     secret = admin.request("GET", f"{SECRETS}/bootstrap-token-{tid}")
     assert secret["type"] == SECRET_TYPE
@@ -71,16 +89,18 @@ def test_a_new_token_is_a_kubeadm_node_bootstrap_token(control_plane, me, admin,
     assert info.metadata_items() == {"kubeadm-join-token": info.token, "kubeadm-control-plane-ip": "10.0.0.2",
                                      "kubeadm-ca-hash": info.ca_hash}
     assert tuple(info.metadata_items()) == METADATA_KEYS
+    ledger.revoke()
 
 
 def test_the_bootstrap_signer_signs_cluster_info_for_a_new_token(control_plane, me, group):
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
-    info = jt.ensure(group, "10.0.0.2")
+    ledger = Ledger(jt, group)
+    info = ledger.ensure("10.0.0.2")
     deadline = time.monotonic() + 60
     while not jt.signed(info) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert jt.signed(info), "kube-controller-manager's bootstrap signer did not sign cluster-info in 60s"
-    jt.revoke(group)
+    ledger.revoke()
     deadline = time.monotonic() + 60
     while jt.signed(info) and time.monotonic() < deadline:  # the signer drops a deleted token's signature
         time.sleep(0.2)
@@ -90,44 +110,51 @@ def test_the_bootstrap_signer_signs_cluster_info_for_a_new_token(control_plane, 
 def test_the_token_is_reused_per_group_and_renewed_near_expiry(control_plane, me, admin, group):
     ca = control_plane.ca_file.read_bytes()
     jt = JoinTokens(me, ca_pem=ca)
-    first = jt.ensure(group, "10.0.0.2:6443")
-    assert jt.ensure(group, "10.0.0.2:6443") == first
-    other = jt.ensure(group + "-b", "10.0.0.2:6443")
+    ledger, ledger_b = Ledger(jt, group), Ledger(jt, group + "-b")
+    first = ledger.ensure("10.0.0.2:6443")
+    assert ledger.ensure("10.0.0.2:6443") == first
+    assert ledger.ids == [first.token_id]  # recorded (in the group's status) before it was made
+    other = ledger_b.ensure("10.0.0.2:6443")
     assert other.token != first.token
     assert len(tokens(jt, admin, group)) == 1
     # 55 minutes later: 5 minutes left is too little for a VM to join with; a new token
     later = JoinTokens(me, ca_pem=ca, clock=lambda: time.time() + 3300)
-    second = later.ensure(group, "10.0.0.2:6443")
+    second = ledger.ensure("10.0.0.2:6443", later)
     assert second.token != first.token
     assert len(tokens(jt, admin, group)) == 2
-    assert later.ensure(group, "10.0.0.2:6443") == second  # the newer one is reused
+    assert ledger.ensure("10.0.0.2:6443", later) == second  # the newer one is reused
     # after the first expired: it is deleted on the way
     much_later = JoinTokens(me, ca_pem=ca, clock=lambda: time.time() + 3700)
-    assert much_later.ensure(group, "10.0.0.2:6443") == second
+    assert ledger.ensure("10.0.0.2:6443", much_later) == second
     assert set(tokens(jt, admin, group)) == {f"bootstrap-token-{second.token_id}"}
+    ledger.revoke()
+    ledger_b.revoke()
 
 
 def test_revoke_deletes_the_groups_tokens_only(control_plane, me, admin, group):
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
-    info = jt.ensure(group, "cp.example:6443")
-    kept = jt.ensure(group + "-b", "cp.example:6443")
-    jt.revoke(group)
+    ledger, ledger_b = Ledger(jt, group), Ledger(jt, group + "-b")
+    info = ledger.ensure("cp.example:6443")
+    kept = ledger_b.ensure("cp.example:6443")
+    jt.revoke(group, ledger.ids + ledger_b.ids)  # the other group's token is not this group's: left alone
     assert tokens(jt, admin, group) == {}
     assert len(tokens(jt, admin, group + "-b")) == 1
     with pytest.raises(KubeError) as err:
         whoami(control_plane, info.token)
     assert err.value.code == 401
     assert whoami(control_plane, kept.token)["username"] == f"system:bootstrap:{kept.token_id}"
-    jt.revoke(group)  # nothing left: nothing to do
-    jt.revoke(group + "-b")
+    ledger.revoke()  # nothing left: nothing to do
+    ledger_b.revoke()
+    assert tokens(jt, admin, group + "-b") == {}
 
 
 def test_a_group_name_that_is_no_label_value_still_works(control_plane, me, admin):
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
     group = f"team-{uuid.uuid4().hex[:6]}/v6e pool"
-    info = jt.ensure(group, "10.0.0.2")
-    assert jt.ensure(group, "10.0.0.2") == info
-    jt.revoke(group)
+    ledger = Ledger(jt, group)
+    info = ledger.ensure("10.0.0.2")
+    assert ledger.ensure("10.0.0.2") == info
+    ledger.revoke()
     with pytest.raises(KubeError):
         admin.request("GET", f"{SECRETS}/bootstrap-token-{info.token_id}")
 
@@ -136,9 +163,9 @@ def test_bad_input_is_refused_and_creates_nothing(control_plane, me, admin, grou
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
     for bad in ("", "https://10.0.0.2:6443", "10.0.0.2 6443", "10.0.0.2/x"):
         with pytest.raises(ValueError, match="host\\[:port\\]"):
-            jt.ensure(group, bad)
+            jt.ensure(group, bad, [], set(), lambda ids: None)
     with pytest.raises(ValueError, match="node group name"):
-        jt.ensure("", "10.0.0.2")
+        jt.ensure("", "10.0.0.2", [], set(), lambda ids: None)
     assert tokens(jt, admin, group) == {}
     with pytest.raises(ValueError, match="not a PEM certificate"):
         JoinTokens(me, ca_pem=b"-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----\n")
@@ -159,28 +186,107 @@ def test_the_ca_hash_is_kubeadms(control_plane):
 
 def test_the_token_never_shows_in_repr_or_logs(control_plane, me, group, caplog):
     caplog.set_level("DEBUG")
-    info = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes()).ensure(group, "10.0.0.2")
+    ledger = Ledger(JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes()), group)
+    info = ledger.ensure("10.0.0.2")
     secret = info.token.split(".")[1]
     assert secret not in repr(info) and secret not in str(info)
     logged = " ".join(str(r.__dict__) for r in caplog.records)  # messages and their kv fields
     assert info.token_id in logged and secret not in logged
     assert isinstance(info, JoinInfo)
+    ledger.revoke()
 
 
-def test_the_controller_may_not_read_other_namespaces_secrets(me):
-    with pytest.raises(KubeError) as err:
-        me.request("GET", "/api/v1/namespaces/default/secrets")
-    assert err.value.code == 403
-    with pytest.raises(KubeError) as err:
-        me.request("GET", f"{SECRETS}/bootstrap-token-abcdef")  # list, not get
-    assert err.value.code == 403
+SA = "system:serviceaccount:accelnode-system:accelnode-controller"
+
+
+def sar(admin: Client, verb: str, namespace: str = "", name: str = "") -> bool:
+    """The API server's own answer (SubjectAccessReview) to: may the controller's ServiceAccount
+    ``verb`` Secrets (in ``namespace``, named ``name``)?"""
+    attrs = {"verb": verb, "resource": "secrets", "version": "v1", "group": ""}
+    attrs.update({k: v for k, v in (("namespace", namespace), ("name", name)) if v})
+    review = admin.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", body={
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": SA, "groups": ["system:serviceaccounts", "system:serviceaccounts:accelnode-system",
+                                        "system:authenticated"], "resourceAttributes": attrs}})
+    return review["status"].get("allowed", False)
+
+
+def test_the_controller_reads_and_deletes_no_secret_it_did_not_create(control_plane, me, admin, kube_namespace):
+    """Issue 23.4: create only; get and delete only the pool's names; list and watch nothing;
+    no other Secret anywhere. Asked of the API server (SubjectAccessReview) and tried for real."""
+    for verb in ("list", "watch", "get", "delete", "update", "patch", "deletecollection"):
+        for ns in ("", "kube-system", "default", "accelnode-system", kube_namespace):
+            for name in ("", "victim", "bootstrap-token-abcdef"):
+                if verb in ("list", "watch", "deletecollection") and name:
+                    continue
+                if not ns and name:
+                    continue
+                assert not sar(admin, verb, ns, name), (verb, ns, name)
+    assert sar(admin, "create", "kube-system")
+    assert not sar(admin, "create", "default") and not sar(admin, "create", kube_namespace)
+    for name in ("bootstrap-token-acn000", "bootstrap-token-acn063"):
+        assert sar(admin, "get", "kube-system", name) and sar(admin, "delete", "kube-system", name)
+    assert not sar(admin, "get", "kube-system", "bootstrap-token-acn064")
+    # real requests: someone else's Secrets, a kubeadm token of the admin's among them
+    victims = [("kube-system", "victim"), ("kube-system", "bootstrap-token-abcdef"), (kube_namespace, "victim")]
+    for ns, name in victims:
+        admin.request("POST", f"/api/v1/namespaces/{ns}/secrets", body={
+            "metadata": {"name": name}, "type": "Opaque", "stringData": {"k": "v"}})
+    try:
+        for path in ("/api/v1/secrets", SECRETS, f"/api/v1/namespaces/{kube_namespace}/secrets"):
+            with pytest.raises(KubeError) as err:
+                me.request("GET", path)
+            assert err.value.code == 403, path
+        for ns, name in victims:
+            for method in ("GET", "DELETE"):
+                with pytest.raises(KubeError) as err:
+                    me.request(method, f"/api/v1/namespaces/{ns}/secrets/{name}")
+                assert err.value.code == 403, (method, ns, name)
+            assert admin.request("GET", f"/api/v1/namespaces/{ns}/secrets/{name}")["data"]["k"]
+    finally:
+        for ns, name in victims:
+            admin.request("DELETE", f"/api/v1/namespaces/{ns}/secrets/{name}")
+
+
+def test_a_pool_name_taken_by_someone_else_is_skipped_and_left_alone(control_plane, me, admin, group):
+    """A Secret in the pool that is not the group's (an admin's token, another group's): never
+    used, never deleted, even when the group's ledger names it."""
+    jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
+    used = {s["metadata"]["name"] for s in admin.request("GET", SECRETS)["items"]}
+    tid = next(t for t in reversed(POOL) if f"bootstrap-token-{t}" not in used)  # the cluster is shared
+    body = {"metadata": {"name": f"bootstrap-token-{tid}"}, "type": SECRET_TYPE,
+            "stringData": {"token-id": tid, "token-secret": "0123456789abcdef",
+                           "usage-bootstrap-authentication": "true"}}
+    admin.request("POST", SECRETS, body=body)
+    try:
+        ledger = Ledger(jt, group)
+        ledger.ids = [tid]  # as if the group had recorded it
+        info = ledger.ensure()
+        assert info.token_id != tid and tid not in ledger.ids
+        jt.revoke(group, [tid])
+        assert admin.request("GET", f"{SECRETS}/bootstrap-token-{tid}")
+        ledger.revoke()
+    finally:
+        admin.request("DELETE", f"{SECRETS}/bootstrap-token-{tid}")
+
+
+def test_the_rbac_names_exactly_the_pool():
+    import yaml
+
+    docs = list(yaml.safe_load_all(open("daemonsets/rbac-controller-jointokens.yaml")))
+    rules = [r for d in docs if d["kind"] == "Role" and d["metadata"]["namespace"] == "kube-system"
+             for r in d["rules"] if "secrets" in r["resources"]]
+    assert sorted(r["verbs"] for r in rules) == [["create"], ["get", "delete"]]
+    named = next(r for r in rules if "get" in r["verbs"])
+    assert named["resourceNames"] == [f"bootstrap-token-{t}" for t in POOL]
+    assert "resourceNames" not in next(r for r in rules if r["verbs"] == ["create"])  # RBAC cannot narrow create
 
 
 def test_an_expired_token_is_refused_and_cleaned_up_by_the_cluster(control_plane, me, admin, group):
     """A token whose expiration passed: the API server's authenticator refuses it and
     kube-controller-manager's token cleaner deletes its Secret."""
     made_long_ago = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes(), clock=lambda: time.time() - 4000)
-    info = made_long_ago.ensure(group, "10.0.0.2")
+    info = Ledger(made_long_ago, group).ensure("10.0.0.2")
     with pytest.raises(KubeError) as err:
         whoami(control_plane, info.token)
     assert err.value.code == 401

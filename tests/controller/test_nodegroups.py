@@ -8,6 +8,8 @@ providerID); tests/bootstrap covers the node side of the join."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import time
 import uuid
 
@@ -16,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from accelnode.kube.bootstraptoken import METADATA_KEYS
 from accelnode.kube.client import Client, Config, KubeError, custom_path, is_not_found
-from tests.rigs.gce import Server
+from tests.rigs.gce import BASE as BASE_URL, Server
 from controller.nodegroups import reconciler as nodegroups
 from controller.nodegroups.compute import GCE
 from controller.runtime.manager import Manager
@@ -34,7 +36,8 @@ PROJECT = f"nodegroups-{uuid.uuid4().hex[:8]}"
 @pytest.fixture(scope="module")
 def nodegroup_rbac(crds, kubectl):
     out = kubectl("admin", "apply", "-f", "daemonsets/namespace.yaml", "-f", "daemonsets/rbac-controller.yaml",
-                  "-f", "daemonsets/rbac-controller-nodegroups.yaml")
+                  "-f", "daemonsets/rbac-controller-nodegroups.yaml",
+                  "-f", "daemonsets/rbac-controller-jointokens.yaml")
     assert out.returncode == 0, out.stderr
 
 
@@ -50,7 +53,10 @@ class Running:
 
     def __init__(self, control_plane, endpoint: str, **settings):
         self.client = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), max_connections=16)
-        settings = nodegroups.Settings(**{"namespace": NS_CTRL, "poll": 0.2, "drain_timeout": 5.0, **settings})
+        # the groups may use our project and the examples' (tests/e2e/test_nodegroup_join.py's)
+        settings = nodegroups.Settings(**{"namespace": NS_CTRL, "poll": 0.2, "drain_timeout": 5.0,
+                                          "placement": {"*": {"projects": [PROJECT, "my-tpu-project"]}},
+                                          **settings})
         self.gce = GCE(endpoint)
         self.manager = Manager(self.client, nodegroups.reconcilers(self.client, settings, self.gce),
                                CollectorRegistry(), workers=2, resync=30)
@@ -332,3 +338,168 @@ def test_rbac_is_enough_and_no_more(nodegroup_rbac, kubectl):
     for args in allowed + denied:
         out = kubectl("admin", "auth", "can-i", *args, f"--as={sa}")
         assert (out.stdout.strip() == "yes") == (args in allowed), (args, out.stdout, out.stderr)
+
+
+def _foreign(gce, kind: str, project: str, name: str, zone: str = "us-central1-c") -> str:
+    """A GCE resource someone else made under the name our group will want (no marker)."""
+    c = gce.compute
+    if kind == "template":
+        path = f"projects/{project}/global/instanceTemplates/{name}"
+        c.resources[path] = {"kind": "compute#instanceTemplate", "name": name, "description": "the data team's",
+                             "properties": {"machineType": "n2-standard-8"}, "selfLink": BASE_URL + path}
+    else:
+        tpath = f"projects/{project}/global/instanceTemplates/theirs"
+        c.resources[tpath] = {"kind": "compute#instanceTemplate", "name": "theirs", "description": "the data team's",
+                              "properties": {"machineType": "n2-standard-8"}, "selfLink": BASE_URL + tpath}
+        path = f"projects/{project}/zones/{zone}/instanceGroupManagers/{name}"
+        mig = {"kind": "compute#instanceGroupManager", "name": name, "description": "the data team's",
+               "instanceTemplate": BASE_URL + tpath, "targetSize": 1, "selfLink": BASE_URL + path}
+        with c.lock:
+            c._mig_made(f"projects/{project}/zones/{zone}", mig)
+            c.resources[path] = mig
+    return path
+
+
+@pytest.mark.parametrize("kind", ["template", "mig"])
+def test_a_same_name_resource_without_our_marker_is_neither_adopted_nor_deleted(
+        control_plane, nodegroup_rbac, gce, admin, kube_namespace, kind):
+    """Issue 25.5: someone's resource already has the name the group's child wants. It is not
+    adopted (the group never becomes Ready on it, no VM of theirs gets a join token), not
+    changed, and survives the group's deletion."""
+    ns = kube_namespace
+    g = make_group(admin, ns, SINGLE)  # before the controller runs: its names are known first
+    h = hashlib.sha256(g["metadata"]["uid"].encode()).hexdigest()[:8]
+    name = f"v7x-single-host-{'template' if kind == 'template' else 'mig'}-{h}"
+    path = _foreign(gce, kind, PROJECT, name)
+    before = json.dumps(gce.compute.resources[path], sort_keys=True)
+    with Running(control_plane, gce.endpoint):
+        g = wait("NotOwned", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotOwned" else None)(
+            get(admin, tng_path(ns, "v7x-single-host"))))
+        assert name in cond(g, "Ready")["message"] and "ownership marker" in cond(g, "Ready")["message"]
+        time.sleep(1.0)
+        assert not any("kubeadm-join-token" in metadata(i) for i in gce.compute.instances(PROJECT))
+        admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=60)
+    assert json.dumps(gce.compute.resources[path], sort_keys=True) == before  # untouched, not deleted
+    assert group_secrets(admin, ns) == []
+
+
+def test_a_namespace_user_naming_another_project_gets_nothing_there(control_plane, nodegroup_rbac, gce, admin,
+                                                                   kube_namespace):
+    """Issue 25.5: spec.project is the user's word; the operator's placement decides. Neither a
+    group nor a child object made by hand reaches the victim's project."""
+    ns = kube_namespace
+    victim = f"victim-{uuid.uuid4().hex[:8]}"
+    obj = example(*SINGLE)
+    obj["metadata"]["namespace"] = ns
+    obj["spec"]["project"] = victim
+    admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns), body=obj)
+    admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns), body={
+        "apiVersion": "tpu.google.com/v1alpha1", "kind": "InstanceTemplate", "metadata": {"name": "by-hand"},
+        "spec": {"project": victim, "machineType": "tpu7x-standard-4t"}})
+    with Running(control_plane, gce.endpoint, placement={ns: {"projects": [PROJECT], "zones": ["us-east5-b"]}}):
+        g = wait("NotAllowed", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
+            get(admin, tng_path(ns, "v7x-single-host"))))
+        assert victim in cond(g, "Ready")["message"]
+        t = wait("by-hand refused", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
+            get(admin, custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns, "by-hand"))))
+        assert "not controlled by a TPUNodeGroup" in cond(t, "Ready")["message"]
+        # an allowed project in a zone the namespace may not use: refused too
+        make_group(admin, ns, SINGLE, name="wrong-zone")  # SINGLE's zone is us-central1-c
+        g = wait("zone refused", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
+            get(admin, tng_path(ns, "wrong-zone"))))
+        assert "us-central1-c" in cond(g, "Ready")["message"]
+        time.sleep(1.0)
+        assert not [p for p in gce.compute.resources if p.startswith((f"projects/{victim}/", f"projects/{PROJECT}/"))]
+        for n in ("v7x-single-host", "wrong-zone"):
+            admin.request("DELETE", tng_path(ns, n))
+        admin.request("DELETE", custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns, "by-hand"))
+        wait("gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None and get(admin, tng_path(
+            ns, "wrong-zone")) is None and get(admin, custom_path("tpu.google.com", "v1alpha1", "instancetemplates",
+                                                                  ns, "by-hand")) is None)
+
+
+def test_every_resource_carries_the_ownership_marker_and_only_our_vms_get_tokens(
+        control_plane, nodegroup_rbac, gce, admin, kube_namespace):
+    ns = kube_namespace
+    with Running(control_plane, gce.endpoint) as ctl:
+        g = make_group(admin, ns)
+        wait("two VMs offered", lambda: len([i for i in gce.compute.instances(PROJECT)
+                                             if "kubeadm-join-token" in metadata(i)]) == 2)
+        cluster = admin.request("GET", "/api/v1/namespaces/kube-system")["metadata"]["uid"]
+        token = f"accelnode-owner={cluster}/{g['metadata']['uid']}"
+        mine = [r for p, r in gce.compute.resources.items() if p.startswith(f"projects/{PROJECT}/")]
+        assert {r["kind"] for r in mine} == {"compute#resourcePolicy", "compute#instanceTemplate",
+                                             "compute#instanceGroupManager", "compute#instance"}
+        for r in mine:
+            if r["kind"] == "compute#instance":  # VMs: the template's labels
+                assert r["labels"] == {"accelnode-cluster": cluster, "accelnode-group-uid": g["metadata"]["uid"]}
+            else:
+                assert token in r["description"].split(), r
+        g = admin.request("GET", tng_path(ns, "v6e-multi-host"))
+        (tid,) = g["status"]["joinTokens"]  # the ledger names the token the VMs got
+        assert {metadata(i)["kubeadm-join-token"].split(".")[0] for i in gce.compute.instances(PROJECT)} == {tid}
+        # a VM the MIG did not make (its created-by says otherwise) gets no token
+        c = gce.compute
+        with c.lock:
+            inst = next(r for r in c.resources.values() if r.get("kind") == "compute#instance")
+            mig = next(r for r in c.resources.values() if r.get("kind") == "compute#instanceGroupManager")
+            mig["targetSize"] = 3
+            c._create_instances(mig["zone"].removeprefix(BASE_URL), mig)
+            new = next(r for r in c.resources.values() if r.get("kind") == "compute#instance" and
+                       not any(i["key"] == "kubeadm-join-token" for i in r["metadata"]["items"]))
+            new["metadata"]["items"] = [i if i["key"] != "created-by" else {**i, "value": "projects/x/zones/y/"
+                                        "instanceGroupManagers/someone-elses"} for i in new["metadata"]["items"]]
+        assert inst is not new
+        time.sleep(1.5)
+        assert "kubeadm-join-token" not in metadata(next(i for i in c.instances(PROJECT) if i["name"] == new["name"]))
+        admin.request("DELETE", tng_path(ns, "v6e-multi-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v6e-multi-host")) is None, timeout=90)
+        assert ctl  # (the reconcilers ran in this process)
+
+
+def test_teardown_finds_an_unlabelled_node_after_a_restart(control_plane, nodegroup_rbac, gce, admin, kube_namespace):
+    """Issue 25.6: the group's Nodes are found by their providerID, not a map in memory nor the
+    label (which anyone with node rights may remove)."""
+    ns = kube_namespace
+    with Running(control_plane, gce.endpoint):
+        make_group(admin, ns, SINGLE)
+        (inst,) = wait("the VM offered a join", lambda: [
+            i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)] or None)
+        _register(admin, inst, PROJECT, "us-central1-c")
+        wait("group Ready", lambda: cond(get(admin, tng_path(ns, "v7x-single-host")), "Ready").get("status") == "True")
+    node = admin.request("GET", f"/api/v1/nodes/{inst['name']}")
+    del node["metadata"]["labels"]["cloud.google.com/tpu-node-group"]
+    admin.request("PUT", f"/api/v1/nodes/{inst['name']}", body=node)
+    admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+    with Running(control_plane, gce.endpoint):  # a new controller: nothing in memory
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=60)
+    assert get(admin, f"/api/v1/nodes/{inst['name']}") is None
+    assert not gce.compute.instances(PROJECT)
+
+
+def test_deletion_policy_orphan_leaves_every_gce_resource_and_the_node(control_plane, nodegroup_rbac, gce, admin,
+                                                                       kube_namespace):
+    """Issue 24.5: deletionPolicy Orphan (Crossplane's shape): deleting the group leaves its GCE
+    resources, VMs and Nodes; its finalizers go; its join tokens are revoked."""
+    ns = kube_namespace
+    with Running(control_plane, gce.endpoint):
+        g = make_group(admin, ns, SINGLE)
+        assert g["spec"]["deletionPolicy"] == "Delete"  # the default
+        (inst,) = wait("the VM offered a join", lambda: [
+            i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)] or None)
+        _register(admin, inst, PROJECT, "us-central1-c")
+        wait("group Ready", lambda: cond(get(admin, tng_path(ns, "v7x-single-host")), "Ready").get("status") == "True")
+        before = sorted(p for p in gce.compute.resources if p.startswith(f"projects/{PROJECT}/"))
+        g = admin.request("GET", tng_path(ns, "v7x-single-host"))
+        g["spec"]["deletionPolicy"] = "Orphan"  # may be changed at any time
+        admin.request("PUT", tng_path(ns, "v7x-single-host"), body=g)
+        admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=60)
+        wait("children gone", lambda: all(admin.request("GET", custom_path("tpu.google.com", "v1alpha1", p, ns))[
+            "items"] == [] for p in ("instancetemplates", "managedinstancegroups")), timeout=60)
+        time.sleep(0.5)
+    assert sorted(p for p in gce.compute.resources if p.startswith(f"projects/{PROJECT}/")) == before
+    assert get(admin, f"/api/v1/nodes/{inst['name']}") is not None
+    assert group_secrets(admin, ns) == []
+    admin.request("DELETE", f"/api/v1/nodes/{inst['name']}")

@@ -37,3 +37,43 @@ def test_the_device_plugin_daemonset_runs_our_plugin_on_labelled_nodes():
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert terms[0]["matchExpressions"][0]["key"] == nodegroups.LABEL_ACCELERATOR
     assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+
+
+def test_placement_is_the_operators_word():
+    s = nodegroups.Settings(own_project="ours")
+    assert nodegroups.placement_problem(s, "team-a", "ours", "us-east5-b") is None
+    assert "not allowed" in nodegroups.placement_problem(s, "team-a", "victim", "us-east5-b")
+    assert "any GCE project" in nodegroups.placement_problem(nodegroups.Settings(), "team-a", "ours")  # no default
+    s = nodegroups.Settings(placement={"team-a": {"projects": ["a"], "zones": ["us-east5-b"]}, "*": {"projects": ["c"]}})
+    assert nodegroups.placement_problem(s, "team-a", "a", "us-east5-b") is None
+    assert nodegroups.placement_problem(s, "team-a", "a", region="us-east5") is None
+    assert "zone" in nodegroups.placement_problem(s, "team-a", "a", "us-central1-c")
+    assert "region" in nodegroups.placement_problem(s, "team-a", "a", region="us-central1")
+    assert "not allowed" in nodegroups.placement_problem(s, "team-a", "c")  # a namespace's own rule wins
+    assert nodegroups.placement_problem(s, "team-b", "c", "anywhere-1-a") is None
+
+
+def test_a_bad_placement_file_is_a_usage_error(tmp_path):
+    import pytest
+
+    from accelnode import exitcodes
+    from controller.cli import node_group_placement
+
+    for bad in ("{", "[]", '{"ns": {"projects": "p"}}', '{"ns": {"project": ["p"]}}', '{"ns": {"projects": [1]}}'):
+        f = tmp_path / "p.json"
+        f.write_text(bad)
+        with pytest.raises(exitcodes.CLIError) as err:
+            node_group_placement(str(f))
+        assert err.value.code == exitcodes.USAGE and "--node-group-placement" in str(err.value)
+    f.write_text('{"*": {"projects": ["p"], "zones": ["us-east5-b"]}}')
+    assert node_group_placement(str(f)) == {"*": {"projects": ["p"], "zones": ["us-east5-b"]}}
+
+
+def test_group_nodes_are_found_by_provider_id_alone():
+    g = {"metadata": {"name": "g", "namespace": "ns", "uid": "u-1"}, "spec": {"project": "p", "nodeLocation": "z-1-a"}}
+    mig = nodegroups.mig_name_of(g)
+    node = lambda pid: {"metadata": {"name": "n"}, "spec": {"providerID": pid}}  # noqa: E731
+    assert nodegroups.is_group_node(g, node(f"gce://p/z-1-a/{mig}-ab12"))
+    for other in (f"gce://q/z-1-a/{mig}-ab12", f"gce://p/z-1-b/{mig}-ab12", f"gce://p/z-1-a/{mig}-ab12x",
+                  f"gce://p/z-1-a/{mig}", "gce://p/z-1-a/other-mig-ab12", ""):
+        assert not nodegroups.is_group_node(g, node(other)), other

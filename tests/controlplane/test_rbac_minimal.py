@@ -48,8 +48,11 @@ NEEDS = {
         ("update", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),
         ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "accelnode-tpu-env"),
         # node groups' join tokens: bootstrap-token Secrets live in kube-system (docs/bootstrap.md)
-        ("create", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-x"),
-        ("list", "", "secrets", "kube-system", ""), ("get", "", "configmaps", "kube-public", "cluster-info"),
+        ("create", "", "secrets", "kube-system", ""),
+        ("delete", "", "secrets", "kube-system", "bootstrap-token-acn007"),
+        ("get", "", "secrets", "kube-system", "bootstrap-token-acn007"),
+        ("get", "", "configmaps", "kube-public", "cluster-info"),
+        ("get", "", "namespaces", "", "kube-system"),  # the cluster id in node groups' ownership markers
         # Events on users' objects (rbac-controller-events.yaml)
         ("create", "", "events", "team-a", ""), ("patch", "", "events", "team-a", "c.1"),
         ("create", "", "events", "default", "")],
@@ -57,6 +60,7 @@ NEEDS = {
 }
 DANGEROUS = [
     ("get", "", "secrets", "kube-system", "any"), ("list", "", "secrets", "", ""),
+    ("list", "", "secrets", "kube-system", ""), ("delete", "", "secrets", "kube-system", "bootstrap-token-abcdef"),
     ("list", "", "secrets", NS, ""), ("watch", "", "secrets", "", ""),
     ("get", "", "secrets", NS, "accelnode-registry-credentials"),
     ("create", "", "pods/exec", "team-a", "p"), ("create", "", "pods/attach", "team-a", "p"),

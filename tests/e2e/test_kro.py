@@ -296,7 +296,8 @@ def test_an_instance_expands_into_our_kinds_and_our_controller_acts_on_them(
     ctl = ControllerProc(control_plane, tmp_path, "e2e-kro", "--lease-duration", "4", "--renew-deadline", "3",
                          "--retry-period", "1", "--webhook-address", f"127.0.0.1:{port}", "--tls-cert-file", cert,
                          "--tls-key-file", key, "--plain-http", "--registry-mirror", f"{mirrored}={registry.host}",
-                         "--tpu-node-groups", "--gce-endpoint", gce.endpoint, "--node-group-poll", "0.2",
+                         "--tpu-node-groups", "--gce-endpoint", gce.endpoint, "--gce-project", "my-tpu-project",
+                         "--node-group-poll", "0.2",
                          "--drain-timeout", "5")
     names = [INSTANCE["metadata"]["name"], "gemma-7b-it-two-hosts"]
     started = False

@@ -24,8 +24,13 @@ Faults a test switches on (:class:`Faults`, or ``POST /_emulator/faults`` with t
 answers a given code), ``op_delay_s`` (slow operations), ``quota_exceeded`` (instance creation
 fails with QUOTA_EXCEEDED: no VM, the error in the managed instance's ``lastAttempt``),
 ``bulk_unplaceable`` (a BULK MIG cannot be placed: no VM at all, ZONE_RESOURCE_POOL_EXHAUSTED),
-``stuck_provisioning`` (new instances stay PROVISIONING). ``GET /_emulator/stats`` counts
-requests and writes.
+``stuck_provisioning`` (new instances stay PROVISIONING), ``fail_ops`` (an operation accepted
+now fails when it completes). ``GET /_emulator/stats`` counts requests and writes;
+:attr:`Compute.on_write` runs after each write is applied and before it is answered (a test kills
+the controller there: the write happened, the controller never heard of it).
+
+An insert with a ``requestId`` GCE has seen answers the first one's operation, as GCE does; a
+VM a MIG creates carries its template's labels and, in metadata ``created-by``, the MIG.
 
 Run it standalone: ``make gce-emulator`` (``python -m tests.rigs.gce --port 8089`` from a checkout); point the controller at
 it with ``--gce-endpoint http://127.0.0.1:8089``.
@@ -109,6 +114,8 @@ class Faults:
     quota_exceeded: bool = False
     bulk_unplaceable: bool = False
     stuck_provisioning: bool = False
+    fail_ops: list = field(default_factory=list)  # [{"type": "insert", "path": "regex", "code": 500, "reason": ...}]
+    # once each: the next matching operation is accepted and fails when it completes
 
 
 def fingerprint(obj) -> str:
@@ -136,6 +143,8 @@ class Compute:
         self.boots: dict[str, float] = {}  # instance path -> when RUNNING
         self.ids = itertools.count(1000)
         self.stats = {"requests": 0, "writes": 0}
+        self.requests: dict[str, dict] = {}  # requestId -> the operation it made (GCE keeps them an hour)
+        self.on_write = None  # callable(n, method, path) run after the n-th write is applied, before its answer
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -175,11 +184,23 @@ class Compute:
             op["zone"] = BASE + scope
         elif kind == "regions":
             op["region"] = BASE + scope
+        for i, f in enumerate(self.faults.fail_ops):
+            if f.get("type", op_type) == op_type and re.search(f.get("path", ""), target):
+                del self.faults.fail_ops[i]
+                apply = self._fail_late(apply, f)
+                break
         rec = {"op": op, "due": self.clock() + self.faults.op_delay_s, "apply": apply}
         self.ops[path] = rec
         if self.faults.op_delay_s <= 0:
             self._finish(rec)
         return dict(op)
+
+    @staticmethod
+    def _fail_late(apply, fault: dict):
+        def fail():
+            raise GCEError(int(fault.get("code", 500)), fault.get("reason", "internalError"),
+                           fault.get("message", f"emulated late failure {fault.get('code', 500)}"))
+        return fail
 
     def get(self, path: str) -> dict:
         res = self.resources.get(path)
@@ -274,11 +295,15 @@ class Compute:
                                 "region."}]
                 continue
             m["errors"] = []
-            items = [dict(i) for i in ((props.get("metadata") or {}).get("items") or [])]
+            items = [dict(i) for i in ((props.get("metadata") or {}).get("items") or [])
+                     if i.get("key") != "created-by"]
+            # GCE writes the MIG that made a VM into its metadata, under created-by
+            items.append({"key": "created-by", "value": f"{zone_scope}/instanceGroupManagers/{mig['name']}"})
             inst = {"kind": "compute#instance", "id": str(next(self.ids)), "name": m["name"],
                     "creationTimestamp": _now(), "zone": BASE + zone_scope, "status": "PROVISIONING",
                     "machineType": f"{BASE}{zone_scope}/machineTypes/{props.get('machineType', '')}",
                     "metadata": {"kind": "compute#metadata", "items": items, "fingerprint": fingerprint(items)},
+                    "labels": dict(props.get("labels") or {}),
                     "scheduling": props.get("scheduling") or {}, "selfLink": BASE + path}
             self.resources[path] = inst
             self.boots[path] = self.clock() + self.faults.boot_s
@@ -337,7 +362,16 @@ class Compute:
                     del self.faults.errors[i]
                     raise GCEError(int(err["code"]), err.get("reason", "forbidden"),
                                    err.get("message", f"emulated error {err['code']}"))
-            return self._route(method, path, query, body)
+            rid = query.get("requestId")
+            if rid and method == "POST" and rid in self.requests:  # a retried request: its first operation
+                return 200, dict(self.requests[rid])
+            code, out = self._route(method, path, query, body)
+            if rid and method == "POST" and out.get("kind") == "compute#operation":
+                self.requests[rid] = self.ops[out["selfLink"].removeprefix(BASE)]["op"]
+            if self.on_write is not None and method in ("POST", "DELETE") and \
+                    not path.endswith(("/listManagedInstances", "/wait")):
+                self.on_write(self.stats["writes"], method, path)
+            return code, out
 
     def _route(self, method: str, path: str, query: dict, body) -> tuple[int, dict]:
         m = re.fullmatch(r"/compute/v1/(projects/[^/]+)(?:/(global|regions/[^/]+|zones/[^/]+))/([A-Za-z]+)"
@@ -440,7 +474,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json; charset=UTF-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client is gone (a test killed it)
+            self.close_connection = True
 
     def _serve(self, method: str) -> None:
         url = urlsplit(self.path)

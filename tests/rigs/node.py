@@ -155,11 +155,15 @@ state = "{d / 'state'}"
             "plugins": [{"type": "bridge", "bridge": "accelnode0", "isGateway": False, "ipMasq": False,
                          "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.123.0/24"}]],
                                   "dataDir": str(d / "cni-state")}}]}))
-        self._containerd = _Proc("containerd", ["containerd", "--config", str(d / "config.toml"), "--log-level", "warn"],
-                                 self.workdir / "containerd.log")
+        self._containerd = _Proc("containerd", self.vm_argv(["containerd", "--config", str(d / "config.toml"),
+                                                             "--log-level", "warn"]), self.workdir / "containerd.log")
         self._containerd.start()
         self._poll(lambda: self.ctr("version", check=False).returncode == 0, self._containerd, "containerd answering",
                    30)
+
+    def vm_argv(self, argv: list[str]) -> list[str]:
+        """How a process of this node is started (a subclass runs it in the node's namespace)."""
+        return argv
 
     def start_kubelet(self) -> None:
         self.root_dir.mkdir(parents=True, exist_ok=True)
@@ -251,12 +255,19 @@ state = "{d / 'state'}"
                 cg.rmdir()
             except OSError:
                 pass
+        self._restore_container_logs()
+        self._restore_device_plugins()
+        self._sysctls = {}
+
+    def _restore_container_logs(self) -> None:
         if CONTAINER_LOGS.exists():
             for link in CONTAINER_LOGS.iterdir():
                 if link.is_symlink() and os.readlink(link).startswith(str(self.pod_logs)):
                     link.unlink()
             if self._made_container_logs:
                 shutil.rmtree(CONTAINER_LOGS, ignore_errors=True)
+
+    def _restore_device_plugins(self) -> None:
         if self._made_var_lib_kubelet:
             shutil.rmtree(DEVICE_PLUGINS.parent, ignore_errors=True)
         elif self._made_device_plugins:
@@ -264,7 +275,6 @@ state = "{d / 'state'}"
         else:
             for f in ("kubelet.sock", "kubelet_internal_checkpoint"):
                 (DEVICE_PLUGINS / f).unlink(missing_ok=True)
-        self._sysctls = {}
 
     # -- internals -------------------------------------------------------------------------------
 
