@@ -6,7 +6,8 @@
 #   make demo     the whole node path, step by step: image, control plane, containerd + kubelet,
 #                 kubectl apply -k daemonsets/, a pod with google.com/tpu and a cache (root)
 #   make demo-plugin  quick: the device plugin alone on a simulated TPU host, as kubelet sees it
-#   make image    the accelnode image as an OCI archive without a container engine (docs/image.md)
+#   make image    the accelnode image as an OCI archive without a container engine (docs/image.md);
+#                 PUSH=registry.example.com/team/accelnode:0.1.0 also pushes it there (docs/deploy.md)
 #   make cluster  local etcd + kube-apiserver in the foreground (docs/local-cluster.md)
 #   make gce-emulator  the GCE Compute API emulator on 127.0.0.1:$(GCE_PORT) (docs/tpu-node-groups.md)
 #   make metadata-emulator  the GCE metadata server emulator on 127.0.0.1:$(METADATA_PORT) (docs/bootstrap.md)
@@ -58,7 +59,7 @@ demo-plugin: deps
 	$(PY) -m tests.rigs.demo
 
 image: deps system-deps
-	$(PY) -m tests.rigs.image
+	$(PY) -m tests.rigs.image $(if $(PUSH),--push $(PUSH))
 
 gce-emulator: deps
 	$(PY) -m tests.rigs.gce --port $(GCE_PORT)

@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 
+import accelnode
 from accelnode import cli as acli
 from accelnode import exitcodes
 from accelnode.oci.flags import add_registry_flags
@@ -84,6 +85,11 @@ def register(sub) -> None:
     g.add_argument("--cert-lifetime", type=parse_duration, default=parse_duration("8760h"), metavar="DURATION",
                    help="lifetime of a self-managed serving certificate, at most a third of --ca-lifetime; renewed "
                         "at two thirds of it (default: 1 year)")
+    g = p.add_argument_group("TPU environment webhooks (docs/tpu-env.md)")
+    g.add_argument("--gke-tpu-env", choices=("auto", "true", "false"), default="auto",
+                   help="whether the cluster itself gives Indexed Jobs with a subdomain and google.com/tpu requests "
+                        "their TPU_WORKER_ID/TPU_WORKER_HOSTNAMES, as GKE does: then those Jobs are left to it. auto: "
+                        "when the API server's version is a GKE one (vX.Y.Z-gke.N) (default: %(default)s)")
     g = p.add_argument_group("TPU node groups on GCE (docs/tpu-node-groups.md)")
     g.add_argument("--tpu-node-groups", action="store_true",
                    help="run the TPUNodeGroup, WorkloadPolicy, InstanceTemplate and ManagedInstanceGroup reconcilers "
@@ -108,8 +114,9 @@ def register(sub) -> None:
     g.add_argument("--join-api-server-port", type=int, default=6443, metavar="PORT",
                    help="port of the API server at bootstrapKubernetes.controlPlaneIP that the VMs join; written into "
                         "kubeadm-control-plane-ip when not 6443 (default: %(default)s)")
-    g.add_argument("--device-plugin-image", default="accelnode:0.1.0", metavar="IMAGE",
-                   help="image of the device-plugin DaemonSet the node groups deploy (default: %(default)s)")
+    g.add_argument("--device-plugin-image", default=accelnode.IMAGE, metavar="IMAGE",
+                   help="image of the device-plugin DaemonSet the node groups deploy; the shipped Deployment sets it "
+                        "to the controller's own image (default: %(default)s)")
     add_registry_flags(p.add_argument_group("registry (resolving kernel-cache images to digests)"),
                        timeout_flag="--registry-timeout", timeout=30.0,
                        timeout_help="deadline of resolving one image to its digest (manifests and configs, no layers)")
@@ -170,6 +177,27 @@ def default_namespace() -> str:
             return f.read().strip() or DEFAULT_NAMESPACE
     except OSError:
         return DEFAULT_NAMESPACE
+
+
+def is_gke_version(git_version: str) -> bool:
+    """A GKE control plane's version: ``v1.34.1-gke.1127000`` (GKE's release names)."""
+    return re.fullmatch(r"v?\d+\.\d+\.\d+-gke\.\d+", git_version or "") is not None
+
+
+def platform_sets_tpu_env(choice: str, client, log) -> bool:
+    """``--gke-tpu-env``: true/false as given; auto asks the API server's /version once."""
+    from accelnode.kube.client import KubeError
+
+    if choice != "auto":
+        return choice == "true"
+    try:
+        version = client.request("GET", "/version", timeout=30).get("gitVersion", "")
+    except (KubeError, OSError, ValueError, AttributeError) as e:  # decide as off GKE, and say so
+        log.warning("could not read the API server's version: TPU env webhooks act on Indexed Jobs too",
+                    extra={"error": str(e)})
+        return False
+    log.info("API server version", extra={"version": version, "gke": is_gke_version(version)})
+    return is_gke_version(version)
 
 
 def always_running(client, resolver) -> list:
@@ -320,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         ident = ControllerIdentity.of(client)
         ident.username()  # learn it now (logged); retried on the first requests if the API server is not up yet
-        routes = {**cache_routes(resolver, ident), **env_routes()}
+        routes = {**cache_routes(resolver, ident), **env_routes(platform_sets_tpu_env(args.gke_tpu_env, client, log))}
         if certs is None:
             serve(args.tls_cert_file, args.tls_key_file)
         else:  # the first pair comes from the API server: served once installed, leader election meanwhile

@@ -5,6 +5,7 @@ required field fails here, not on an operator's cluster. Nothing is persisted.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -12,14 +13,15 @@ import pytest
 import yaml
 
 from controller.webhooks.certs import service_names
-from tests.conftest import tool
+from tests.conftest import accelnode_cmd, tool
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 # examples that need CRDs no fixture installs here: kro's ResourceGraphDefinition and the kind it
 # defines, applied against the real kro controller in tests/e2e/test_kro.py
 NOT_DRY_RUN_HERE = {"kro/rgd.yaml", "kro/instance.yaml"}
-SHIPPED = sorted(p for p in (ROOT / "daemonsets").glob("*.yaml") if p.name != "kustomization.yaml") + sorted(
+KUSTOMIZE_FILES = {"kustomization.yaml", "kustomizeconfig.yaml"}  # kustomize's own, not objects
+SHIPPED = sorted(p for p in (ROOT / "daemonsets").glob("*.yaml") if p.name not in KUSTOMIZE_FILES) + sorted(
     p for p in EXAMPLES.rglob("*.yaml") if str(p.relative_to(EXAMPLES)) not in NOT_DRY_RUN_HERE)
 
 
@@ -135,12 +137,21 @@ def build(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-def test_the_kustomize_base_is_every_shipped_manifest():
-    """`kubectl apply -k daemonsets/` deploys everything daemonsets/ ships: a new manifest that is
-    not in the base fails here."""
-    listed = set(yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"])
-    files = {str(p.relative_to(BASE)) for p in [*BASE.glob("*.yaml"), *BASE.glob("crds/*.yaml")]}
-    assert listed == files - {"kustomization.yaml"}
+def listed(kustomization: Path) -> set[str]:
+    return set(yaml.safe_load((kustomization / "kustomization.yaml").read_text())["resources"])
+
+
+def test_the_kustomize_base_is_every_shipped_manifest_and_no_crd():
+    """`kubectl apply -k daemonsets/crds/` then `daemonsets/` deploy everything daemonsets/ ships
+    (a new manifest in neither fails here); the CRDs are a kustomization of their own, so
+    `kubectl delete -k daemonsets/` can never delete one, and with it every object of its kind."""
+    assert listed(BASE) == {p.name for p in BASE.glob("*.yaml")} - KUSTOMIZE_FILES
+    assert listed(BASE / "crds") == {p.name for p in BASE.glob("crds/*.yaml")} - KUSTOMIZE_FILES
+    crds = build(BASE / "crds")
+    assert crds and {d["kind"] for d in crds} == {"CustomResourceDefinition"}
+    assert "CustomResourceDefinition" not in {d["kind"] for d in build(BASE)}
+    for overlay in (CERT_MANAGER, ROOT / "overlays/monitoring"):  # nor does an overlay of the base
+        assert "CustomResourceDefinition" not in {d["kind"] for d in build(overlay)}, overlay
 
 
 def test_the_base_is_accepted_by_the_apiserver_as_one_apply(kubectl, shipped_namespaces):
@@ -151,7 +162,7 @@ def test_the_base_is_accepted_by_the_apiserver_as_one_apply(kubectl, shipped_nam
     assert not any("Warning" in w for w in warnings), out.stderr
     kinds = {line.split("/")[0] for line in out.stdout.splitlines()}
     assert {"deployment.apps", "daemonset.apps", "service", "csidriver.storage.k8s.io", "namespace",
-            "customresourcedefinition.apiextensions.k8s.io"} <= kinds, out.stdout
+            "resourcequota", "clusterrole.rbac.authorization.k8s.io"} <= kinds, out.stdout
 
 
 def workloads(docs: list[dict]):
@@ -242,3 +253,97 @@ def test_the_cert_manager_overlay_mounts_its_certificate_and_drops_the_self_mana
     assert vol["secret"]["secretName"] == leaf[0]["spec"]["secretName"]
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert not any(n.startswith("accelnode-controller-webhook-") and k in ("Role", "ClusterRole") for k, n in names)
+
+
+# -- the image, its version and an operator's registry ---------------------------------------------
+
+
+def overlay(out: Path, *, components=(), **fields) -> list[dict]:
+    """Build an overlay of the base written in ``out`` (as an operator would write it)."""
+    (out / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(BASE, out)], **fields,
+        **({"components": [os.path.relpath(c, out) for c in components]} if components else {})}))
+    return build(out)
+
+
+def images(docs: list[dict]) -> set[str]:
+    return {c["image"] for _, pod in workloads(docs) for c in pod["containers"]}
+
+
+def test_every_workload_runs_the_one_fully_qualified_image_of_this_version():
+    """A name with a registry host and a tag that is this release's version: never a bare
+    `accelnode`, which a cluster would look up on Docker Hub."""
+    import tomllib
+
+    import accelnode
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert accelnode.__version__ == version and accelnode.IMAGE == f"ghcr.io/accelnode/accelnode:{version}"
+    docs = build(BASE)
+    assert images(docs) == {accelnode.IMAGE}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["ACCELNODE_DEVICE_PLUGIN_IMAGE"] == accelnode.IMAGE
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"## [{version}]" in changelog, "CHANGELOG.md has no entry for this version"
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert f"org.opencontainers.image.version={version}" in (ROOT / "Containerfile").read_text()
+
+
+def test_an_overlays_images_entry_moves_every_container_and_the_controllers_device_plugin_image(tmp_path):
+    """docs/operations.md's overlay for an image pushed to the operator's registry: the node
+    DaemonSets, the controller, and the image the controller gives the node groups' device-plugin
+    DaemonSet all follow it (daemonsets/kustomizeconfig.yaml); other variables stay as they are."""
+    ours = "registry.example.com/team/accelnode:0.1.0-rc1"
+    docs = overlay(tmp_path, images=[{"name": "ghcr.io/accelnode/accelnode", "newName": ours.rsplit(":", 1)[0],
+                                      "newTag": ours.rsplit(":", 1)[1]}])
+    assert images(docs) == {ours}
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    base_env = {e["name"]: e.get("value") for d in build(BASE) if d["kind"] == "Deployment"
+                for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["ACCELNODE_DEVICE_PLUGIN_IMAGE"] == ours
+    assert {k: v for k, v in env.items() if k != "ACCELNODE_DEVICE_PLUGIN_IMAGE"} == {
+        k: v for k, v in base_env.items() if k != "ACCELNODE_DEVICE_PLUGIN_IMAGE"}
+
+
+def test_the_controllers_default_device_plugin_image_is_the_release_image():
+    """Run outside the shipped Deployment (no ACCELNODE_DEVICE_PLUGIN_IMAGE), the controller still
+    names a pullable image, not a bare name."""
+    out = subprocess.run([*accelnode_cmd(), "controller", "--help"], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "ACCELNODE_DEVICE_PLUGIN_IMAGE"})
+    assert out.returncode == 0, out.stderr
+    import accelnode
+
+    assert f"(default: {accelnode.IMAGE})" in " ".join(out.stdout.split())
+
+
+# -- beside GKE's own device plugins ---------------------------------------------------------------
+
+
+def device_plugin_terms(docs: list[dict]) -> list[list[dict]]:
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "accelnode-tpu-device-plugin"]
+    return [t["matchExpressions"] for t in ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]]
+
+
+def test_the_node_groups_device_plugin_stays_off_gke_node_pools_too():
+    """The DaemonSet the controller makes for TPU node groups when the base's is missing
+    (controller/nodegroups/reconciler.py) selects the nodes the base's does."""
+    from controller.nodegroups.reconciler import device_plugin_daemonset
+
+    made = device_plugin_daemonset("accelnode-system", "x")
+    assert device_plugin_terms([made]) == device_plugin_terms(build(BASE))
+
+
+def test_the_self_managed_device_plugin_component_adds_the_opted_in_gke_nodes(tmp_path):
+    """The base: TPU nodes outside GKE node pools only. The switch (a kustomize Component used
+    from an overlay, as docs/operations.md shows): also TPU nodes labelled
+    accelnode.io/tpu-device-plugin=true. Which nodes each selects is proven by the DaemonSet
+    controller in tests/e2e/test_gke_install.py."""
+    base = device_plugin_terms(build(BASE))
+    assert base == [[{"key": "cloud.google.com/gke-tpu-accelerator", "operator": "Exists"},
+                     {"key": "cloud.google.com/gke-nodepool", "operator": "DoesNotExist"}]]
+    switched = device_plugin_terms(overlay(tmp_path, components=[ROOT / "overlays/self-managed-device-plugin"]))
+    assert switched == base + [[{"key": "cloud.google.com/gke-tpu-accelerator", "operator": "Exists"},
+                                {"key": "accelnode.io/tpu-device-plugin", "operator": "In", "values": ["true"]}]]

@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from accelnode import IMAGE
 from accelnode.kube.bootstraptoken import METADATA_KEYS
 from accelnode.kube.client import Client, KubeError, custom_path, is_conflict, is_not_found, is_too_many_requests
 from accelnode.log import kv
@@ -57,7 +58,7 @@ class Settings:
     namespace: str = "accelnode-system"  # where the device-plugin DaemonSet goes
     poll: float = 10.0  # operation polls, joining nodes
     drain_timeout: float = 300.0  # bounded wait for evictions at teardown
-    device_plugin_image: str = "accelnode:0.1.0"
+    device_plugin_image: str = IMAGE
     api_server_port: int = 6443  # with bootstrapKubernetes.controlPlaneIP: where the VMs join
     # Where groups may put resources: namespace (or "*", every other one) -> {"projects": [...],
     # optional "zones": [...]}. None: the controller's own project (own_project) only, any zone.
@@ -446,8 +447,9 @@ def device_plugin_daemonset(namespace: str, image: str) -> dict:
                     "priorityClassName": "system-node-critical", "hostNetwork": True,
                     "serviceAccountName": "accelnode-device-plugin",  # rbac-device-plugin.yaml: its Node's labels
                     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                        "nodeSelectorTerms": [{"matchExpressions": [
-                            {"key": LABEL_ACCELERATOR, "operator": "Exists"}]}]}}},
+                        "nodeSelectorTerms": [{"matchExpressions": [  # as daemonsets/device-plugin.yaml: off GKE pools
+                            {"key": LABEL_ACCELERATOR, "operator": "Exists"},
+                            {"key": "cloud.google.com/gke-nodepool", "operator": "DoesNotExist"}]}]}}},
                     "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},
                                     {"operator": "Exists", "effect": "NoExecute"}],
                     "containers": [{

@@ -8,6 +8,11 @@ only for pods whose template carries that annotation.
 
 Invariants: a variable we did not set is never changed; applying a patch and computing again
 gives no patch. An object that is not the kind it claims raises :class:`Refused` with the field.
+
+Others who provide for a workload are left to it (:func:`left_to_others`): a workload or pod
+of LeaderWorkerSet or KubeRay (each has its own TPU webhook that sets these variables), one whose
+TPU containers already set a worker variable we did not set, and - where the cluster's own
+admission does it (GKE, ``platform_jobs``) - a Job of GKE's rule.
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 JOBSET_RJOB = "jobset.sigs.k8s.io/replicatedjob-name"
 JOBSET_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
 JOBSET_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
+
+# Labels of the pods (and, for LeaderWorkerSet, the StatefulSets) of projects whose own TPU
+# webhooks set TPU_WORKER_ID/TPU_WORKER_HOSTNAMES: LeaderWorkerSet's (pkg/utils/accelerators/tpu.go;
+# lws.sigs.k8s.io "Labels, Annotations and Environment Variables") and KubeRay's TPU webhook.
+OTHERS_LABELS = ("leaderworkerset.sigs.k8s.io/name", "ray.io/cluster")
+# A worker variable already set in a TPU container by someone else means the slice is theirs.
+WORKER_VARS = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES")
 
 PROCESS_PORT = 8476  # TPU_PROCESS_PORT of the first TPU process in a pod (GKE's TPU7x default)
 MEGASCALE_PORT = 8080  # libtpu's multislice (DCN) port
@@ -99,6 +111,27 @@ def is_tpu7x(pod_spec: dict) -> bool:
     sel = pod_spec.get("nodeSelector")
     value = sel.get(ACCELERATOR_SELECTOR) if isinstance(sel, dict) else None
     return isinstance(value, str) and value.startswith(TPU7X_PREFIX)
+
+
+def left_to_others(*metas, containers: list[dict] = (), recorded: dict[str, str] | None = None) -> bool:
+    """Whether another project provides the TPU worker variables: a label of
+    :data:`OTHERS_LABELS` on any of ``metas`` (object metadata), or an entry of
+    :data:`WORKER_VARS` in one of ``containers`` that is not ours (ours: recorded with the digest
+    of its value, as :func:`env_ops` tells them)."""
+    for meta in metas:
+        labels = meta.get("labels") if isinstance(meta, dict) else None
+        if isinstance(labels, dict) and any(k in labels for k in OTHERS_LABELS):
+            return True
+    recorded = recorded or {}
+    for c in containers:
+        for e in c.get("env") or []:
+            if not isinstance(e, dict) or e.get("name") not in WORKER_VARS:
+                continue
+            ours = (e["name"] in recorded and "valueFrom" not in e and isinstance(e.get("value"), str)
+                    and digest(e["value"]) == recorded[e["name"]])
+            if not ours:
+                return True
+    return False
 
 
 def digest(value: str) -> str:
@@ -213,8 +246,10 @@ def template_patch(template: dict, base: str, sl: Slice | None) -> list:
     containers = containers_of(spec, "spec.template.spec")
     old = recorded_state(meta)
     recorded = {k: v for k, v in (old or {}).get("vars", {}).items() if isinstance(v, str)}
-    want = sl.env() if sl is not None else {}
     chosen = set(targets(containers))
+    if sl is not None and left_to_others(meta, containers=[containers[i] for i in chosen], recorded=recorded):
+        sl = None  # theirs: what we set before goes, theirs stays
+    want = sl.env() if sl is not None else {}
     ops, owned = [], set()
     for i, c in enumerate(containers):
         c_ops, c_owned = env_ops(c, f"{base}/spec/containers/{i}", want if i in chosen else {}, recorded)
@@ -245,7 +280,7 @@ def statefulset_slice(sts: dict) -> tuple[Slice | None, list[str]]:
     """The slice an opted-in StatefulSet describes (None when it is not opted in, or has no
     replicas), and warnings for its author."""
     labels = _get(sts, "metadata", "labels", default={})
-    if labels.get(INJECT_LABEL) != INJECT_VALUE:
+    if labels.get(INJECT_LABEL) != INJECT_VALUE or left_to_others(_get(sts, "metadata", default={})):
         return None, []
     name = _get(sts, "metadata", "name", kind=str, default="")
     service = _get(sts, "spec", "serviceName", kind=str, default="")
@@ -277,10 +312,13 @@ def statefulset_patch(sts: dict) -> tuple[list, list[str]]:
     return template_patch(_get(sts, "spec", "template", default={}), "/spec/template", sl), warnings
 
 
-def job_slice(job: dict) -> tuple[Slice | None, list[str]]:
+def job_slice(job: dict, platform_jobs: bool = False) -> tuple[Slice | None, list[str]]:
     """The slice a Job describes under GKE's rule (completionMode Indexed, a pod subdomain,
     parallelism over 1, a container requesting ``google.com/tpu``) or as one slice of a JobSet
-    (its ``jobset.sigs.k8s.io/*`` labels: then one host per slice is enough); None otherwise."""
+    (its ``jobset.sigs.k8s.io/*`` labels: then one host per slice is enough); None otherwise.
+    ``platform_jobs``: the cluster's own admission gives the Jobs of GKE's rule their variables
+    (on GKE), so those are None too; a JobSet's one-host Jobs, which that rule leaves out, are
+    still ours."""
     spec = _get(job, "spec", default={})
     pod = _get(spec, "template", "spec", default={}, where="spec")
     containers = containers_of(pod, "spec.template.spec")
@@ -289,7 +327,8 @@ def job_slice(job: dict) -> tuple[Slice | None, list[str]]:
     subdomain = _get(pod, "subdomain", kind=str, default="", where="spec.template.spec")
     jobset = JOBSET_NAME in labels
     if (spec.get("completionMode") != "Indexed" or not subdomain or not any(map(requests_tpu, containers))
-            or parallelism < 1 or (parallelism == 1 and not jobset)):
+            or parallelism < 1 or (parallelism == 1 and not jobset) or (platform_jobs and parallelism > 1)
+            or left_to_others(_get(job, "metadata", default={}))):
         return None, []
     if parallelism > MAX_WORKERS:
         raise Refused(f"spec.parallelism {parallelism} is more TPU hosts than one slice has (at most {MAX_WORKERS})")
@@ -315,10 +354,10 @@ def job_slice(job: dict) -> tuple[Slice | None, list[str]]:
                  coordinator=f"{js}-{rjob}-0-0.{subdomain}"), warnings
 
 
-def job_patch(job: dict) -> tuple[list, list[str]]:
+def job_patch(job: dict, platform_jobs: bool = False) -> tuple[list, list[str]]:
     """(JSON Patch operations, warnings) for a Job being created; no operations for a Job that
-    is not a TPU slice."""
-    sl, warnings = job_slice(job)
+    is not a TPU slice, or is one the platform provides for (:func:`job_slice`)."""
+    sl, warnings = job_slice(job, platform_jobs)
     if sl is None:
         return [], warnings
     return template_patch(_get(job, "spec", "template", default={}), "/spec/template", sl), warnings
@@ -356,8 +395,9 @@ def pod_index(pod: dict, state: dict) -> int:
 def pod_patch(pod: dict) -> list:
     """Operations giving each chosen container of a pod created from an annotated template its
     ``TPU_WORKER_ID`` (and ``TPU_PROCESS_PORT`` on TPU7x); none for other pods."""
-    state = recorded_state(_get(pod, "metadata", default={}))
-    if state is None:
+    meta = _get(pod, "metadata", default={})
+    state = recorded_state(meta)
+    if state is None or left_to_others(meta):
         return []
     index = pod_index(pod, state)
     containers = containers_of(_get(pod, "spec", default={}), "spec")

@@ -51,10 +51,11 @@ def _name(request: dict) -> str:
     return f"{ns}/{name}" if ns else str(name)
 
 
-def routes() -> dict[str, Handler]:
-    """The routes of the TPU environment webhooks."""
+def routes(platform_jobs: bool = False) -> dict[str, Handler]:
+    """The routes of the TPU environment webhooks; ``platform_jobs``: the cluster (GKE) gives
+    Indexed Jobs their TPU variables itself (:func:`controller.tpuenv.patches.job_slice`)."""
     return {
         MUTATE_STATEFULSET: _hook("apps", "v1", "StatefulSet", ("CREATE", "UPDATE"), tpuenv.statefulset_patch),
-        MUTATE_JOB: _hook("batch", "v1", "Job", ("CREATE",), tpuenv.job_patch),
+        MUTATE_JOB: _hook("batch", "v1", "Job", ("CREATE",), lambda job: tpuenv.job_patch(job, platform_jobs)),
         MUTATE_POD: _hook("", "v1", "Pod", ("CREATE",), lambda pod: (tpuenv.pod_patch(pod), [])),
     }

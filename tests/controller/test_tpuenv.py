@@ -397,3 +397,65 @@ def test_https_huge_objects(https):
     big["metadata"]["annotations"] = {"filler": "x" * (3 * 1024 * 1024)}  # over it
     status, out = post(server, ca, MUTATE_STATEFULSET, _body("StatefulSet", big))
     assert status == 413
+
+
+# -- beside GKE, LeaderWorkerSet and KubeRay (docs/operations.md) ------------------------------------
+# Who else sets these variables, with sources: ../shared/reference/gke.md section 3 (GKE's webhook
+# for Indexed Jobs with a subdomain and TPU requests; LeaderWorkerSet's pkg/utils/accelerators/tpu.go;
+# KubeRay's TPU webhook).
+
+
+def gke_job(parallelism=4, labels=None, env=None) -> dict:
+    c = {"name": "w", "image": "x", "resources": {"limits": {t.TPU_RESOURCE: "4"}}}
+    if env is not None:
+        c["env"] = env
+    return {"metadata": {"name": "j", "labels": dict(labels or {})},
+            "spec": {"completionMode": "Indexed", "parallelism": parallelism, "completions": parallelism,
+                     "template": {"metadata": {"labels": dict(labels or {})},
+                                  "spec": {"subdomain": "s", "containers": [c]}}}}
+
+
+def test_on_gke_its_indexed_jobs_are_left_to_it_and_a_jobsets_one_host_slices_stay_ours():
+    assert t.job_patch(gke_job())[0]  # off GKE: ours, as GKE would do it
+    assert t.job_patch(gke_job(), platform_jobs=True) == ([], [])
+    assert HOOKS[MUTATE_JOB](review("Job", gke_job())).patch
+    assert not routes(platform_jobs=True)[MUTATE_JOB](review("Job", gke_job())).patch
+    one_host = gke_job(parallelism=1, labels={t.JOBSET_NAME: "js", t.JOBSET_RJOB: "slice", t.JOBSET_JOB_INDEX: "1",
+                                              t.JOBSET_REPLICAS: "2"})
+    out = apply(one_host, t.job_patch(one_host, platform_jobs=True)[0])  # GKE's rule needs parallelism > 1
+    assert env_map(out["spec"]["template"]["spec"]["containers"][0])["MEGASCALE_SLICE_ID"] == "1"
+
+
+@pytest.mark.parametrize("label", t.OTHERS_LABELS)
+def test_leaderworkerset_and_kuberay_workloads_and_pods_are_theirs(label):
+    theirs = {label: "x"}
+    sts = sts_obj()
+    sts["metadata"]["labels"].update(theirs)
+    assert t.statefulset_patch(sts) == ([], [])
+    assert t.job_patch(gke_job(labels=theirs)) == ([], [])
+    ours = apply(sts_obj(), t.statefulset_patch(sts_obj())[0])
+    pod = pod_from(ours, 1, t.POD_INDEX_LABEL)
+    assert t.pod_patch(pod)  # from our template: TPU_WORKER_ID
+    pod["metadata"]["labels"].update(theirs)
+    assert t.pod_patch(pod) == []
+
+
+@pytest.mark.parametrize("var", t.WORKER_VARS)
+def test_a_worker_variable_set_by_someone_else_leaves_the_whole_slice_to_them(var):
+    """Not only that variable: none of ours is added beside it (a half-ours, half-theirs slice
+    would disagree with itself), and what we had set before goes."""
+    theirs = [{"name": var, "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['x']"}}}]
+    assert t.job_patch(gke_job(env=theirs)) == ([], [])
+    sts = apply(sts_obj(), t.statefulset_patch(sts_obj())[0])
+    assert t.statefulset_patch(sts) == ([], [])  # ours alone: nothing to do
+    sts["spec"]["template"]["spec"]["containers"][0]["env"].insert(0, dict(theirs[0]))
+    out = apply(sts, t.statefulset_patch(sts)[0])
+    assert out["spec"]["template"]["spec"]["containers"][0]["env"] == theirs
+    assert t.STATE_ANNOTATION not in (out["spec"]["template"]["metadata"].get("annotations") or {})
+
+
+def test_gke_versions_are_told_from_others():
+    from controller.cli import is_gke_version
+
+    assert is_gke_version("v1.34.1-gke.1127000") and is_gke_version("v1.30.5-gke.1014001")
+    assert not any(map(is_gke_version, ("v1.35.4", "v1.30.2-eks-1552ad0", "v1.29.0+k3s1", "", "v1.30.5-gke")))

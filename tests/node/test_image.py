@@ -55,3 +55,32 @@ def test_the_containerfile_copies_every_package_of_the_wheel():
     copied = set(re.findall(r"^COPY (\w+) /src/\1$", text, re.M))
     assert copied == set(images.SOURCE_DIRS)
     assert "USER 65532:65532" in text and f"{images.UID}" == "65532"
+
+
+def test_the_image_is_pushed_to_the_operators_registry_as_built(tmp_path, auth_registry):
+    """`make image PUSH=REF` (``--push``): the archive's manifest, config and layers land in the
+    registry the operator names, with its credentials, byte for byte (the same manifest digest);
+    a reference without a tag is refused before anything is sent."""
+    import pytest
+
+    from accelnode.oci.registry import Deadline, Registry
+
+    layer = tmp_path / "layer.tar"
+    images.pause_layer(layer)
+    archive = tmp_path / "img.oci.tar"
+    images.write_oci_archive(archive, "ghcr.io/accelnode/accelnode:9.9.9", [layer], entrypoint=["/pause"])
+    image = images.Image(archive, "ghcr.io/accelnode/accelnode:9.9.9", "k")
+    ref = f"{auth_registry.host}/team/accelnode:9.9.9"
+    pinned = images.push(image, ref, auth_registry.options())
+    with tarfile.open(archive) as t:
+        (desc,) = json.loads(t.extractfile("index.json").read())["manifests"]
+        manifest = json.loads(t.extractfile(f"blobs/sha256/{desc['digest'][7:]}").read())
+    assert pinned == f"{auth_registry.host}/team/accelnode@{desc['digest']}"
+    reg = Registry(auth_registry.host, auth_registry.options(), Deadline(30))
+    got = reg.request("GET", "team/accelnode/manifests/9.9.9", ref, "reading the manifest",
+                      headers={"Accept": desc["mediaType"]})
+    assert "sha256:" + hashlib.sha256(got.content).hexdigest() == desc["digest"]
+    for d in (manifest["config"], *manifest["layers"]):
+        assert reg.blob_exists("team/accelnode", d["digest"], ref)
+    with pytest.raises(images.ImageError, match="name a tag"):
+        images.push(image, f"{auth_registry.host}/team/accelnode", auth_registry.options())

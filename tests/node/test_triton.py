@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from accelnode import IMAGE
 from tests.conftest import ROOT, accelnode_cmd, require
 from tests.node.conftest import SYSTEM
 from tests.node.test_kubelet import cache_object, inline, namespace, phase
@@ -109,7 +110,7 @@ def triton_pod(name: str, ns: str, cache: str, script: str) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
             "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
                      "containers": [{
-                         "name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                         "name": "worker", "image": IMAGE, "imagePullPolicy": "Never",
                          "command": ["/bin/sh", "-c", script],
                          "env": [{"name": "TRITON_CACHE_DIR", "value": POD_PATH},
                                  {"name": "PYTHONPATH", "value": POD_SITE},

@@ -12,7 +12,9 @@ What one :class:`ControlPlane` sets up in its work directory:
 - etcd on two free loopback ports (client, peer), data in ``etcd/`` (removed on stop);
 - kube-apiserver on a free loopback port with client-certificate authentication, RBAC
   authorization, service-account token issuing and an audit log of every write
-  (``audit.log``);
+  (``audit.log``), and the admission configuration GKE runs its own with
+  (:data:`GKE_ADMISSION`: critical-priority pods only where a ResourceQuota admits them, and
+  kube-system's quota that does, :func:`gke_objects`);
 - kube-controller-manager on a free loopback port as ``system:kube-controller-manager``, each
   controller with its own ServiceAccount credentials: garbage collection, namespace deletion,
   PV/PVC binding, Deployments, StatefulSets, Jobs, CSR signing with the CA, bootstrap tokens;
@@ -100,6 +102,37 @@ SCHEDULER = Identity("kube-scheduler", "system:kube-scheduler", ())
 # pods, and the TTL controller would annotate every Node (each a watch event for the agents).
 CONTROLLERS = ("*", "bootstrap-signer-controller", "token-cleaner-controller",
                "-node-lifecycle-controller", "-taint-eviction-controller", "-ttl-controller")
+
+
+# GKE's setting "critical pods only in kube-system by default": kube-apiserver's ResourceQuota
+# admission plugin configured with limitedResources for pods of the two system priority classes,
+# so that such a pod is admitted only in a namespace holding a ResourceQuota whose scopeSelector
+# matches its class. GKE's own control-plane configuration is not public; this is the one
+# Kubernetes' GCE scripts write (kubernetes/kubernetes cluster/gce/gci/configure-helper.sh, the
+# ADMISSION_CONTROL block writing admission_controller_config.yaml, "to limit critical pods to
+# kube-system by default"; the same shape on kubernetes.io, "Limiting PriorityClass consumption by
+# default"), and what GKE users meet: "insufficient quota to match these scopes: [{PriorityClass In
+# [system-node-critical system-cluster-critical]}]" (open-policy-agent/gatekeeper#1120,
+# openservicemesh/osm#4408, dapr/dapr#7783). Notes: ../shared/reference/gke.md section 1.
+CRITICAL_CLASSES = ["system-node-critical", "system-cluster-critical"]
+GKE_ADMISSION = {
+    "apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration",
+    "plugins": [{"name": "ResourceQuota", "configuration": {
+        "apiVersion": "apiserver.config.k8s.io/v1", "kind": "ResourceQuotaConfiguration",
+        "limitedResources": [{"resource": "pods", "matchScopes": [
+            {"scopeName": "PriorityClass", "operator": "In", "values": CRITICAL_CLASSES}]}]}}],
+}
+
+
+def gke_objects() -> list[tuple[str, dict]]:
+    """What GKE keeps in kube-system so that its own critical pods are admitted: the quota
+    ``gcp-critical-pods`` (name, ``hard`` and label as GKE's, per gatekeeper#1120 and osm#4408)."""
+    return [("/api/v1/namespaces/kube-system/resourcequotas", {
+        "apiVersion": "v1", "kind": "ResourceQuota",
+        "metadata": {"name": "gcp-critical-pods", "namespace": "kube-system",
+                     "labels": {"addonmanager.kubernetes.io/mode": "Reconcile"}},
+        "spec": {"hard": {"pods": "1G"}, "scopeSelector": {"matchExpressions": [
+            {"scopeName": "PriorityClass", "operator": "In", "values": CRITICAL_CLASSES}]}}})]
 
 
 class ControlPlaneError(RuntimeError):
@@ -424,6 +457,8 @@ class ControlPlane:
             self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
         policy = self.workdir / "audit-policy.yaml"
         policy.write_text(yaml.safe_dump(_AUDIT_POLICY))
+        admission = self.workdir / "admission.yaml"
+        admission.write_text(yaml.safe_dump(GKE_ADMISSION))
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
         self._etcd = _Proc("etcd", [
@@ -453,6 +488,7 @@ class ControlPlane:
             *(self._kubelet_flags() if self.kubelets else ["--disable-admission-plugins=ServiceAccount"]),
             "--allow-privileged=true", "--profiling=false",
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
+            f"--admission-control-config-file={admission}",  # GKE_ADMISSION
             *self.apiserver_args,
         ], self.workdir / "kube-apiserver.log")
         kubeconfig = self.kubeconfig(CONTROLLER_MANAGER.name)
@@ -554,7 +590,7 @@ class ControlPlane:
         ctx.load_cert_chain(*self._clients["admin"])
         version = subprocess.run([self._binary("kube-apiserver"), "--version"], capture_output=True, text=True,
                                  check=True).stdout.split()[-1].lstrip("v")
-        for path, obj in kubeadm_objects(self.url, self.ca_file.read_bytes(), version):
+        for path, obj in [*kubeadm_objects(self.url, self.ca_file.read_bytes(), version), *gke_objects()]:
             req = urllib.request.Request(self.url + path, data=json.dumps(obj).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
             try:

@@ -15,7 +15,9 @@ that ``ctr images import`` (containerd) takes:
 
 Both layers and the archive are cached under ``.tools/images/`` (git-ignored) by a hash of their
 inputs, so tests and the demo reuse them. ``python -m tests.rigs.image`` builds and prints
-the archive's path; ``--import SOCKET`` also imports it into containerd's ``k8s.io`` namespace.
+the archive's path; ``--import SOCKET`` also imports it into containerd's ``k8s.io`` namespace,
+``--push REF`` pushes it to a registry the operator chooses (``make image PUSH=REF``; credentials
+from the Docker config file, as ``accelnode cache build`` takes them).
 
 The image's command is ``accelnode`` (every subcommand), user 65532 unless a manifest says
 otherwise, ``PYTHONDONTWRITEBYTECODE=1`` (read-only root filesystems).
@@ -38,8 +40,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from accelnode import IMAGE
+
 ROOT = Path(__file__).resolve().parents[2]
-NAME = "docker.io/library/accelnode:0.1.0"  # what `image: accelnode:0.1.0` means to kubelet
+NAME = IMAGE  # the name every manifest uses (ghcr.io/accelnode/accelnode:<version>)
 PAUSE_NAME = "localhost/accelnode/pause:catatonit"
 SUITE = "bookworm"
 PYVER = "3.11"  # bookworm's python3
@@ -316,9 +320,41 @@ def ctr_import(image: Image, address: str, namespace: str = "k8s.io") -> None:
     _run(["ctr", "--address", address, "--namespace", namespace, "images", "import", image.archive], f"ctr images import {image.archive.name}")
 
 
+def push(image: Image, ref: str, options) -> str:
+    """Push the archive's image to ``ref`` (``host[:port]/repository:tag``) with the product's own
+    registry client (``options``: :class:`accelnode.oci.registry.RegistryOptions`); returns the
+    reference pinned to the manifest's digest, the same digest the archive holds."""
+    from accelnode.oci.reference import Reference
+    from accelnode.oci.registry import Deadline, Registry
+
+    target = Reference.parse(ref)
+    if not target.tag or target.digest:
+        raise ImageError(f"--push {ref}: name a tag (registry.example.com/team/accelnode:{NAME.rsplit(':', 1)[1]})")
+    with tarfile.open(image.archive) as tar:
+        def blob(digest: str):
+            return tar.extractfile(f"blobs/sha256/{digest.removeprefix('sha256:')}")
+
+        [desc] = json.load(tar.extractfile("index.json"))["manifests"]
+        body = blob(desc["digest"]).read()
+        manifest = json.loads(body)
+        reg = Registry(target.host, options, Deadline(options.timeout))
+        for d in (*manifest["layers"], manifest["config"]):
+            reg.upload_blob(target.repository, d["digest"], blob(d["digest"]), ref)
+        digest = reg.put_manifest(target.repository, target.tag, body, desc["mediaType"], ref)
+    return target.pinned(digest)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from accelnode.oci.errors import ImageError as OCIError
+    from accelnode.oci.registry import RegistryOptions
+
     p = argparse.ArgumentParser(prog="python -m tests.rigs.image", description=__doc__.splitlines()[0])
     p.add_argument("--import", dest="address", metavar="SOCKET", help="import into containerd at SOCKET (k8s.io)")
+    p.add_argument("--push", metavar="REF", help="push to REF (registry/repository:tag), e.g. "
+                   "registry.example.com/team/accelnode:" + NAME.rsplit(":", 1)[1])
+    p.add_argument("--plain-http", action="store_true", help="talk HTTP to the registry of --push (a local one)")
+    p.add_argument("--registry-config", metavar="FILE",
+                   help="Docker config JSON with the credentials for --push (default: ~/.docker/config.json)")
     p.add_argument("--pause", action="store_true", help="the sandbox image instead")
     args = p.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -326,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         image = build_pause() if args.pause else build(log=log)
         if args.address:
             ctr_import(image, args.address)
-    except ImageError as e:
+        if args.push:
+            pinned = push(image, args.push, RegistryOptions(plain_http=args.plain_http, config_file=args.registry_config))
+            log(f"image: pushed {pinned}")
+    except (ImageError, OCIError, ValueError) as e:
         print(f"image: {e}", file=sys.stderr)
         return 1
     print(image.archive)

@@ -505,7 +505,7 @@ def workload(name: str, ns: str, volume: dict, *, chips: int = 2, command: list[
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
             "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
                      "tolerations": [{"key": TPU, "operator": "Exists", "effect": "NoSchedule"}],
-                     "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                     "containers": [{"name": "worker", "image": images.NAME, "imagePullPolicy": "Never",
                                      "command": command or ["python3", "-c", PROBE, MOUNT],
                                      "resources": {"limits": {TPU: str(chips)}},
                                      "volumeMounts": [{"name": "kernel-cache", "mountPath": MOUNT, "readOnly": True}]}],

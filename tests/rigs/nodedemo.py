@@ -106,7 +106,7 @@ class Demo:
         self.node.start([image])
         print(f"   Node {self.node.name} Ready in {time.monotonic() - t0:.0f}s")
 
-        say("5. kubectl apply -k daemonsets/ (an overlay fits it to this loopback node and the simulated host)")
+        say("5. kubectl apply -k daemonsets/crds/, then daemonsets/ (an overlay fits it to this loopback node and the simulated host)")
         overlay = self.workdir / "overlay"
         overlay.mkdir()
         base_docs = [d for d in yaml.safe_load_all(subprocess.run(
@@ -115,7 +115,8 @@ class Demo:
         write_overlay(overlay, ROOT / "daemonsets", self.node, sysfs_root=host.sysfs_root, dev_root=host.dev_root,
                       api_port=self.cp.port, accelerator_type="v5litepod-4", topology="2x2", base_docs=base_docs)
         t0 = time.monotonic()
-        applied = self.kubectl("apply", "--server-side", "-k", str(overlay))
+        applied = self.kubectl("apply", "--server-side", "-k", str(ROOT / "daemonsets" / "crds"))
+        applied += self.kubectl("apply", "--server-side", "-k", str(overlay))
         print("   " + "\n   ".join(applied.splitlines()))
         want = {"accelnode-tpu-device-plugin", "accelnode-csi-node", "accelnode-controller"}
         self.wait(lambda: want <= {p["metadata"]["labels"].get("app.kubernetes.io/name")
