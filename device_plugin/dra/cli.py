@@ -96,13 +96,15 @@ def run(args) -> int:
         client = Client(Config.load(args.kubeconfig), user_agent="accelnode-dra", max_connections=4)
     except (ValueError, OSError) as e:
         raise exitcodes.CLIError(f"the API server: {e}", exitcodes.PREREQUISITE) from None
-    facts = NodeFacts(config).watch_node(client, args.node_name)
+    facts = NodeFacts(config)
     health = Health()
     state = Path(args.state_dir) if args.state_dir else root / "plugins" / args.driver_name / "claims"
     driver = Driver(driver=args.driver_name, node=args.node_name, client=client, kubelet_root=root, sysfs_root=sysfs,
                     dev_root=dev, cdi_dir=Path(args.cdi_dir), state_dir=state,
                     log_dir=Path(args.libtpu_log_dir) if args.libtpu_log_dir else None, config=facts,
                     tick=args.health_interval, pod_uid=args.pod_uid, health=health)
+    facts.on_change = driver.facts_changed
+    facts.watch_node(client, args.node_name)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -174,6 +174,9 @@ class Driver:
                 raise NameTaken(f"another DRA plugin already registered driver {self.driver!r} on this node "
                                 f"({sock}, endpoint {info.endpoint}); choose another --driver-name or stop it")
 
+    def facts_changed(self) -> None:
+        self.publisher.set_devices(slices.devices(self._states, self.config(), self.sysfs_root))
+
     def _on_devices(self, states: tuple[ChipState, ...]) -> None:
         before = {s.chip.bdf: s.problem for s in self._states}
         for s in states:

@@ -118,7 +118,8 @@ class Publisher:
         self._kick.set()
         self.reflector.interrupt()
         for t in self._threads:
-            t.join(5)
+            if t.is_alive():
+                t.join(5)
 
     def set_devices(self, devs: list[dict]) -> None:
         self._devices = devs
