@@ -192,3 +192,48 @@ def test_the_slice_is_republished_after_kubelet_restarts(lane):
                        if s["metadata"]["uid"] != before[0]["metadata"]["uid"]], "a new slice after kubelet restarted")
     lane.node.wait_ready()
     assert len(lane.slice_devices()) == 4
+
+
+IMAGE_VOLUME_PROBE = r"""
+import errno, hashlib, json, os, sys
+root = sys.argv[1]
+files = {}
+for d, _, names in os.walk(root):
+    for n in names:
+        p = os.path.join(d, n)
+        files[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+try:
+    open(os.path.join(root, "written-by-pod"), "w").close()
+    read_only = False
+except OSError as e:
+    read_only = e.errno == errno.EROFS
+print(json.dumps({"files": files, "read_only": read_only}), flush=True)
+"""
+
+
+def test_a_cache_image_mounts_as_an_image_volume(lane, registry, tmp_path):
+    """KServe's path for kernel caches: the image `accelnode cache build` pushes is an ordinary OCI
+    image (config with rootfs.diff_ids, tar layers), so containerd 2 mounts it as a Kubernetes
+    ``image`` volume, read-only (containerd mounts no OCI artifacts)."""
+    import hashlib
+
+    files = {"xla/module-1.bin": b"\x7fXLA" * 4096, "xla/module-2.bin": b"\x01" * 1000}
+    for name, data in files.items():
+        (tmp_path / "cache" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / name).write_bytes(data)
+    ref = registry.push(tmp_path / "cache", "e2e/jax-image-volume", tag="v1", kind="jax",
+                        targets=[{"backend": "tpu", "arch": "v5e"}])
+    lane.node.plain_http_registry(registry.host)
+    ns = namespace(lane)
+    lane.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "iv", "namespace": ns},
+                "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                         "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                                         "command": ["python3", "-c", IMAGE_VOLUME_PROBE, "/caches/jax"],
+                                         "volumeMounts": [{"name": "cache", "mountPath": "/caches/jax",
+                                                           "readOnly": True}]}],
+                         "volumes": [{"name": "cache", "image": {"reference": ref, "pullPolicy": "IfNotPresent"}}]}})
+    r = report(lane, ns, "iv")
+    assert r["read_only"] is True, r
+    seen = set(r["files"].values())
+    assert {hashlib.sha256(d).hexdigest() for d in files.values()} <= seen, r["files"]
+

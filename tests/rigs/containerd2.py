@@ -38,6 +38,7 @@ class Containerd2Node(Node):
         super().__init__(workdir, tools_bin, control_plane, **kw)
         self.bin = bin_dir(tools_bin)
         self.cdi_dir = self.workdir / "cdi"
+        self.hosts_dir = self.workdir / "certs.d"  # containerd's registry hosts (hosts.toml per registry)
 
     def start(self, import_images=()) -> None:
         missing = prerequisites(self.tools_bin)
@@ -50,6 +51,7 @@ class Containerd2Node(Node):
         for sub in ("root", "state", "opt", "net.d", "cni-state"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
+        self.hosts_dir.mkdir(parents=True, exist_ok=True)
         runtime, images_ = "plugins.'io.containerd.cri.v1.runtime'", "plugins.'io.containerd.cri.v1.images'"
         (d / "config.toml").write_text(f"""version = 3
 root = '{d / 'root'}'
@@ -68,6 +70,8 @@ state = '{d / 'state'}'
   snapshotter = 'overlayfs'
   [{images_}.pinned_images]
     sandbox = '{images.PAUSE_NAME}'
+  [{images_}.registry]
+    config_path = '{self.hosts_dir}'
 [plugins.'io.containerd.grpc.v1.cri']
   stream_server_address = '127.0.0.1'
   stream_server_port = '0'
@@ -97,6 +101,12 @@ state = '{d / 'state'}'
         self._containerd.start()
         self._poll(lambda: self.ctr("version", check=False).returncode == 0, self._containerd, "containerd answering",
                    30)
+
+    def plain_http_registry(self, host: str) -> None:
+        """Pull from ``host`` (``127.0.0.1:PORT``, a test registry) over plain HTTP; read at each pull."""
+        (self.hosts_dir / host).mkdir(parents=True, exist_ok=True)
+        (self.hosts_dir / host / "hosts.toml").write_text(
+            f"server = 'http://{host}'\n[host.'http://{host}']\n  capabilities = ['pull', 'resolve']\n")
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run([str(self.bin / "ctr"), "--address", str(self.socket), "--namespace", NAMESPACE, *args],
