@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.conftest import ROOT, TOOLS_BIN, accelnode_cmd, require
-from tests.fixtures.device_plugin import PluginProcess
-
-DRIVER = "tpu.google.com"
-LABELS = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice", "cloud.google.com/gke-tpu-topology": "2x2"}
+from tests.conftest import TOOLS_BIN, require
+from tests.rigs.containerd2 import claim_pod as pod
+from tests.rigs.containerd2 import claim_template as template
 # what a workload container got: device nodes and TPU env, as one JSON line
 PROBE = r"""
 import glob, json, os, time
@@ -31,81 +26,23 @@ time.sleep(3600)  # hold the claim until the test deletes the pod
 """
 
 
-class Lane:
-    def __init__(self, cp, node, host, plugin, workdir):
-        self.cp, self.node, self.host, self.plugin, self.workdir = cp, node, host, plugin, workdir
-
-    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        out = subprocess.run([str(TOOLS_BIN / "kubectl"), f"--kubeconfig={self.cp.kubeconfig('admin')}", *args],
-                             input=stdin, capture_output=True, text=True, timeout=120)
-        if check:
-            assert out.returncode == 0, f"kubectl {' '.join(args)}: {out.stderr}"
-        return out
-
-    def get(self, *args: str) -> dict:
-        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
-
-    def apply(self, *docs: dict) -> None:
-        self.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
-
-    def wait(self, predicate, what: str, timeout: float = 120.0, interval: float = 0.2):
-        deadline = time.monotonic() + timeout
-        while not (value := predicate()):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what} (last: {value!r})\n{self.diagnose()}")
-            time.sleep(interval)
-        return value
-
-    def slice_devices(self) -> list[str]:
-        items = self.get("resourceslices", "--field-selector", f"spec.nodeName={self.node.name}")["items"]
-        return [d["name"] for s in items for d in s["spec"]["devices"]]
-
-    def diagnose(self) -> str:
-        from tests.rigs.devcluster import _tail
-
-        return "\n".join([self.kubectl("get", "pods,resourceclaims", "-A", "-o", "wide", check=False).stdout,
-                          self.kubectl("get", "events", "-A", check=False).stdout[-3000:],
-                          "--- dra plugin\n" + "\n".join(self.plugin.log().splitlines()[-20:]),
-                          "--- kube-scheduler.log\n" + _tail(self.cp.workdir / "kube-scheduler.log", 10),
-                          self.node.logs()])
-
-
 @pytest.fixture(scope="module")
 def lane():
     from tests.rigs import containerd2
     from tests.rigs import image as images
-    from tests.rigs.devcluster import ControlPlane
     from tests.rigs.node import prerequisites
-    from tests.rigs.simhost import SimHost
 
     for what in prerequisites(TOOLS_BIN) + containerd2.prerequisites(TOOLS_BIN):
         require(False, what)
     # short: kubelet's plugin sockets live under it (unix socket paths end at 107 bytes)
     workdir = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
-    image = images.build(log=lambda m: None)
-    cp = ControlPlane(workdir / "cp", TOOLS_BIN, kubelets=True)
-    cp.start()
-    node = plugin = None
+    world = containerd2.DRALane(workdir, TOOLS_BIN)
     try:
-        host = SimHost.preset(workdir / "host", "v5e-4")
-        node = containerd2.Containerd2Node(workdir / "n", TOOLS_BIN, cp, name="accelnode-dra", labels=LABELS)
-        node.start([image])
-        plugin = PluginProcess(accelnode_cmd() + [
-            "dra", "--node-name", node.name, "--kubeconfig", str(cp.kubeconfig("admin")),
-            "--kubelet-root", str(node.root_dir), "--cdi-dir", str(node.cdi_dir),
-            "--libtpu-log-dir", str(workdir / "tpu_logs"), "--sysfs-root", str(host.sysfs_root),
-            "--dev-root", str(host.dev_root), "--metrics-address", "", "--log-format", "text"], workdir / "dra.log")
-        world = Lane(cp, node, host, plugin, workdir)
-        world.kubectl("apply", "-f", str(ROOT / "overlays/dra/deviceclass.yaml"))
-        world.wait(lambda: len(world.slice_devices()) == 4, "the node's ResourceSlice with 4 chips")
+        world.start([images.build(log=lambda m: None)])
         yield world
         world.kubectl("delete", "pods", "--all", "-A", "--grace-period=1", check=False)
     finally:
-        if plugin is not None:
-            plugin.stop()
-        if node is not None:
-            node.stop()
-        cp.stop()
+        world.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -114,25 +51,6 @@ def namespace(lane) -> str:
     lane.kubectl("create", "namespace", ns)
     lane.wait(lambda: lane.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0, "default SA")
     return ns
-
-
-def template(name: str, ns: str, count: int, *, ici_block: int | None = None, gen: str | None = None) -> dict:
-    exactly = {"deviceClassName": DRIVER, "count": count}
-    if gen:
-        exactly["selectors"] = [{"cel": {"expression": f'device.attributes["{DRIVER}"].tpuGen == "{gen}"'}}]
-    spec = {"devices": {"requests": [{"name": "tpu", "exactly": exactly}]}}
-    if ici_block:
-        spec["devices"]["constraints"] = [{"requests": ["tpu"], "matchAttribute": f"{DRIVER}/iciBlock{ici_block}"}]
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-            "metadata": {"name": name, "namespace": ns}, "spec": {"spec": spec}}
-
-
-def pod(name: str, ns: str, claim_template: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
-            "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-                     "resourceClaims": [{"name": "tpu", "resourceClaimTemplateName": claim_template}],
-                     "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
-                                     "command": ["python3", "-c", PROBE], "resources": {"claims": [{"name": "tpu"}]}}]}}
 
 
 def report(lane, ns: str, name: str) -> dict:
@@ -153,7 +71,7 @@ def chip_indices(lane, devices: list[str]) -> list[int]:
 def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
     ns = namespace(lane)
     lane.apply(template("pair", ns, 2, ici_block=2, gen="v5litepod"))
-    lane.apply(pod("a", ns, "pair"), pod("b", ns, "pair"))
+    lane.apply(pod("a", ns, "pair", PROBE), pod("b", ns, "pair", PROBE))
     got = {name: report(lane, ns, name) for name in ("a", "b")}
     pairs = []
     for name, r in got.items():
@@ -171,7 +89,7 @@ def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
     assert sorted(pairs) == [[0, 1], [2, 3]]  # ICI neighbours, and the two pods share nothing
 
     # a third claim cannot be met while both hold theirs: the scheduler says why it waits
-    lane.apply(pod("c", ns, "pair"))
+    lane.apply(pod("c", ns, "pair", PROBE))
 
     def unschedulable():
         conds = lane.get("pod", "c", "-n", ns)["status"].get("conditions") or []
@@ -185,11 +103,10 @@ def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
 
 
 def test_the_slice_is_republished_after_kubelet_restarts(lane):
-    before = lane.get("resourceslices", "--field-selector", f"spec.nodeName={lane.node.name}")["items"]
+    (before,) = lane.slices()
     lane.node.restart_kubelet()
-    lane.wait(lambda: [s for s in lane.get("resourceslices", "--field-selector",
-                                           f"spec.nodeName={lane.node.name}")["items"]
-                       if s["metadata"]["uid"] != before[0]["metadata"]["uid"]], "a new slice after kubelet restarted")
+    lane.wait(lambda: [s for s in lane.slices() if s["metadata"]["uid"] != before["metadata"]["uid"]],
+              "a new slice after kubelet restarted")
     lane.node.wait_ready()
     assert len(lane.slice_devices()) == 4
 
