@@ -3,7 +3,7 @@
 Preparing a claim reads its allocation from the API server (the devices of our driver in our
 pool), then writes, each atomically (temporary file, fsync, rename):
 
-1. the claim's **CDI spec** ``<cdi-dir>/<vendor>-<class>_<claim UID>.json``, kind
+1. the claim's **CDI spec** (not fsynced: it lives in /var/run) ``<cdi-dir>/<vendor>-<class>_<claim UID>.json``, kind
    ``k8s.<driver>/tpu``: one CDI device ``<claim UID>-tpu-<index>`` per chip with its device
    nodes, and spec-wide edits applied once per container: ``/dev/vfio/vfio`` (VFIO generations),
    the TPU env of exactly these chips (the device plugin's table, device_plugin/topology.py) and
@@ -46,13 +46,17 @@ class ClaimError(Exception):
     """This claim cannot be prepared (the message goes to kubelet, which retries)."""
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Readers see the old file or the new one, never a part; ``durable``: on disk before returning."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if not durable:
+        return
     dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dirfd)
@@ -108,7 +112,9 @@ class Claims:
                     raise ClaimError(f"claim {namespace}/{name}: chip {r['device']} is Unhealthy: {s.problem}")
                 chips.append(s.chip)
             spec = self.spec(uid, chips, len(by_name))
-            write_atomic(self.spec_path(uid), json.dumps(spec, indent=1).encode())
+            # the spec need not survive a reboot (/var/run; the containers do not either), the
+            # checkpoint must: it is what tells a restarted plugin the claim is prepared
+            write_atomic(self.spec_path(uid), json.dumps(spec, indent=1).encode(), durable=False)
             devs = [{"request_names": [r["request"]], "pool_name": r["pool"], "device_name": r["device"],
                      "cdi_device_ids": [f"{self.kind}={uid}-{r['device']}"]} for r in results]
             write_atomic(ck, json.dumps({"namespace": namespace, "name": name, "uid": uid, "devices": devs}).encode())
