@@ -21,6 +21,7 @@ from . import __version__, exitcodes, log as alog
 COMPONENTS = [
     "device_plugin.cli",
     "device_plugin.selftest",
+    "device_plugin.dra.cli",
     "csi_driver.cli",
     "agent.cli",
     "agent.cache_cli",

@@ -57,6 +57,7 @@ class NodeFacts:
         self._stop = threading.Event()
         self._reflector = None
         self._thread: threading.Thread | None = None
+        self.on_change = lambda: None  # called after the facts changed (the DRA plugin republishes)
 
     def __call__(self) -> NodeConfig:
         with self._lock:
@@ -70,6 +71,7 @@ class NodeFacts:
             now = self()
             log.info("slice facts", extra=kv(source=source, accelerator=now.accelerator, topology=now.topology,
                                              accelerator_type=now.type_value()))
+            self.on_change()
 
     def from_metadata(self, metadata) -> None:
         """Read the VM's kube-labels once (a missing attribute or server is logged, not fatal)."""

@@ -13,7 +13,7 @@ import pytest
 from accelnode import cli
 from tests.conftest import ROOT, tool
 
-DOCS = ["docs/signatures.md", "docs/device-plugin.md", "docs/tpu-env.md"]
+DOCS = ["docs/signatures.md", "docs/device-plugin.md", "docs/tpu-env.md", "docs/dra.md"]
 _SPAN = re.compile(r"`([^`\n]+)`")
 _BLOCK = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 

@@ -26,6 +26,8 @@ UPSTREAM = {
     "v1beta1.DevicePlugin": ["GetDevicePluginOptions", "ListAndWatch", "GetPreferredAllocation", "Allocate",
                              "PreStartContainer"],
     "pluginregistration.Registration": ["GetInfo", "NotifyRegistrationStatus"],
+    **{f"k8s.io.kubelet.pkg.apis.dra.{v}.DRAPlugin": ["NodePrepareResources", "NodeUnprepareResources"]
+       for v in ("v1", "v1beta1")},
     "csi.v1.Identity": ["GetPluginInfo", "GetPluginCapabilities", "Probe"],
     "csi.v1.Controller": ["CreateVolume", "DeleteVolume", "ControllerPublishVolume", "ControllerUnpublishVolume",
                           "ValidateVolumeCapabilities", "ListVolumes", "GetCapacity", "ControllerGetCapabilities",
@@ -38,7 +40,8 @@ UPSTREAM = {
                     "NodeGetVolumeStats", "NodeExpandVolume", "NodeGetCapabilities", "NodeGetInfo"],
 }
 # kubelet's APIs are ours in full: every upstream RPC must be there, with upstream streaming
-COMPLETE = {"v1beta1.Registration", "v1beta1.DevicePlugin", "pluginregistration.Registration"}
+COMPLETE = {"v1beta1.Registration", "v1beta1.DevicePlugin", "pluginregistration.Registration",
+            "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin", "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"}
 SERVER_STREAMING = {"/v1beta1.DevicePlugin/ListAndWatch", "/csi.v1.SnapshotMetadata/GetMetadataAllocated",
                     "/csi.v1.SnapshotMetadata/GetMetadataDelta"}
 OWN_PREFIX = "accelnode."
@@ -67,6 +70,21 @@ FIELDS = {
     "pluginregistration.PluginInfo": {"type": 1, "name": 2, "endpoint": 3, "supported_versions": 4},
     "pluginregistration.RegistrationStatus": {"plugin_registered": 1, "error": 2},
 }
+# the DRA plugin API (k8s.io/kubelet/pkg/apis/dra/{v1,v1beta1}/api.proto at v0.35.4): the same
+# messages in both versions, but for Device.share_id (v1 only)
+for _v in ("v1", "v1beta1"):
+    _p = f"k8s.io.kubelet.pkg.apis.dra.{_v}"
+    FIELDS.update({
+        f"{_p}.NodePrepareResourcesRequest": {"claims": 1},
+        f"{_p}.NodePrepareResourcesResponse": {"claims": 1},
+        f"{_p}.NodePrepareResourceResponse": {"devices": 1, "error": 2},
+        f"{_p}.Device": {"request_names": 1, "pool_name": 2, "device_name": 3, "cdi_device_ids": 4,
+                         **({"share_id": 5} if _v == "v1" else {})},
+        f"{_p}.NodeUnprepareResourcesRequest": {"claims": 1},
+        f"{_p}.NodeUnprepareResourcesResponse": {"claims": 1},
+        f"{_p}.NodeUnprepareResourceResponse": {"error": 1},
+        f"{_p}.Claim": {"namespace": 1, "uid": 2, "name": 3},
+    })
 
 PROTOS = sorted(PROTO_DIR.glob("*.proto"))
 
@@ -108,7 +126,7 @@ def test_every_rpc_has_the_upstream_method_path(proto):
 def test_kubelet_field_numbers():
     from google.protobuf import descriptor_pool
 
-    for proto in ("deviceplugin", "pluginregistration"):
+    for proto in ("deviceplugin", "pluginregistration", "dra_v1", "dra_v1beta1"):
         importlib.import_module(f"accelnode.pb.{proto}_pb2")  # adds its messages to the pool
     pool = descriptor_pool.Default()
     for message, fields in FIELDS.items():

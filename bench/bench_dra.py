@@ -1,0 +1,169 @@
+"""TPUs through DRA on the containerd 2 lane (tests/rigs/containerd2.py; root, kubelet lock):
+
+- ``prepare_p50_ms``/``prepare_p99_ms``: NodePrepareResources of one fresh claim (the plugin reads
+  the claim from the API server, writes its CDI spec and checkpoint), called as kubelet calls it;
+  ``unprepare_p50_ms`` likewise;
+- ``republish_s``: kubelet restarts and deletes the node's slices; the time from that deletion
+  to the plugin's slice being back (from the API server's watch events);
+- ``pod_running_dra_s`` vs ``pod_running_device_plugin_s``: a pod holding 2 chips through a
+  ResourceClaimTemplate vs one asking ``google.com/tpu: 2`` of the device plugin (on a second
+  simulated host of the same node), created to Running, medians of alternating runs; their ratio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+G = "dra"
+TARGETS = {"prepare_p50_ms": "<=5", "republish_s": "<=1", "pod_running_ratio": "<=1.0"}
+CLAIMS = 40
+RUNS = 3
+SLEEP = "import time; time.sleep(3600)"
+
+
+def emit(metric: str, value, fmt: str = ".3f") -> None:
+    print(f"BENCH {G} {metric}={value:{fmt}}", flush=True)
+    if metric in TARGETS:
+        print(f"BENCH {G} target_{metric}{TARGETS[metric]}", flush=True)
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def main() -> None:
+    from accelnode import grpcutil
+    from accelnode.kube.client import Client, Config
+    from device_plugin.dra import api
+    from tests.rigs import image as images
+    from tests.rigs.containerd2 import DRIVER, DRALane, claim_pod, claim_template
+    from tests.rigs.devcluster import _Proc
+    from tests.rigs.node import DEVICE_PLUGINS
+    from tests.rigs.simhost import SimHost
+
+    tools = Path(os.environ.get("ACCELNODE_TOOLS_BIN", ROOT / ".tools/bin"))
+    workdir = Path(tempfile.mkdtemp(prefix="dra-b-", dir="/tmp"))
+    lane = DRALane(workdir, tools)
+    dp = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            lane.start([images.build(log=lambda m: None)])
+        admin = Client(Config.load(lane.cp.kubeconfig("admin")), user_agent="accelnode-bench")
+        node = lane.node.name
+        ns = "bench-dra"
+        lane.kubectl("create", "namespace", ns)
+        lane.wait(lambda: lane.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0, "default SA")
+
+        # -- NodePrepareResources / NodeUnprepareResources, as kubelet calls them
+        claims = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
+        pb, pb_grpc = api.SERVICES["v1.DRAPlugin"]
+        stub = pb_grpc.DRAPluginStub(grpcutil.unix_channel(lane.node.root_dir / "plugins" / DRIVER / "dra.sock"))
+        uids = []
+        for i in range(CLAIMS):
+            c = admin.request("POST", claims, body={
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": f"c{i}"},
+                "spec": {"devices": {"requests": [{"name": "tpu", "exactly": {"deviceClassName": DRIVER}}]}}})
+            c["status"] = {"allocation": {"devices": {"results": [
+                {"request": "tpu", "driver": DRIVER, "pool": node, "device": f"tpu-{i % 4}"}]}}}
+            admin.request("PUT", f"{claims}/c{i}/status", body=c)
+            uids.append(c["metadata"]["uid"])
+        prep, unprep = [], []
+        for i, uid in enumerate(uids):
+            claim = [pb.Claim(namespace=ns, name=f"c{i}", uid=uid)]
+            t0 = time.perf_counter()
+            got = stub.NodePrepareResources(pb.NodePrepareResourcesRequest(claims=claim), timeout=45)
+            prep.append(time.perf_counter() - t0)
+            assert not got.claims[uid].error, got.claims[uid].error
+        for i, uid in enumerate(uids):
+            t0 = time.perf_counter()
+            stub.NodeUnprepareResources(pb.NodeUnprepareResourcesRequest(
+                claims=[pb.Claim(namespace=ns, name=f"c{i}", uid=uid)]), timeout=45)
+            unprep.append(time.perf_counter() - t0)
+            admin.request("DELETE", f"{claims}/c{i}")  # allocated devices stay taken until the claim goes
+
+        # -- the slice after a kubelet restart (watch events: deleted -> added)
+        (before,) = lane.slices()
+        seen: dict[str, float] = {}
+        stop = threading.Event()
+
+        def watch() -> None:
+            for ev in admin.watch("/apis/resource.k8s.io/v1/resourceslices",
+                                  {"fieldSelector": f"spec.nodeName={node}",
+                                   "resourceVersion": before["metadata"]["resourceVersion"]}, 60):
+                if ev["type"] in ("DELETED", "ADDED"):
+                    seen.setdefault(ev["type"], time.monotonic())
+                if "ADDED" in seen or stop.is_set():
+                    return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        time.sleep(0.5)
+        t_restart = time.monotonic()
+        lane.node.restart_kubelet()
+        watcher.join(60)
+        stop.set()
+        with contextlib.redirect_stdout(sys.stderr):
+            lane.node.wait_ready()
+
+        # -- pod Running: a claim vs the device plugin, on the same node
+        host2 = SimHost.preset(workdir / "host2", "v5e-4")
+        dp = _Proc("accelnode device-plugin", [
+            sys.executable, "-m", "accelnode", "device-plugin", "--kubelet-dir", str(DEVICE_PLUGINS),
+            "--sysfs-root", str(host2.sysfs_root), "--dev-root", str(host2.dev_root), "--metrics-address", "",
+            "--topology", "2x2"], workdir / "device-plugin.log")
+        dp.start()
+        lane.wait(lambda: lane.get("node", node)["status"].get("allocatable", {}).get("google.com/tpu") == "4",
+                  "google.com/tpu: 4 allocatable")
+        lane.apply(claim_template("two", ns, 2))
+
+        def running(doc: dict) -> float:
+            name = doc["metadata"]["name"]
+            t0 = time.monotonic()
+            admin.request("POST", f"/api/v1/namespaces/{ns}/pods", body=doc)
+            while admin.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}").get("status", {}).get("phase") != "Running":
+                if time.monotonic() - t0 > 180:
+                    raise RuntimeError(f"pod {name} not Running after 180 s\n{lane.diagnose()}")
+                time.sleep(0.02)
+            took = time.monotonic() - t0
+            lane.kubectl("delete", "pod", name, "-n", ns, "--grace-period=0", "--force", "--wait=true")
+            return took
+
+        def dp_pod(name: str) -> dict:
+            return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                    "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                             "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                                             "command": ["python3", "-c", SLEEP],
+                                             "resources": {"limits": {"google.com/tpu": "2"}}}]}}
+
+        dra_t, dp_t = [], []
+        for i in range(RUNS):
+            dra_t.append(running(claim_pod(f"dra-{i}", ns, "two", SLEEP)))
+            dp_t.append(running(dp_pod(f"dp-{i}")))
+    finally:
+        with contextlib.redirect_stdout(sys.stderr):
+            if dp is not None:
+                dp.stop()
+            lane.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    emit("prepare_p50_ms", pct(prep, 50) * 1000)
+    emit("prepare_p99_ms", pct(prep, 99) * 1000)
+    emit("unprepare_p50_ms", pct(unprep, 50) * 1000)
+    emit("republish_s", seen["ADDED"] - seen["DELETED"])
+    emit("kubelet_restart_to_slice_s", seen["ADDED"] - t_restart)
+    emit("pod_running_dra_s", statistics.median(dra_t))
+    emit("pod_running_device_plugin_s", statistics.median(dp_t))
+    emit("pod_running_ratio", statistics.median(dra_t) / statistics.median(dp_t))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""NodePrepareResources / NodeUnprepareResources: a CDI spec per claim, state on disk.
+
+Preparing a claim reads its allocation from the API server (the devices of our driver in our
+pool), then writes, each atomically (temporary file, fsync, rename):
+
+1. the claim's **CDI spec** (not fsynced: it lives in /var/run) ``<cdi-dir>/<vendor>-<class>_<claim UID>.json``, kind
+   ``k8s.<driver>/tpu``: one CDI device ``<claim UID>-tpu-<index>`` per chip with its device
+   nodes, and spec-wide edits applied once per container: ``/dev/vfio/vfio`` (VFIO generations),
+   the TPU env of exactly these chips (the device plugin's table, device_plugin/topology.py) and
+   the libtpu log directory mounted from the host;
+2. the claim's **checkpoint** ``<state-dir>/<claim UID>.json``: the answer given to kubelet.
+
+A claim with both files is prepared: preparing it again returns the checkpoint without asking
+the API server (kubelet repeats calls after its own restarts). A crash between 1 and 2 leaves a
+spec without checkpoint: the next prepare writes both again. Unpreparing removes the spec, then
+the checkpoint; a claim that is not (or no longer) prepared is not an error. So a restart of the
+plugin between prepare and unprepare loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Callable
+
+from accelnode.kube.client import Client, KubeError, is_not_found
+from accelnode.log import kv
+
+from .. import topology
+from ..health import ChipState
+from .slices import device_name
+
+log = logging.getLogger("accelnode.dra")
+
+CDI_VERSION = "0.6.0"
+CDI_CLASS = "tpu"
+LOG_DIR_IN_CONTAINER = "/tmp/tpu_logs"  # where libtpu writes its logs
+_UID = re.compile(r"^[0-9a-fA-F-]{1,64}$")
+
+
+class ClaimError(Exception):
+    """This claim cannot be prepared (the message goes to kubelet, which retries)."""
+
+
+def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Readers see the old file or the new one, never a part; ``durable``: on disk before returning."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if not durable:
+        return
+    dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
+
+
+class Claims:
+    def __init__(self, *, client: Client, driver: str, node: str, cdi_dir: Path, state_dir: Path, dev_root: Path,
+                 states: Callable[[], tuple[ChipState, ...]], config: Callable[[], topology.NodeConfig],
+                 log_dir: Path | None):
+        self.client, self.driver, self.node = client, driver, node
+        self.cdi_dir, self.state_dir, self.dev_root = cdi_dir, state_dir, dev_root
+        self.states, self.config, self.log_dir = states, config, log_dir
+        self.kind = f"k8s.{driver}/{CDI_CLASS}"
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+
+    # -- paths -------------------------------------------------------------------------------------
+
+    def spec_path(self, uid: str) -> Path:
+        vendor, cls = self.kind.split("/")
+        return self.cdi_dir / f"{vendor}-{cls}_{uid}.json"
+
+    def checkpoint_path(self, uid: str) -> Path:
+        return self.state_dir / f"{uid}.json"
+
+    def prepared(self) -> list[str]:
+        """UIDs of the claims with a checkpoint."""
+        return sorted(p.stem for p in self.state_dir.glob("*.json"))
+
+    def _lock(self, uid: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    # -- the two calls ------------------------------------------------------------------------------
+
+    def prepare(self, namespace: str, name: str, uid: str) -> list[dict]:
+        """The claim's devices (``request_names``, ``pool_name``, ``device_name``, ``cdi_device_ids``)."""
+        _check_uid(uid)
+        with self._lock(uid):
+            ck = self.checkpoint_path(uid)
+            if ck.exists() and self.spec_path(uid).exists():
+                return json.loads(ck.read_text())["devices"]
+            results = self._allocation(namespace, name, uid)
+            by_name = {device_name(s.chip.index): s for s in self.states()}
+            chips = []
+            for r in results:
+                s = by_name.get(r["device"])
+                if s is None:
+                    raise ClaimError(f"claim {namespace}/{name}: device {r['device']} is not on this node")
+                if s.problem is not None:
+                    raise ClaimError(f"claim {namespace}/{name}: chip {r['device']} is Unhealthy: {s.problem}")
+                chips.append(s.chip)
+            spec = self.spec(uid, chips, len(by_name))
+            # the spec need not survive a reboot (/var/run; the containers do not either), the
+            # checkpoint must: it is what tells a restarted plugin the claim is prepared
+            write_atomic(self.spec_path(uid), json.dumps(spec, indent=1).encode(), durable=False)
+            devs = [{"request_names": [r["request"]], "pool_name": r["pool"], "device_name": r["device"],
+                     "cdi_device_ids": [f"{self.kind}={uid}-{r['device']}"]} for r in results]
+            write_atomic(ck, json.dumps({"namespace": namespace, "name": name, "uid": uid, "devices": devs}).encode())
+            log.info("claim prepared", extra=kv(claim=f"{namespace}/{name}", uid=uid,
+                                                devices=",".join(r["device"] for r in results)))
+            return devs
+
+    def unprepare(self, uid: str) -> None:
+        _check_uid(uid)
+        with self._lock(uid):
+            had = self.checkpoint_path(uid).exists()
+            self.spec_path(uid).unlink(missing_ok=True)
+            self.checkpoint_path(uid).unlink(missing_ok=True)
+            if had:
+                log.info("claim unprepared", extra=kv(uid=uid))
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _allocation(self, namespace: str, name: str, uid: str) -> list[dict]:
+        try:
+            claim = self.client.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
+        except KubeError as e:
+            if is_not_found(e):
+                raise ClaimError(f"claim {namespace}/{name} not found") from None
+            raise ClaimError(f"claim {namespace}/{name}: reading it failed: {e}") from None
+        if claim["metadata"].get("uid") != uid:
+            raise ClaimError(f"claim {namespace}/{name} has UID {claim['metadata'].get('uid')}, kubelet asked for {uid}")
+        alloc = (claim.get("status") or {}).get("allocation")
+        if not alloc:
+            raise ClaimError(f"claim {namespace}/{name} is not allocated")
+        ours = [r for r in (alloc.get("devices") or {}).get("results") or []
+                if r.get("driver") == self.driver and r.get("pool") == self.node]
+        if not ours:
+            raise ClaimError(f"claim {namespace}/{name} has no device of {self.driver} in pool {self.node}")
+        return ours
+
+    def spec(self, uid: str, chips, host_chips: int) -> dict:
+        """The claim's CDI spec."""
+        def node(p: str) -> dict:
+            return {"path": "/dev/" + os.path.relpath(p, self.dev_root), "hostPath": p, "permissions": "rw"}
+
+        shared = {p for c in chips for p in c.dev_paths if p.endswith("/vfio/vfio")}
+        env = topology.container_env(sorted(chips, key=lambda c: c.index), host_chips, self.config())
+        edits: dict = {"env": [f"{k}={v}" for k, v in sorted(env.items())],
+                       "deviceNodes": [node(p) for p in sorted(shared)]}
+        if self.log_dir is not None:
+            host_logs = self.log_dir / uid
+            host_logs.mkdir(parents=True, exist_ok=True)
+            edits["mounts"] = [{"hostPath": str(host_logs), "containerPath": LOG_DIR_IN_CONTAINER,
+                                "options": ["rw", "rbind", "nosuid", "nodev"]}]
+        return {"cdiVersion": CDI_VERSION, "kind": self.kind, "containerEdits": edits,
+                "devices": [{"name": f"{uid}-{device_name(c.index)}",
+                             "containerEdits": {"deviceNodes": [node(p) for p in c.dev_paths if p not in shared],
+                                                "env": [f"TPU_DEVICE_{c.index}_RESOURCE_CLAIM={uid}"]}}
+                            for c in chips]}
+
+
+def _check_uid(uid: str) -> None:
+    if not _UID.match(uid or ""):
+        raise ClaimError(f"claim UID {uid!r} is not a UID")

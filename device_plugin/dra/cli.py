@@ -1,0 +1,127 @@
+"""``accelnode dra``: offer this node's TPU chips through Dynamic Resource Allocation (docs/dra.md)."""
+
+from __future__ import annotations
+
+import re
+
+from accelnode import cli as acli
+from accelnode import exitcodes
+
+from ..cli import _tick
+from ..events import DEFAULT_TICK
+from ..topology import RECIPES
+
+# a DNS subdomain (the driver name is a ResourceSlice field and a CDI vendor)
+_DRIVER = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$")
+_UID = re.compile(r"^[0-9a-fA-F-]{1,64}$")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "dra",
+        help="kubelet DRA plugin for TPU chips (ResourceSlices, CDI per claim)",
+        description="Publish this node's healthy TPU chips as a ResourceSlice (resource.k8s.io/v1, one device per "
+        "chip), register with kubelet as a DRA plugin, and prepare claims by writing a CDI spec per claim (device "
+        "nodes, TPU env, libtpu log mount). Needs a CDI-capable runtime (containerd 1.7.2+, 2.x). Runs until "
+        "SIGTERM/SIGINT.")
+    p.add_argument("--driver-name", default="tpu.google.com",
+                   help="DRA driver name: ResourceSlice spec.driver, the DeviceClass's selector, the CDI vendor "
+                   "k8s.<driver>; refused when another plugin registered it on this node (default: %(default)s)")
+    p.add_argument("--node-name", required=True, metavar="NODE",
+                   help="this Node (the pool and owner of the slice; the DaemonSet sets it from spec.nodeName)")
+    p.add_argument("--kubeconfig", default=None, metavar="FILE",
+                   help="kubeconfig (default: as kubectl: $KUBECONFIG, ~/.kube/config, else the pod's service account)")
+    p.add_argument("--kubelet-root", default="/var/lib/kubelet",
+                   help="kubelet's --root-dir: plugins_registry/ and plugins/<driver>/ are under it (default: %(default)s)")
+    p.add_argument("--pod-uid", default=None,
+                   help="this pod's UID: socket names <driver>-<uid>-reg.sock and dra-<uid>.sock, so an old and a "
+                   "new pod of a rolling update serve side by side (default: <driver>-reg.sock, dra.sock)")
+    p.add_argument("--cdi-dir", default="/var/run/cdi",
+                   help="where the per-claim CDI specs go; the runtime must read it (default: %(default)s)")
+    p.add_argument("--state-dir", default=None,
+                   help="per-claim checkpoints (default: <kubelet-root>/plugins/<driver>/claims)")
+    p.add_argument("--libtpu-log-dir", default="/var/log/tpu_logs",
+                   help="host directory whose <claim UID>/ subdirectory is mounted at /tmp/tpu_logs in the claim's "
+                   "containers; empty: no mount (default: %(default)s)")
+    p.add_argument("--sysfs-root", default="/sys", help="where sysfs is mounted (default: %(default)s)")
+    p.add_argument("--dev-root", default="/dev", help="where device nodes live (default: %(default)s)")
+    p.add_argument("--tpu-env", choices=RECIPES, default="gke",
+                   help="the TPU env a claim's containers get, as for the device plugin (default: %(default)s)")
+    p.add_argument("--accelerator-type", default=None, help="TPU_ACCELERATOR_TYPE; wins over the Node's labels")
+    p.add_argument("--topology", default=None, help="slice topology, e.g. 2x2; wins over the Node's labels")
+    p.add_argument("--metrics-address", default="127.0.0.1:2113",
+                   help="HOST:PORT for /metrics, /healthz, /readyz; empty disables (default: %(default)s)")
+    p.add_argument("--health-interval", type=_tick, default=DEFAULT_TICK,
+                   help="seconds between reads of the chips' sysfs health attributes (default: %(default)s)")
+    acli.add_common(p)
+    acli.apply_env(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import signal
+    import threading
+    from pathlib import Path
+
+    from accelnode.health import Health
+    from accelnode.httpserve import MetricsServer, parse_address
+    from accelnode.kube.client import Client, Config
+    from prometheus_client import CollectorRegistry
+
+    from ..nodefacts import NodeFacts
+    from ..topology import NodeConfig
+    from .server import Driver, NameTaken
+
+    if not _DRIVER.match(args.driver_name):
+        raise exitcodes.CLIError(f"--driver-name {args.driver_name!r} is not a DNS subdomain with a dot "
+                                 "(e.g. tpu.google.com)", exitcodes.USAGE)
+    if args.pod_uid is not None and not _UID.match(args.pod_uid):
+        raise exitcodes.CLIError(f"--pod-uid {args.pod_uid!r} is not a UID", exitcodes.USAGE)
+    config = NodeConfig(accelerator_type=args.accelerator_type or None, topology=args.topology or None,
+                        recipe=args.tpu_env)
+    try:
+        config.validate()
+    except ValueError as e:
+        raise exitcodes.CLIError(f"--topology: {e}", exitcodes.USAGE) from None
+    if args.metrics_address:
+        try:
+            parse_address(args.metrics_address)
+        except ValueError as e:
+            raise exitcodes.CLIError(f"--metrics-address: {e}", exitcodes.USAGE) from None
+    sysfs, dev, root = Path(args.sysfs_root), Path(args.dev_root), Path(args.kubelet_root)
+    if not (sysfs / "bus/pci/devices").is_dir():
+        raise exitcodes.CLIError(f"--sysfs-root {sysfs} has no bus/pci/devices: not a sysfs tree",
+                                 exitcodes.PREREQUISITE)
+    try:
+        client = Client(Config.load(args.kubeconfig), user_agent="accelnode-dra", max_connections=4)
+    except (ValueError, OSError) as e:
+        raise exitcodes.CLIError(f"the API server: {e}", exitcodes.PREREQUISITE) from None
+    facts = NodeFacts(config)
+    health = Health()
+    state = Path(args.state_dir) if args.state_dir else root / "plugins" / args.driver_name / "claims"
+    driver = Driver(driver=args.driver_name, node=args.node_name, client=client, kubelet_root=root, sysfs_root=sysfs,
+                    dev_root=dev, cdi_dir=Path(args.cdi_dir), state_dir=state,
+                    log_dir=Path(args.libtpu_log_dir) if args.libtpu_log_dir else None, config=facts,
+                    tick=args.health_interval, pod_uid=args.pod_uid, health=health)
+    facts.on_change = driver.facts_changed
+    facts.watch_node(client, args.node_name)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    http = None
+    try:
+        if args.metrics_address:
+            http = MetricsServer(args.metrics_address, CollectorRegistry(), driver.ready, health).start()
+        try:
+            driver.start()
+        except NameTaken as e:
+            raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
+        except (FileExistsError, OSError) as e:
+            raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
+        stop.wait()
+    finally:
+        driver.stop()
+        facts.stop()
+        if http is not None:
+            http.stop()
+    return exitcodes.OK

@@ -1,0 +1,155 @@
+"""``accelnode dra`` against a real kube-apiserver (resource.k8s.io/v1): its ResourceSlice, and
+NodePrepareResources/NodeUnprepareResources as kubelet calls them (v1 and v1beta1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import grpc
+
+from accelnode import exitcodes, grpcutil
+from device_plugin.dra import api
+from tests.conftest import eventually
+from tests.dra.conftest import DRIVER, SLICES, allocated_claim, claim_path, node_slices
+
+ACCEL, TOPO = "cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-topology"
+
+
+def the_slice(admin, node, want=lambda s: True, timeout=20.0):
+    def get():
+        items = node_slices(admin, node)
+        return items[0] if len(items) == 1 and want(items[0]) else None
+    return eventually(get, f"the ResourceSlice of {node}", timeout=timeout)
+
+
+def names(s) -> list[str]:
+    return [d["name"] for d in s["spec"]["devices"]]
+
+
+def test_the_slice_follows_the_chips_and_comes_back_when_deleted(control_plane, admin, node, tpu_host, dra):
+    host = tpu_host("v5e-4")
+    n = node("dra-slices", {ACCEL: "tpu-v5-lite-podslice", TOPO: "2x2"})
+    d = dra(host, n, control_plane.kubeconfig("admin"))
+    d.start()
+    s = the_slice(admin, n, lambda s: names(s) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"])
+    assert s["metadata"]["name"] == f"{n}-{DRIVER}" and s["spec"]["driver"] == DRIVER
+    assert s["spec"]["pool"] == {"name": n, "generation": 1, "resourceSliceCount": 1}
+    (owner,) = s["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"]) == ("Node", n)
+    attrs = s["spec"]["devices"][0]["attributes"]
+    assert attrs["topology"] == {"string": "2x2"} and attrs["accelerator"] == {"string": "tpu-v5-lite-podslice"}
+
+    # kubelet wipes the node's slices when it starts: the plugin puts it back
+    admin.request("DELETE", f"{SLICES}/{s['metadata']['name']}")
+    back = the_slice(admin, n, lambda x: x["metadata"]["uid"] != s["metadata"]["uid"])
+    assert names(back) == names(s)
+
+    # a chip turns unhealthy: it leaves the slice, in a new pool generation; and returns
+    chip = host.chips()[1]
+    host.bump_aer_fatal(chip)
+    sick = the_slice(admin, n, lambda x: names(x) == ["tpu-0", "tpu-2", "tpu-3"])
+    assert sick["spec"]["pool"]["generation"] == back["spec"]["pool"]["generation"] + 1
+    host.reset_aer(chip)
+    the_slice(admin, n, lambda x: names(x) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"])
+
+
+def test_registration_info_and_a_second_plugin_of_the_same_name_is_refused(control_plane, admin, node, tpu_host, dra):
+    host = tpu_host("v5e-4")
+    n = node("dra-reg")
+    d = dra(host, n, control_plane.kubeconfig("admin"))
+    d.start()
+    with grpcutil.unix_channel(d.reg_socket) as ch:
+        info = api.RegistrationStub(ch).GetInfo(api.InfoRequest(), timeout=5)
+    assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, str(d.endpoint))
+    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    # a second instance in the same kubelet root, under its own rolling-update socket name: refused
+    p2 = d.start("--pod-uid", "1234", wait=False)
+    assert p2.proc.wait(30) == exitcodes.PREREQUISITE, p2.log()
+    assert f"another DRA plugin already registered driver '{DRIVER}'" in p2.log()
+    assert d.procs[0].proc.poll() is None and d.reg_socket.is_socket()
+    # a stale socket of a dead plugin does not block a restart
+    d.procs[0].proc.send_signal(signal.SIGKILL)
+    d.procs[0].proc.wait()
+    assert d.reg_socket.is_socket()
+    d.start()
+
+
+def test_prepare_and_unprepare_a_claim(control_plane, admin, node, tpu_host, dra, kube_namespace):
+    host = tpu_host("v5e-4")
+    n = node("dra-prepare", {ACCEL: "tpu-v5-lite-podslice", TOPO: "2x2"})
+    d = dra(host, n, control_plane.kubeconfig("admin"))
+    d.start()
+    the_slice(admin, n)
+    ns = kube_namespace
+    uid = allocated_claim(admin, ns, "two", n, ["tpu-2", "tpu-3"])
+
+    for version in ("v1.DRAPlugin", "v1beta1.DRAPlugin"):  # the second call finds it prepared
+        got = d.prepare(ns, "two", uid, version)
+        assert got.error == "", got.error
+        assert [(x.pool_name, x.device_name, list(x.request_names), list(x.cdi_device_ids)) for x in got.devices] == [
+            (n, f"tpu-{i}", ["tpu"], [f"k8s.{DRIVER}/tpu={uid}-tpu-{i}"]) for i in (2, 3)]
+    spec_file = d.cdi / f"k8s.{DRIVER}-tpu_{uid}.json"
+    spec = json.loads(spec_file.read_text())
+    env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
+    assert env["TPU_TOPOLOGY"] == "2x2" and env["TPU_CHIPS_PER_HOST_BOUNDS"] == "1,2,1"
+    assert [dev["name"] for dev in spec["devices"]] == [f"{uid}-tpu-2", f"{uid}-tpu-3"]
+
+    # crash-safe: a plugin killed between prepare and unprepare, the claim gone from the API server
+    # meanwhile (so nothing could be read again): a restarted plugin still answers from its state
+    d.procs[0].proc.send_signal(signal.SIGKILL)
+    d.procs[0].proc.wait()
+    admin.request("DELETE", claim_path(ns, "two"))
+    d.start()
+    again = d.prepare(ns, "two", uid)
+    assert again.error == "" and [x.device_name for x in again.devices] == ["tpu-2", "tpu-3"]
+    assert d.unprepare(ns, "two", uid).error == ""
+    assert not spec_file.exists() and not list((d.root / "plugins" / DRIVER / "claims").iterdir())
+    assert d.unprepare(ns, "two", uid).error == ""  # twice: nothing to do, no error
+
+
+def test_claims_that_cannot_be_prepared_say_why_and_write_nothing(control_plane, admin, node, tpu_host, dra,
+                                                                   kube_namespace):
+    host = tpu_host("v5e-4")
+    n = node("dra-refuse")
+    d = dra(host, n, control_plane.kubeconfig("admin"))
+    d.start()
+    ns = kube_namespace
+    other = allocated_claim(admin, ns, "elsewhere", "another-node", ["tpu-0"])
+    assert "has no device of tpu.google.com in pool dra-refuse" in d.prepare(ns, "elsewhere", other).error
+    assert "not found" in d.prepare(ns, "missing", "0f0e0d0c-0000-4000-8000-00000000000f").error
+    wrong = allocated_claim(admin, ns, "wrong-uid", n, ["tpu-0"])
+    assert "kubelet asked for" in d.prepare(ns, "wrong-uid", wrong[:-1] + "0").error
+    assert "not a UID" in d.prepare(ns, "wrong-uid", "../../etc/passwd").error
+    absent = allocated_claim(admin, ns, "absent", n, ["tpu-7"])
+    assert "device tpu-7 is not on this node" in d.prepare(ns, "absent", absent).error
+    host.bump_aer_fatal(host.chips()[0])
+    the_slice(admin, n, lambda x: "tpu-0" not in names(x))
+    sick = allocated_claim(admin, ns, "sick", n, ["tpu-0"])
+    assert "chip tpu-0 is Unhealthy" in d.prepare(ns, "sick", sick).error
+    assert not list(d.cdi.glob("*.json"))
+    assert not list((d.root / "plugins" / DRIVER / "claims").glob("*.json"))
+
+
+def test_prepare_of_several_claims_answers_each(control_plane, admin, node, tpu_host, dra, kube_namespace):
+    host = tpu_host("v5e-4")
+    n = node("dra-many")
+    d = dra(host, n, control_plane.kubeconfig("admin"))
+    d.start()
+    ns = kube_namespace
+    a = allocated_claim(admin, ns, "a", n, ["tpu-0"])
+    b = allocated_claim(admin, ns, "b", n, ["tpu-1"])
+    pb, _ = api.SERVICES["v1.DRAPlugin"]
+    req = pb.NodePrepareResourcesRequest(claims=[pb.Claim(namespace=ns, name="a", uid=a),
+                                                 pb.Claim(namespace=ns, name="missing", uid=b[:-1] + "0"),
+                                                 pb.Claim(namespace=ns, name="b", uid=b)])
+    got = d.stub().NodePrepareResources(req, timeout=45).claims
+    assert set(got) == {a, b, b[:-1] + "0"}
+    assert got[a].devices[0].device_name == "tpu-0" and got[b].devices[0].device_name == "tpu-1"
+    assert "not found" in got[b[:-1] + "0"].error
+    try:
+        d.stub("v1.DRAPlugin").NodePrepareResources(pb.NodePrepareResourcesRequest(), timeout=5)
+    except grpc.RpcError as e:  # an empty request is no error either
+        raise AssertionError(e) from None
+    assert os.path.exists(d.cdi / f"k8s.{DRIVER}-tpu_{a}.json")

@@ -1,0 +1,78 @@
+"""The DRA plugin's ResourceSlice devices and per-claim CDI specs, from a simulated host (no API)."""
+
+from pathlib import Path
+
+from device_plugin.dra import slices
+from device_plugin.dra.claims import Claims
+from device_plugin.health import Inventory
+from device_plugin.topology import NodeConfig
+
+# Google's TPU DRA driver: attribute -> value type (docs/dra.md); claims written for it must work here
+GOOGLE = {"index": "int", "uuid": "string", "tpuGen": "string", "brand": "string", "chipCount": "int"}
+
+
+def test_one_device_per_chip_with_googles_attributes_and_ours(tpu_host):
+    host = tpu_host("v5e-4")
+    states = Inventory(host.sysfs_root, host.dev_root).scan()
+    config = NodeConfig(accelerator="tpu-v5-lite-podslice", topology="2x2")
+    devs = slices.devices(states, config, host.sysfs_root)
+    assert [d["name"] for d in devs] == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"]
+    for i, d in enumerate(devs):
+        a = d["attributes"]
+        assert {k: next(iter(a[k])) for k in GOOGLE} == GOOGLE
+        assert (a["index"], a["tpuGen"], a["brand"], a["chipCount"]) == (
+            {"int": i}, {"string": "v5litepod"}, {"string": "Google"}, {"int": 4})
+        assert a["accelerator"] == {"string": "tpu-v5-lite-podslice"} and a["topology"] == {"string": "2x2"}
+        assert a["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:00"}
+        assert a["numaNode"] == {"int": 0} and a["healthy"] == {"bool": True}
+        assert a["uuid"]["string"] == states[i].chip.id and a["pciAddress"]["string"] == states[i].chip.bdf
+        assert len(a) <= 32  # the API's limit of attributes + capacities per device
+    # ICI: the pairs {0,1} {2,3} share iciBlock2, all four iciBlock4; coordinates as the device plugin's
+    assert [d["attributes"]["iciBlock2"]["int"] for d in devs] == [0, 0, 1, 1]
+    assert {d["attributes"]["iciBlock4"]["int"] for d in devs} == {0}
+    assert [(d["attributes"]["iciX"]["int"], d["attributes"]["iciY"]["int"]) for d in devs] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    # no slice facts: no accelerator/topology attributes (as Google's driver: only when known)
+    bare = slices.devices(states, NodeConfig(), host.sysfs_root)[0]["attributes"]
+    assert "topology" not in bare and "accelerator" not in bare
+
+
+def test_an_unhealthy_chip_leaves_the_slice(tpu_host):
+    host = tpu_host("v5e-4")
+    inv = Inventory(host.sysfs_root, host.dev_root)
+    inv.scan()
+    host.bump_aer_fatal(host.chips()[1])
+    devs = slices.devices(inv.scan(), NodeConfig(), host.sysfs_root)
+    assert [d["name"] for d in devs] == ["tpu-0", "tpu-2", "tpu-3"]
+    assert devs[0]["attributes"]["chipCount"] == {"int": 4}  # the host still has four chips
+
+
+def test_numa_of_a_v7x_host(tpu_host):
+    host = tpu_host("v7x-4")
+    devs = slices.devices(Inventory(host.sysfs_root, host.dev_root).scan(), NodeConfig(), host.sysfs_root)
+    assert [d["attributes"]["numaNode"]["int"] for d in devs] == [0, 0, 1, 1]
+    assert devs[0]["attributes"]["tpuGen"] == {"string": "v7x"}
+
+
+def test_the_cdi_spec_of_a_claim_holds_its_chips_env_and_log_mount(tpu_host, tmp_path):
+    host = tpu_host("v5e-4")
+    states = Inventory(host.sysfs_root, host.dev_root).scan()
+    claims = Claims(client=None, driver="tpu.google.com", node="n", cdi_dir=tmp_path / "cdi",
+                    state_dir=tmp_path / "state", dev_root=host.dev_root, states=lambda: states,
+                    config=lambda: NodeConfig(accelerator="tpu-v5-lite-podslice", topology="2x2"),
+                    log_dir=tmp_path / "logs")
+    uid = "0f0e0d0c-0000-4000-8000-000000000001"
+    spec = claims.spec(uid, [states[2].chip, states[3].chip], 4)
+    assert spec["kind"] == "k8s.tpu.google.com/tpu" and spec["cdiVersion"] == "0.6.0"
+    assert claims.spec_path(uid).name == f"k8s.tpu.google.com-tpu_{uid}.json"
+    assert [d["name"] for d in spec["devices"]] == [f"{uid}-tpu-2", f"{uid}-tpu-3"]
+    nodes = [n for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]]
+    assert [n["hostPath"] for n in nodes] == [p for s in states[2:] for p in s.chip.dev_paths if "vfio/vfio" not in p]
+    assert all(n["path"] == "/dev/" + str(Path(n["hostPath"]).relative_to(host.dev_root)) for n in nodes)
+    assert [n["path"] for n in spec["containerEdits"]["deviceNodes"]] == ["/dev/vfio/vfio"]  # once per container
+    env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
+    # the device plugin's table for two chips of a 2x2 v5e host (tests/device_plugin/test_node_facts.py)
+    assert (env["TPU_TOPOLOGY"], env["TPU_CHIPS_PER_HOST_BOUNDS"], env["TPU_HOST_BOUNDS"]) == ("2x2", "1,2,1", "2,1,1")
+    assert env["TPU_ACCELERATOR_TYPE"] == "v5litepod-4" and env["TPU_WORKER_ID"] == "0"
+    (mount,) = spec["containerEdits"]["mounts"]
+    assert mount["hostPath"] == str(tmp_path / "logs" / uid) and mount["containerPath"] == "/tmp/tpu_logs"

@@ -1,0 +1,156 @@
+"""TPUs through DRA on a real kubelet and containerd 2 (tests/rigs/containerd2.py), end to end:
+``accelnode dra`` on a simulated v5e-4 host registers with kubelet and publishes its slice; the
+real scheduler allocates claims from ResourceClaimTemplates; kubelet calls NodePrepareResources and
+containerd 2 injects the claim's CDI devices. Run under ``flock /tmp/kubelet.lock``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TOOLS_BIN, require
+from tests.rigs.containerd2 import claim_pod as pod
+from tests.rigs.containerd2 import claim_template as template
+# what a workload container got: device nodes and TPU env, as one JSON line
+PROBE = r"""
+import glob, json, os, time
+print(json.dumps({"devices": sorted(glob.glob("/dev/vfio/*") + glob.glob("/dev/accel*")),
+                  "tpu_env": {k: v for k, v in os.environ.items() if k.startswith("TPU_")},
+                  "logs": os.path.isdir("/tmp/tpu_logs")}), flush=True)
+time.sleep(3600)  # hold the claim until the test deletes the pod
+"""
+
+
+@pytest.fixture(scope="module")
+def lane():
+    from tests.rigs import containerd2
+    from tests.rigs import image as images
+    from tests.rigs.node import prerequisites
+
+    for what in prerequisites(TOOLS_BIN) + containerd2.prerequisites(TOOLS_BIN):
+        require(False, what)
+    # short: kubelet's plugin sockets live under it (unix socket paths end at 107 bytes)
+    workdir = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    world = containerd2.DRALane(workdir, TOOLS_BIN)
+    try:
+        world.start([images.build(log=lambda m: None)])
+        yield world
+        world.kubectl("delete", "pods", "--all", "-A", "--grace-period=1", check=False)
+    finally:
+        world.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def namespace(lane) -> str:
+    ns = f"dra-{uuid.uuid4().hex[:8]}"
+    lane.kubectl("create", "namespace", ns)
+    lane.wait(lambda: lane.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0, "default SA")
+    return ns
+
+
+def report(lane, ns: str, name: str) -> dict:
+    """What the pod's container printed, once it runs."""
+    out = lane.wait(lambda: lane.node.pod_log(ns, name, "worker").strip(), f"pod {ns}/{name} to report", timeout=180)
+    return json.loads(out.splitlines()[-1])
+
+
+def chip_indices(lane, devices: list[str]) -> list[int]:
+    """The host chips whose VFIO group nodes a container holds (the simulated host numbers groups in reverse)."""
+    from device_plugin.health import Inventory
+
+    by_group = {f"/dev/vfio/{s.chip.iommu_group}": s.chip.index
+                for s in Inventory(lane.host.sysfs_root, lane.host.dev_root).scan()}
+    return sorted(by_group[d] for d in devices if d != "/dev/vfio/vfio")
+
+
+def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
+    ns = namespace(lane)
+    lane.apply(template("pair", ns, 2, ici_block=2, gen="v5litepod"))
+    lane.apply(pod("a", ns, "pair", PROBE), pod("b", ns, "pair", PROBE))
+    got = {name: report(lane, ns, name) for name in ("a", "b")}
+    pairs = []
+    for name, r in got.items():
+        claim = lane.get("pod", name, "-n", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        results = lane.get("resourceclaim", claim, "-n", ns)["status"]["allocation"]["devices"]["results"]
+        devices = sorted(int(x["device"].split("-")[1]) for x in results)
+        pairs.append(devices)
+        # exactly its chips (plus the VFIO container node) and the env of two chips of a 2x2 host
+        assert "/dev/vfio/vfio" in r["devices"] and chip_indices(lane, r["devices"]) == devices, (name, r)
+        assert len(r["devices"]) == 3, r
+        env = r["tpu_env"]
+        assert (env["TPU_TOPOLOGY"], env["TPU_CHIPS_PER_HOST_BOUNDS"], env["TPU_HOST_BOUNDS"]) == ("2x2", "1,2,1", "2,1,1")
+        assert env["TPU_ACCELERATOR_TYPE"] == "v5litepod-4" and r["logs"] is True
+        assert {k for k in env if k.endswith("_RESOURCE_CLAIM")} == {f"TPU_DEVICE_{i}_RESOURCE_CLAIM" for i in devices}
+    assert sorted(pairs) == [[0, 1], [2, 3]]  # ICI neighbours, and the two pods share nothing
+
+    # a third claim cannot be met while both hold theirs: the scheduler says why it waits
+    lane.apply(pod("c", ns, "pair", PROBE))
+
+    def unschedulable():
+        conds = lane.get("pod", "c", "-n", ns)["status"].get("conditions") or []
+        return next((c for c in conds if c["type"] == "PodScheduled" and c["status"] == "False"), None)
+
+    cond = lane.wait(unschedulable, "pod c unschedulable")
+    assert cond["reason"] == "Unschedulable" and "cannot allocate all claims" in cond["message"], cond
+    # the claims go with their pods: the chips come back and c runs
+    lane.kubectl("delete", "pod", "a", "-n", ns, "--grace-period=1")
+    assert len(report(lane, ns, "c")["devices"]) == 3
+
+
+def test_the_slice_is_republished_after_kubelet_restarts(lane):
+    (before,) = lane.slices()
+    lane.node.restart_kubelet()
+    lane.wait(lambda: [s for s in lane.slices() if s["metadata"]["uid"] != before["metadata"]["uid"]],
+              "a new slice after kubelet restarted")
+    lane.node.wait_ready()
+    assert len(lane.slice_devices()) == 4
+
+
+IMAGE_VOLUME_PROBE = r"""
+import errno, hashlib, json, os, sys
+root = sys.argv[1]
+files = {}
+for d, _, names in os.walk(root):
+    for n in names:
+        p = os.path.join(d, n)
+        files[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+try:
+    open(os.path.join(root, "written-by-pod"), "w").close()
+    read_only = False
+except OSError as e:
+    read_only = e.errno == errno.EROFS
+print(json.dumps({"files": files, "read_only": read_only}), flush=True)
+"""
+
+
+def test_a_cache_image_mounts_as_an_image_volume(lane, registry, tmp_path):
+    """KServe's path for kernel caches: the image `accelnode cache build` pushes is an ordinary OCI
+    image (config with rootfs.diff_ids, tar layers), so containerd 2 mounts it as a Kubernetes
+    ``image`` volume, read-only (containerd mounts no OCI artifacts)."""
+    import hashlib
+
+    files = {"xla/module-1.bin": b"\x7fXLA" * 4096, "xla/module-2.bin": b"\x01" * 1000}
+    for name, data in files.items():
+        (tmp_path / "cache" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / name).write_bytes(data)
+    ref = registry.push(tmp_path / "cache", "e2e/jax-image-volume", tag="v1", kind="jax",
+                        targets=[{"backend": "tpu", "arch": "v5e"}])
+    lane.node.plain_http_registry(registry.host)
+    ns = namespace(lane)
+    lane.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "iv", "namespace": ns},
+                "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                         "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                                         "command": ["python3", "-c", IMAGE_VOLUME_PROBE, "/caches/jax"],
+                                         "volumeMounts": [{"name": "cache", "mountPath": "/caches/jax",
+                                                           "readOnly": True}]}],
+                         "volumes": [{"name": "cache", "image": {"reference": ref, "pullPolicy": "IfNotPresent"}}]}})
+    r = report(lane, ns, "iv")
+    assert r["read_only"] is True, r
+    seen = set(r["files"].values())
+    assert {hashlib.sha256(d).hexdigest() for d in files.values()} <= seen, r["files"]
+
