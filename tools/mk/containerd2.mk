@@ -17,7 +17,8 @@ CONTAINERD2_BUILD := $(TOOLS_DIR)/build/containerd2
 $(CONTAINERD2_TOOLS) &: tools/containerd2/go.mod tools/containerd2/go.sum
 	@echo "tools: building $(CONTAINERD2_NAMES) $(CONTAINERD2_VERSION) from tools/containerd2/go.mod (once; about 10 minutes on 2 busy cores)"
 	rm -rf $(CONTAINERD2_BUILD) && mkdir -p $(CONTAINERD2_BUILD) $(CONTAINERD2_BIN)
-	cd tools/containerd2 && CGO_ENABLED=0 nice go build -trimpath -ldflags='$(CONTAINERD2_LDFLAGS)' -o $(CONTAINERD2_BUILD)/ \
-	  $(addprefix github.com/containerd/containerd/v2/cmd/,$(CONTAINERD2_NAMES))
+	t=$$(date +%s) && cd tools/containerd2 && CGO_ENABLED=0 nice go build -trimpath -ldflags='$(CONTAINERD2_LDFLAGS)' -o $(CONTAINERD2_BUILD)/ \
+	  $(addprefix github.com/containerd/containerd/v2/cmd/,$(CONTAINERD2_NAMES)) && \
+	  echo "tools: containerd $(CONTAINERD2_VERSION) built in $$(( $$(date +%s) - t ))s"
 	cd $(CONTAINERD2_BUILD) && mv -f $(CONTAINERD2_NAMES) $(CONTAINERD2_BIN)/
 	rm -rf $(CONTAINERD2_BUILD)
