@@ -33,7 +33,7 @@ from kubernetes import client, config
 
 from accelnode import grpcutil
 from bench import memory
-from tests.rigs.devcluster import ControlPlane
+from tests.rigs.devcluster import ControlPlane, crd_args
 from agent.api import agent as agent_api
 from agent.api import agent_grpc
 from tests.rigs.simhost import SimHost
@@ -89,7 +89,7 @@ def run(tmp: Path) -> None:
     proc = None
     try:
         kubectl = tool("kubectl")
-        subprocess.run([kubectl, f"--kubeconfig={cp.kubeconfig('admin')}", "apply", "-f", str(ROOT / "daemonsets/crds"),
+        subprocess.run([kubectl, f"--kubeconfig={cp.kubeconfig('admin')}", "apply", *crd_args(),
                         "-f", str(ROOT / "daemonsets/namespace.yaml"), "-f", str(ROOT / "daemonsets/rbac-agent.yaml")],
                        check=True, capture_output=True)
         api = config.new_client_from_config(config_file=str(cp.kubeconfig("admin")))

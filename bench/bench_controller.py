@@ -276,7 +276,7 @@ def run(tmp: Path) -> None:
     try:
         reg = RunningRegistry(tmp / "registry")
         kubectl = tool("kubectl")
-        subprocess.run([kubectl, f"--kubeconfig={cp.kubeconfig('admin')}", "apply", "-f", str(ROOT / "daemonsets/crds"),
+        subprocess.run([kubectl, f"--kubeconfig={cp.kubeconfig('admin')}", "apply", *devcluster.crd_args(),
                         "-f", str(ROOT / "daemonsets/namespace.yaml"),
                         *[a for f in sorted((ROOT / "daemonsets").glob("rbac-controller*.yaml")) for a in ("-f", str(f))],
                         "-f", str(ROOT / "daemonsets/rbac-agent.yaml")], check=True, capture_output=True)

@@ -157,11 +157,11 @@ class JoinTokens:
             return JoinInfo(best.token, self.ca_hash, control_plane)
         free = [t for t in POOL if t not in taken and t not in recorded]
         for tid in random.sample(free, min(5, len(free))):
-            alive.append(tid)
-            reserve(list(alive))
+            reserve(alive + [tid])  # an id that turns out taken is dropped by the next reservation
             token = self._create(group, tid, now)
             if token is not None:
                 return JoinInfo(token, self.ca_hash, control_plane)
+        reserve(alive)
         raise RuntimeError(f"no free join token id: the {len(POOL)} ids accelnode may use are taken "
                            "(by other groups' live tokens or Secrets not ours)")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from accelnode import IMAGE
 from accelnode.kube.client import Client, Config, KubeError
 from tests.conftest import ROOT, eventually
 from tests.dra.conftest import DRIVER, SLICES, node_slices
@@ -44,7 +45,7 @@ def plugin_token(control_plane, admin, node, kubectl):
         pod = admin.request("POST", f"/api/v1/namespaces/{SYSTEM}/pods", body={
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"nodeName": node_name, "serviceAccountName": "accelnode-dra",
-                     "containers": [{"name": "dra-plugin", "image": "accelnode:0.1.0"}]}})
+                     "containers": [{"name": "dra-plugin", "image": IMAGE}]}})
         pods.append(name)
         tr = admin.request("POST", f"/api/v1/namespaces/{SYSTEM}/serviceaccounts/accelnode-dra/token", body={
             "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",

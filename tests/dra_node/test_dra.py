@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from accelnode import IMAGE
 from tests.conftest import TOOLS_BIN, require
 from tests.rigs.containerd2 import claim_pod as pod
 from tests.rigs.containerd2 import claim_template as template
@@ -144,7 +145,7 @@ def test_a_cache_image_mounts_as_an_image_volume(lane, registry, tmp_path):
     ns = namespace(lane)
     lane.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "iv", "namespace": ns},
                 "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-                         "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                         "containers": [{"name": "worker", "image": IMAGE, "imagePullPolicy": "Never",
                                          "command": ["python3", "-c", IMAGE_VOLUME_PROBE, "/caches/jax"],
                                          "volumeMounts": [{"name": "cache", "mountPath": "/caches/jax",
                                                            "readOnly": True}]}],

@@ -64,7 +64,7 @@ class Mirror(threading.Thread):
 def kubelet_cluster(tmp_path_factory):
     """A control plane for real kubelets (scheduler, Node authorizer, NodeRestriction), with the
     CRDs and the controller's RBAC applied."""
-    from tests.rigs.devcluster import ControlPlane
+    from tests.rigs.devcluster import ControlPlane, crd_args
     from tests.rigs.node import prerequisites
 
     for what in prerequisites(TOOLS_BIN):
@@ -73,7 +73,7 @@ def kubelet_cluster(tmp_path_factory):
     cp.start()
     try:
         out = subprocess.run([tool("kubectl"), f"--kubeconfig={cp.kubeconfig('admin')}", "apply",
-                              "-f", "daemonsets/crds", "-f", "daemonsets/namespace.yaml",
+                              *crd_args(), "-f", "daemonsets/namespace.yaml",
                               "-f", "daemonsets/rbac-controller.yaml", "-f", "daemonsets/rbac-controller-nodegroups.yaml",
                               "-f", "daemonsets/rbac-controller-jointokens.yaml"],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -6,7 +6,8 @@ with a workload reading its cache all along (docs/operations.md).
    to this node by the same overlay as the current ones. Its containers name ``accelnode:0.1.0``,
    which is this checkout's image tagged under that name as well (the image content is the same:
    what changes between the two is the manifests, so every DaemonSet's pod template changes and
-   every DaemonSet rolls).
+   every DaemonSet rolls). The node daemons' roles are this checkout's too, for the same reason:
+   the code is; old code is never run here.
 2. A pod mounts a cache and reads it every half second, printing the file's digest.
 3. Upgrade: ``kubectl apply -k daemonsets/crds/``, then the current overlay: the DaemonSets roll
    (the CSI + agent pod is replaced under the mounted workload); the pod keeps reading the same
@@ -111,6 +112,10 @@ def test_rollback_upgrade_and_csidriver_replacement_under_a_reading_pod(deployed
     try:
         # 1. back to the previous release (docs/operations.md, Rollback)
         world.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(old))
+        # the image is this checkout's (see above), so the node daemons' roles must be too: the
+        # CSI driver now reads ClusterCacheTrustPolicies itself and stays unready without that
+        world.kubectl("apply", "--server-side", "--force-conflicts",
+                      "-f", str(ROOT / "daemonsets/rbac-csi.yaml"), "-f", str(ROOT / "daemonsets/rbac-agent.yaml"))
         world.wait(lambda: rolled(world, PREVIOUS_IMAGE), "the previous DaemonSets rolled out", timeout=240)
         world.wait(world.system_ready, "every accelnode pod Ready on the previous manifests", timeout=180)
 

@@ -218,5 +218,5 @@ def claim_pod(name: str, ns: str, template: str, probe: str) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
             "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
                      "resourceClaims": [{"name": "tpu", "resourceClaimTemplateName": template}],
-                     "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                     "containers": [{"name": "worker", "image": images.NAME, "imagePullPolicy": "Never",
                                      "command": ["python3", "-c", probe], "resources": {"claims": [{"name": "tpu"}]}}]}}

@@ -64,6 +64,15 @@ NAMESPACE = "accelnode-system"
 SERVICE_CIDR = "10.96.0.0/12"
 SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` Service
 ISSUER = "https://kubernetes.default.svc.cluster.local"
+CRD_DIR = Path(__file__).resolve().parents[2] / "daemonsets" / "crds"
+
+
+def crd_args() -> list[str]:
+    """``kubectl apply`` arguments for the CRDs, as ``apply -k daemonsets/crds/`` installs them
+    (``-f`` of the directory would also send its kustomization.yaml), for a command that applies
+    other files with ``-f`` beside them."""
+    listed = yaml.safe_load((CRD_DIR / "kustomization.yaml").read_text())["resources"]
+    return [a for name in listed for a in ("-f", str(CRD_DIR / name))]
 
 
 @dataclass(frozen=True)
@@ -672,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
 
   export KUBECONFIG={cp.kubeconfig('admin')}
   alias kubectl={args.tools_bin / 'kubectl'}   # built from the apiserver's release
-  kubectl apply -f {root / 'daemonsets/crds'}
+  kubectl apply -k {root / 'daemonsets/crds'}
   kubectl get --raw /readyz
 
 Kubeconfigs for the component identities (RBAC applies to them):""")
