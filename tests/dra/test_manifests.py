@@ -45,7 +45,8 @@ def test_the_component_adds_the_plugin_class_rights_and_policy(tmp_path):
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert pod["priorityClassName"] == "system-node-critical" and "memory" in c["resources"]["limits"]
     # the policy names the account the DaemonSet runs as
-    (vap,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
+    (vap,) = [d for d in docs
+              if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] == "accelnode-dra-resourceslices"]
     assert "system:serviceaccount:accelnode-system:accelnode-dra" in vap["spec"]["matchConditions"][0]["expression"]
 
 
