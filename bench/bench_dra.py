@@ -141,7 +141,7 @@ def main() -> None:
         def dp_pod(name: str) -> dict:
             return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
                     "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
-                             "containers": [{"name": "worker", "image": "accelnode:0.1.0", "imagePullPolicy": "Never",
+                             "containers": [{"name": "worker", "image": images.NAME, "imagePullPolicy": "Never",
                                              "command": ["python3", "-c", SLEEP],
                                              "resources": {"limits": {"google.com/tpu": "2"}}}]}}
 
