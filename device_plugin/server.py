@@ -160,7 +160,7 @@ class TPUService(api.DevicePluginServicer):
         context.abort(code, message)
 
 
-def _ident(path: Path):
+def file_identity(path: Path):
     """Identity of a file that changes when it is recreated (inode numbers alone may be reused)."""
     try:
         st = path.lstat()
@@ -223,7 +223,7 @@ class Plugin:
             self._registrar.join(5)
         if self._server is not None:
             self._server.stop(grace=1).wait()
-            if _ident(self.socket) == self._socket_ident:
+            if file_identity(self.socket) == self._socket_ident:
                 self.socket.unlink(missing_ok=True)
         log.info("device plugin stopped")
 
@@ -265,9 +265,9 @@ class Plugin:
 
     def _reconcile(self) -> bool:
         """Serve our socket if it is gone, register if kubelet.sock is new. False: retry later."""
-        if self._server is None or _ident(self.socket) != self._socket_ident:
+        if self._server is None or file_identity(self.socket) != self._socket_ident:
             self._serve()
-        kubelet = _ident(self.kubelet_dir / api.KUBELET_SOCKET)
+        kubelet = file_identity(self.kubelet_dir / api.KUBELET_SOCKET)
         if kubelet is None:
             if self._registered_with is not None:
                 log.info("kubelet socket gone; waiting for kubelet", extra=kv(dir=str(self.kubelet_dir)))
@@ -286,7 +286,7 @@ class Plugin:
         self._set_registered(None)
         self._server = grpcutil.serve_unix(
             self.socket, lambda s: api.add_DevicePluginServicer_to_server(self.service, s), max_workers=16)
-        self._socket_ident = _ident(self.socket)
+        self._socket_ident = file_identity(self.socket)
         log.info("serving device plugin API", extra=kv(socket=str(self.socket)))
 
     def _register(self, kubelet) -> bool:

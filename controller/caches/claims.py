@@ -32,7 +32,6 @@ log = logging.getLogger("accelnode.controller")
 PVCS = "/api/v1/persistentvolumeclaims"
 PVS = "/api/v1/persistentvolumes"
 NAMESPACES = "/api/v1/namespaces"
-SYNC_WAIT = 0.5  # seconds a key waits while the watches have not listed everything once
 CONFLICT_RECHECK = 30.0  # seconds between two looks at a claim someone else made
 
 
@@ -110,8 +109,6 @@ class ClaimsReconciler(Reconciler):
     # -- reconcile -------------------------------------------------------------------------------
 
     def reconcile(self, key: str) -> Result | None:
-        if not self.cache.synced():  # a partial view would make claims again, or miss leftovers
-            return Result(requeue_after=SYNC_WAIT)
         obj = self._current(key)
         ns, name = split_key(key)
         if obj is None:  # gone (its finalizer removed by hand, or it never had one): clear leftovers

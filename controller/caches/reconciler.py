@@ -34,7 +34,6 @@ from controller.runtime.writes import ReadYourWrites, update_if_changed, update_
 log = logging.getLogger("accelnode.controller")
 
 MIN_WRITE_INTERVAL = 1.0  # seconds between two writes of one cache
-SYNC_WAIT = 0.5  # seconds a key waits while the watches have not listed everything once
 
 
 def now_rfc3339() -> str:
@@ -142,8 +141,6 @@ class CacheReconciler(Reconciler):
     # -- reconcile -------------------------------------------------------------------------------
 
     def reconcile(self, key: str) -> Result | None:
-        if not self.cache.synced():  # a partial view of the node objects would write wrong counts
-            return Result(requeue_after=SYNC_WAIT)
         obj = self._current(key)
         if obj is None:  # deleted: nothing to undo
             with self._lock:

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from accelnode import IMAGE
+from accelnode.gce.metadata import kube_labels
 from accelnode.kube.bootstraptoken import METADATA_KEYS
 from accelnode.kube.client import Client, KubeError, custom_path, is_conflict, is_not_found, is_too_many_requests
 from accelnode.log import kv
@@ -49,7 +50,6 @@ TAINT = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
 DEVICE_PLUGIN = "accelnode-tpu-device-plugin"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "accelnode-controller"}
 TERMINAL_REASONS = ("RequestRejected", "OperationFailed")
-SYNC_WAIT = 0.5  # seconds: a key that comes before every watch has listed once waits this long
 CHILD_FAILURES = (*TERMINAL_REASONS, "NotOwned", "NotAllowed")  # a child that will not come up as it is
 
 
@@ -209,8 +209,6 @@ class ChildReconciler(Reconciler):
         return Result(requeue_after=self.settings.poll)
 
     def reconcile(self, key: str) -> Result | None:
-        if not self.cache.synced():
-            return Result(requeue_after=SYNC_WAIT)
         obj = self.rw.current(key, self.cache.get(self.path, key))
         if obj is None:
             self.rw.forget(key)
@@ -483,16 +481,6 @@ def is_group_node(g: dict, node: dict) -> bool:
                 and re.fullmatch(re.escape(mig_name_of(g)) + r"-[a-z0-9]{4}", m[3]))
 
 
-def kube_labels(value: str) -> dict[str, str]:
-    """The ``kube-labels`` metadata value (``k=v,k2=v2``) as a dict; malformed pairs skipped."""
-    out = {}
-    for pair in (value or "").split(","):
-        k, sep, v = pair.strip().partition("=")
-        if sep and k:
-            out[k] = v
-    return out
-
-
 STARTUP_SCRIPT = """#!/bin/sh
 # accelnode TPU node group {group}: join the cluster with kubeadm, Kubernetes {version}
 # (the image carries kubeadm and kubelet of that version; docs/bootstrap.md).
@@ -559,8 +547,6 @@ class TPUNodeGroupReconciler(Reconciler):
     # -- reconcile -------------------------------------------------------------------------------
 
     def reconcile(self, key: str) -> Result | None:
-        if not self.cache.synced():  # a teardown on a half-listed cache (no Nodes, no children yet) would let go
-            return Result(requeue_after=SYNC_WAIT)
         g = self.rw.current(key, self.cache.get(TNG, key))
         if g is None:
             self.rw.forget(key)

@@ -120,7 +120,8 @@ class Controller:
 
     def _work(self) -> None:
         # As client-go's WaitForCacheSync: no key is reconciled on a half-listed cache (a teardown
-        # that sees no Nodes or children yet would let them go). Keys queued meanwhile wait.
+        # that sees no Nodes or children yet would let them go; a cache's status would count part
+        # of its nodes; claims would be made again or leftovers missed). Keys queued meanwhile wait.
         while not self.synced():
             if self._stop.wait(0.05):
                 return

@@ -114,9 +114,7 @@ def run(args) -> int:
             http = MetricsServer(args.metrics_address, CollectorRegistry(), driver.ready, health).start()
         try:
             driver.start()
-        except NameTaken as e:
-            raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
-        except (FileExistsError, OSError) as e:
+        except (NameTaken, OSError) as e:  # the name is another plugin's, or a socket path is not ours
             raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
         stop.wait()
     finally:

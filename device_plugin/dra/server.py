@@ -23,8 +23,8 @@ from accelnode import grpcutil
 from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.log import kv
 
-from .. import topology
 from ..events import Watcher
+from ..server import file_identity
 from ..health import ChipState, Inventory
 from . import api, slices
 from .claims import ClaimError, Claims
@@ -36,14 +36,6 @@ GETINFO_TIMEOUT = 1.0
 
 class NameTaken(Exception):
     """Another live plugin registered our driver name on this node."""
-
-
-def _ident(path: Path):
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 class DRAService:
@@ -152,7 +144,7 @@ class Driver:
                                         (self._dra_server, self.endpoint, None)):
                 if server is not None:
                     server.stop(grace=1).wait()
-                    if ident is None or _ident(path) == ident:
+                    if ident is None or file_identity(path) == ident:
                         path.unlink(missing_ok=True)
             self._reg_server = self._dra_server = None
         log.info("DRA plugin stopped")
@@ -189,7 +181,8 @@ class Driver:
     def _check_sockets(self) -> None:
         """Serve the registration socket again when it was removed (kubelet then registers us anew)."""
         with self._lock:
-            if self._dra_server is None or (self._reg_server is not None and _ident(self.reg_socket) == self._reg_ident):
+            served = self._reg_server is not None and file_identity(self.reg_socket) == self._reg_ident
+            if self._dra_server is None or served:
                 return
             if self._reg_server is not None:
                 log.info("registration socket gone; serving it again", extra=kv(socket=str(self.reg_socket)))
@@ -197,5 +190,5 @@ class Driver:
             self.registration.registered.clear()
             self._reg_server = grpcutil.serve_unix(
                 self.reg_socket, lambda s: api.add_RegistrationServicer_to_server(self.registration, s), max_workers=2)
-            self._reg_ident = _ident(self.reg_socket)
+            self._reg_ident = file_identity(self.reg_socket)
             log.info("serving plugin registration", extra=kv(socket=str(self.reg_socket), driver=self.driver))

@@ -20,7 +20,7 @@ from controller.caches import reconciler, status, volumes
 from controller.caches import signatures as policies
 from controller.caches import webhooks as cachehooks
 from controller.nodegroups import generations
-from controller.nodegroups.reconciler import kube_labels
+from accelnode.gce.metadata import kube_labels
 from csi_driver import resolve
 
 from .fuzzing import crd_objects, fuzz_settings, json_values, text
