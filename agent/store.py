@@ -34,7 +34,7 @@ from typing import Callable
 from accelnode.log import kv
 
 from accelnode.oci import cacheformat as fmt
-from accelnode.oci.errors import AuthError, HostileContent, ImageNotFound, NoMatchingManifest
+from accelnode.oci.errors import AuthError, HostileContent, ImageNotFound, IntegrityError, NoMatchingManifest
 from accelnode.oci.limits import Limits
 from accelnode.oci.manifest import check_index, get_manifest, read_config
 from accelnode.oci.reference import DIGEST, Reference, check_digest
@@ -228,7 +228,8 @@ class CacheStore:
                 raise self._full(e, need, image) from None
             raise
         log.info("cache installed", extra=kv(image=image, digest=digest, kind=kind, bytes=size,
-                                             layers=len(layers), seconds=round(time.monotonic() - started, 3)))
+                                             layers=len(layers), seconds=round(time.monotonic() - started, 3),
+                                             blob_bytes_from=dict(reg.served)))
         return self._from_meta(digest, meta)
 
     def _extract_all(self, reg, repository, image, layers, where: Path, progress) -> Layer:
@@ -239,19 +240,31 @@ class CacheStore:
 
         def one(i: int, desc: dict) -> Layer:
             try:
-                with reg.open_blob(repository, desc, image) as blob:
-                    if progress is not None:
-                        blob.on_read = progress.advance
-                    try:
-                        return extract_layer(blob, fmt.LAYER_TYPES[desc["mediaType"]], where / str(i), budget)
-                    except Refused as e:
-                        if not budget.cancelled.is_set():
-                            budget.cancelled.set()
-                            blob.drain()  # bytes that do not match their digest are the real problem
-                        raise HostileContent(f"layer {i} ({desc['digest']}): {e}", image) from None
+                return reg.verified(lambda exclude: attempt(i, desc, exclude), image)
             except BaseException:
                 budget.cancelled.set()
                 raise
+
+        def attempt(i: int, desc: dict, exclude) -> Layer:
+            """Layer ``i`` from the first host not in ``exclude``; when its bytes fail their
+            digest, what it unpacked and charged is undone so that the next host can be tried."""
+            charged = budget.attempt()
+            dest = where / str(i)
+            if dest.exists():
+                shutil.rmtree(dest)
+            with reg.open_blob(repository, desc, image, exclude=exclude) as blob:
+                if progress is not None:
+                    blob.on_read = progress.advance
+                try:
+                    try:
+                        return extract_layer(blob, fmt.LAYER_TYPES[desc["mediaType"]], dest, charged)
+                    except Refused as e:
+                        if not budget.cancelled.is_set():
+                            blob.drain()  # bytes that do not match their digest are the real problem
+                        raise HostileContent(f"layer {i} ({desc['digest']}): {e}", image) from None
+                except IntegrityError:
+                    charged.refund()
+                    raise
 
         with ThreadPoolExecutor(max_workers=min(len(layers), 8) or 1) as pool:
             futures = [pool.submit(one, i, d) for i, d in enumerate(layers)]
