@@ -77,6 +77,9 @@ class CacheStore:
         self.capacity = capacity or Capacity()
         # called with the caches a watermark collection removed, after each one that ran
         self.on_collect: Callable[[list[Installed]], None] = lambda removed: None
+        # called after each install that fetched blobs, failed or not, with the blob bytes read
+        # from each host (accelnode.oci.hosts.Host): the registry itself or a mirror
+        self.on_served: Callable[[dict], None] = lambda served: None
         for sub in ("caches", "indexes", "refs", "locks", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._clean_tmp()
@@ -196,6 +199,14 @@ class CacheStore:
         return desc
 
     def _install(self, reg: Registry, ref: Reference, image: str, digest: str, manifest: dict, progress) -> Installed:
+        try:
+            return self._install_blobs(reg, ref, image, digest, manifest, progress)
+        finally:
+            if reg.served:
+                self.on_served(dict(reg.served))
+
+    def _install_blobs(self, reg: Registry, ref: Reference, image: str, digest: str, manifest: dict,
+                       progress) -> Installed:
         layers, kind, targets, labels = read_config(reg, ref, manifest, image, self.limits)
         need = declared_size(layers, kind, labels)
         self.make_room(need, image)
@@ -229,7 +240,7 @@ class CacheStore:
             raise
         log.info("cache installed", extra=kv(image=image, digest=digest, kind=kind, bytes=size,
                                              layers=len(layers), seconds=round(time.monotonic() - started, 3),
-                                             blob_bytes_from=dict(reg.served)))
+                                             blob_bytes_from={str(h): n for h, n in reg.served.items()}))
         return self._from_meta(digest, meta)
 
     def _extract_all(self, reg, repository, image, layers, where: Path, progress) -> Layer:

@@ -283,7 +283,7 @@ class Registry:
         self.deadline = deadline or Deadline(options.timeout)
         self._hosts: list[Host] | None = None
         self._clients: dict[Host, _Client] = {}
-        self.served: dict[str, int] = {}  # blob bytes read, by the host that sent them
+        self.served: dict[Host, int] = {}  # blob bytes read, by the host that sent them
 
     def hosts(self, image: str | None = None) -> list[Host]:
         """The hosts of this registry, read once per Registry (one operation)."""
@@ -644,8 +644,7 @@ class BlobStream:
         if self.offset > self.size:
             raise self._bad(f"blob {self.digest} is longer than the {self.size} bytes its descriptor says")
         self._hash.update(data)
-        where = str(self.source)
-        self.registry.served[where] = self.registry.served.get(where, 0) + len(data)
+        self.registry.served[self.source] = self.registry.served.get(self.source, 0) + len(data)
         if self.on_read is not None:
             self.on_read(len(data))
         return data
