@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import ssl
+import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
@@ -283,7 +284,9 @@ class Registry:
         self.deadline = deadline or Deadline(options.timeout)
         self._hosts: list[Host] | None = None
         self._clients: dict[Host, _Client] = {}
+        self._refused: dict[Host, str] = {}  # mirrors whose API root refused us: not asked again
         self.served: dict[Host, int] = {}  # blob bytes read, by the host that sent them
+        self._served_lock = threading.Lock()  # layers stream in parallel
 
     def hosts(self, image: str | None = None) -> list[Host]:
         """The hosts of this registry, read once per Registry (one operation)."""
@@ -316,6 +319,15 @@ class Registry:
         """Ping the host's API root once and pick the oras-py auth backend its challenge asks for."""
         if (client := self._clients.get(h)) is not None:
             return client
+        try:
+            client = self._connect(h, image, last)
+        except AuthError as e:
+            self._refused[h] = e.detail
+            raise
+        self._clients[h] = client
+        return client
+
+    def _connect(self, h: Host, image: str, last: bool) -> _Client:
         session = _Session()
         session.deadline = self.deadline
         session.private_headers = {name for name, _ in h.header}
@@ -342,7 +354,6 @@ class Registry:
                             + (f" in the pull secrets {', '.join(n for n, _ in self.options.pull_secrets)}"
                                if self.options.pull_secrets else f" in {self.options.config_file}"
                                if self.options.config_file else " (use --registry-config)"), image)
-        self._clients[h] = client
         return client
 
     def _url(self, h: Host, path: str) -> str:
@@ -400,6 +411,9 @@ class Registry:
             last = i == len(hosts) - 1
             if not last and (wait := self.options.hosts.down(h)):
                 failed.append(f"{h}: skipped, failed to connect lately (again in {wait:.0f}s)")
+                continue
+            if not last and h in self._refused:
+                failed.append(f"{h}: skipped, {self._refused[h]}")
                 continue
             try:
                 resp = self._request_at(h, method, path, image, doing, dict(headers or {}), ok, last, **kw)
@@ -644,7 +658,8 @@ class BlobStream:
         if self.offset > self.size:
             raise self._bad(f"blob {self.digest} is longer than the {self.size} bytes its descriptor says")
         self._hash.update(data)
-        self.registry.served[self.source] = self.registry.served.get(self.source, 0) + len(data)
+        with self.registry._served_lock:
+            self.registry.served[self.source] = self.registry.served.get(self.source, 0) + len(data)
         if self.on_read is not None:
             self.on_read(len(data))
         return data
