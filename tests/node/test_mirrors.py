@@ -23,6 +23,7 @@ FILES = {"xla/mirrored.bin": b"\x42" * 300_000}
 def mirror(deployed, tmp_path):
     """A pull-through cache of the test registry, named in the node's hosts.toml for it (the
     ``host_port_`` directory, containerd's first choice for a registry with a port)."""
+    (tmp_path / "proxy").mkdir()
     proxy = RunningRegistry(tmp_path / "proxy", proxy=f"http://{deployed.registry.host}")
     name, port = deployed.registry.host.rsplit(":", 1)
     d = deployed.node.hosts_dir / f"{name}_{port}_"
