@@ -132,6 +132,8 @@ class _Session(requests.Session):
     def request(self, method, url, **kw):
         if self.deadline is not None and kw.get("timeout") is None:
             kw["timeout"] = _timeouts(max(self.deadline.remaining(), 0.05))
+        if self.verify is False:  # skip_verify: requests lets REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE in the
+            kw.setdefault("verify", False)  # environment override the session's verify=False, not a request's
         return super().request(method, url, **kw)
 
 
