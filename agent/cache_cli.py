@@ -93,12 +93,11 @@ def _errors(fn):
     """Run ``fn`` mapping store errors to one-line CLI errors with the right exit code."""
     from accelnode.oci import errors
     from accelnode.oci.build import BuildError
-
     from accelnode.oci.hosts import HostsConfigError
 
     try:
         return fn()
-    except HostsConfigError as e:  # the mirror configuration --hosts-dir points at: a usage error
+    except HostsConfigError as e:  # the --hosts-dir the command was given is unusable: no peer is at fault
         raise exitcodes.CLIError(str(e), exitcodes.USAGE) from None
     except errors.RegistryUnavailable as e:
         raise exitcodes.CLIError(str(e), exitcodes.UNAVAILABLE) from None

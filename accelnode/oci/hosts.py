@@ -210,8 +210,10 @@ def parse_hosts_file(path: Path, registry: str, scheme: str, image: str | None) 
 
 
 def _host(url: str, table: dict, path: Path, registry: str, source: str) -> Host:
-    """One host of a file: ``url`` as containerd takes it (https:// when no scheme is given)."""
-    if not url.startswith("http"):
+    """One host of a file: ``url`` as containerd takes it (https:// when no scheme is given; not
+    containerd's test of an "http" prefix, which takes ``ftp://m`` for a host ``ftp:`` and
+    ``httpcache.local`` for a scheme)."""
+    if "://" not in url:
         url = "https://" + url
     u = urllib.parse.urlsplit(url)
     if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment or u.username:

@@ -133,6 +133,8 @@ class _Session(requests.Session):
     def request(self, method, url, **kw):
         if self.deadline is not None and kw.get("timeout") is None:
             kw["timeout"] = _timeouts(max(self.deadline.remaining(), 0.05))
+        if self.verify is False:  # skip_verify: requests lets REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE in the
+            kw.setdefault("verify", False)  # environment override the session's verify=False, not a request's
         return super().request(method, url, **kw)
 
 
@@ -587,6 +589,7 @@ class BlobStream:
         self.registry = registry
         self.exclude = tuple(exclude)  # hosts not to ask (they served bad content)
         self.source: Host | None = None  # the host the bytes come from now
+        self._senders: list[Host] = []  # every host that sent bytes of it, first first (resumes may go elsewhere)
         self.repository = repository
         self.image = image
         self.digest = check_digest(descriptor.get("digest"), image)
@@ -658,6 +661,8 @@ class BlobStream:
         if self.offset > self.size:
             raise self._bad(f"blob {self.digest} is longer than the {self.size} bytes its descriptor says")
         self._hash.update(data)
+        if self.source not in self._senders:
+            self._senders.append(self.source)
         with self.registry._served_lock:
             self.registry.served[self.source] = self.registry.served.get(self.source, 0) + len(data)
         if self.on_read is not None:
@@ -671,14 +676,18 @@ class BlobStream:
             raise self._bad(f"blob {self.digest} truncated: got {self.offset} of {self.size} bytes")
         actual = "sha256:" + self._hash.hexdigest()
         if actual != self.digest:
-            raise self._bad(f"blob digest mismatch: expected {self.digest}, content is {actual}")
+            raise self._bad(f"blob digest mismatch: expected {self.digest}, content is {actual}", whole=True)
         self._verified = True
 
-    def _bad(self, message: str) -> IntegrityError:
+    def _bad(self, message: str, whole: bool = False) -> IntegrityError:
         """The error for content that is not what the descriptor says, naming the host that sent
-        it (``served_by``: :meth:`Registry.verified` asks the next host)."""
-        e = IntegrityError(message + (self.registry.through(self.source) if self.source else ""), self.image)
-        e.served_by = self.source
+        it (``served_by``: :meth:`Registry.verified` asks the next host). A digest that fails
+        (``whole``) may be over bytes of several hosts, when a resume went to the next one: a
+        mirror among them is blamed before the registry, which would otherwise be left out of
+        the next try for the good part it sent."""
+        source = next((h for h in self._senders if not h.is_registry), self.source) if whole else self.source
+        e = IntegrityError(message + (self.registry.through(source) if source else ""), self.image)
+        e.served_by = source
         return e
 
     def read_all(self) -> bytes:

@@ -153,7 +153,6 @@ class BlobRedirector:
     """
 
     def __init__(self, registry, *, mode: str = "ok", cut_after: int = 100_000):
-        import http.client
         import http.server
         import re
 
@@ -196,45 +195,89 @@ class BlobRedirector:
             def log_message(self, *a):
                 pass
 
-        class Front(http.server.BaseHTTPRequestHandler):
-            def _forward(self):
-                if self.command == "GET" and "/blobs/sha256:" in self.path:
-                    self.send_response(307)
-                    digest = self.path.split("?", 1)[0].rsplit("/", 1)[-1]  # a mirror's requests carry ?ns=
-                    self.send_header("Location", f"http://{front.blob_host}/blobs/{digest}")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                conn = http.client.HTTPConnection(registry.host, timeout=30)
-                length = int(self.headers.get("Content-Length") or 0)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                conn.request(self.command, self.path, body=self.rfile.read(length) if length else None, headers=headers)
-                resp = conn.getresponse()
-                body = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
+        def redirect(method, path, headers):
+            if method == "GET" and "/blobs/sha256:" in path:
+                digest = path.split("?", 1)[0].rsplit("/", 1)[-1]  # a mirror's requests carry ?ns=
+                return 307, {"Location": f"http://{front.blob_host}/blobs/{digest}"}, b""
+            return None
+
+        self._front = Forwarder(registry.host, answer=redirect)
+        self.front_seen = self._front.seen  # (method, path, headers) of every request to the front
+        self._blobs = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Blobs)
+        self._blobs.daemon_threads = True
+        threading.Thread(target=self._blobs.serve_forever, daemon=True).start()
+        self.host = self._front.host
+        self.blob_host = "127.0.0.1:%d" % self._blobs.server_address[1]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._front.close()
+        self._blobs.shutdown()
+        self._blobs.server_close()
+
+
+class Forwarder:
+    """A registry front on 127.0.0.1: forwards every request to the plain-HTTP registry at
+    ``upstream`` (HOST:PORT) and records ``(method, path, headers)`` of each in ``seen``.
+
+    - ``prefix``: where its API root stands (a mirror under another path, for override_path);
+      ``<prefix>/...`` is forwarded as ``/v2/...``, anything else is answered 404;
+    - ``answer(method, path, headers)``: answers instead of the upstream when it returns
+      ``(status, headers, body)`` (a 500, a redirect), forwards when it returns None;
+    - ``mangle(path, body)``: what the client gets instead of the upstream's body (same length
+      or not: Content-Length follows the body).
+    """
+
+    def __init__(self, upstream: str, *, prefix: str = "/v2", answer=None, mangle=None):
+        import http.client
+        import http.server
+
+        fwd, self.seen = self, []
+
+        class Handler(http.server.BaseHTTPRequestHandler):  # HTTP/1.0: a connection per request
+            def _reply(self, status, headers, body):
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if "content-length" not in {k.lower() for k in headers}:
+                    self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(body)
+
+            def _forward(self):
+                fwd.seen.append((self.command, self.path, dict(self.headers)))
+                length = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(length) if length else None
+                if answer is not None and (got := answer(self.command, self.path, self.headers)) is not None:
+                    return self._reply(*got)
+                if not (self.path == prefix or self.path.startswith((prefix + "/", prefix + "?"))):
+                    return self._reply(404, {}, b"not under " + prefix.encode())
+                conn = http.client.HTTPConnection(upstream, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                conn.request(self.command, "/v2" + self.path[len(prefix):], body=data, headers=headers)
+                resp = conn.getresponse()
+                body = resp.read()
                 conn.close()
+                if mangle is not None:
+                    body = mangle(self.path, body)
+                skip = ("transfer-encoding", "connection") + (() if self.command == "HEAD" else ("content-length",))
+                self._reply(resp.status, {k: v for k, v in resp.getheaders() if k.lower() not in skip}, body)
 
             do_GET = do_HEAD = do_PUT = do_POST = do_PATCH = _forward
 
             def log_message(self, *a):
                 pass
 
-        self._servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), h) for h in (Front, Blobs)]
-        for srv in self._servers:
-            srv.daemon_threads = True
-            threading.Thread(target=srv.serve_forever, daemon=True).start()
-        self.host = "127.0.0.1:%d" % self._servers[0].server_address[1]
-        self.blob_host = "127.0.0.1:%d" % self._servers[1].server_address[1]
+        self._srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._srv.daemon_threads = True
+        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+        self.host = "127.0.0.1:%d" % self._srv.server_address[1]
+
+    def paths(self, method: str = "GET") -> list[str]:
+        """The paths of the ``method`` requests it got, oldest first."""
+        return [p for m, p, _ in self.seen if m == method]
 
     def close(self) -> None:
-        self._stop.set()
-        for srv in self._servers:
-            srv.shutdown()
-            srv.server_close()
+        self._srv.shutdown()
+        self._srv.server_close()

@@ -27,7 +27,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from accelnode.oci.errors import AuthError
 from accelnode.oci.reference import Reference
@@ -55,7 +55,7 @@ class CA:
         self.cert = self._cert(self.name, self.key.public_key(), ca=True)
         self.file = self._write("ca.pem", self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def _cert(self, subject, public_key, *, ca: bool, ips=()):
+    def _cert(self, subject, public_key, *, ca: bool, ips=(), usage=None):
         now = dt.datetime.now(dt.timezone.utc)
         b = (x509.CertificateBuilder().subject_name(subject).issuer_name(self.name).public_key(public_key)
              .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
@@ -64,6 +64,8 @@ class CA:
         if ips:
             b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(i)) for i in ips]),
                                 critical=False)
+        if usage is not None:
+            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         return b.sign(self.key, hashes.SHA256())
 
     def _write(self, name: str, data: bytes) -> str:
@@ -72,9 +74,15 @@ class CA:
 
     def server_files(self, name: str, ip: str) -> tuple[str, str]:
         """(certificate file, key file) for a server at ``ip``."""
+        return self._leaf(name, ips=[ip])
+
+    def client_files(self, name: str) -> tuple[str, str]:
+        """(certificate file, key file) of a TLS client named ``name`` (mutual TLS)."""
+        return self._leaf(name, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+
+    def _leaf(self, name: str, **kw) -> tuple[str, str]:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = self._cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), key.public_key(),
-                          ca=False, ips=[ip])
+        cert = self._cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), key.public_key(), ca=False, **kw)
         return (self._write(f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM)),
                 self._write(f"{name}-key.pem", key.private_bytes(serialization.Encoding.PEM,
                                                                  serialization.PrivateFormat.PKCS8,
