@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import threading
 import time
 import tomllib
@@ -73,6 +74,25 @@ class Host:
 
     def can(self, capability: str) -> bool:
         return capability in self.capabilities
+
+    def tls_context(self, image: str | None = None) -> ssl.SSLContext:
+        """TLS as the file says: extra CAs besides the system's, a client certificate (Python's
+        TLS presents one: the first listed), or no verification; HostsConfigError naming the
+        file when a TLS file is missing or unusable (as containerd, which fails the host)."""
+        ctx = ssl.create_default_context()
+        try:
+            for ca in self.ca:
+                ctx.load_verify_locations(cafile=ca)
+            if self.client:
+                cert, key = self.client[0]
+                ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            raise HostsConfigError(f"{self.source}: TLS files for {self} are not usable "
+                                   f"({getattr(e, 'strerror', None) or e})", image) from None
+        if self.skip_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
 
     def __str__(self) -> str:
         return f"{self.scheme}://{self.netloc}"
@@ -154,7 +174,9 @@ class HostsConfig:
                     base, _, port = name[:-1].rpartition("_")
                     name = f"{base}:{port}"
                 try:
-                    parse_hosts_file(d / "hosts.toml", registry_host(name), "https", None)
+                    for host in parse_hosts_file(d / "hosts.toml", registry_host(name), "https", None):
+                        if host.scheme == "https" and (host.ca or host.client):
+                            host.tls_context()
                 except HostsConfigError as e:
                     problems.append(str(e))
         return problems

@@ -254,23 +254,6 @@ class _TLSAdapter(requests.adapters.HTTPAdapter):
         return super().init_poolmanager(*args, **kw)
 
 
-def _tls_context(host: Host, image: str) -> ssl.SSLContext:
-    ctx = ssl.create_default_context()
-    try:
-        for ca in host.ca:
-            ctx.load_verify_locations(cafile=ca)
-        if host.client:  # Python's TLS takes one client certificate: the first of the file's list
-            cert, key = host.client[0]
-            ctx.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as e:
-        raise HostsConfigError(f"{host.source}: TLS files for {host} are not usable "
-                               f"({getattr(e, 'strerror', None) or e})", image) from None
-    if host.skip_verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
 class Registry:
     """Requests for the images of one registry host with a deadline, auth and retries. They go
     to the hosts :meth:`HostsConfig.hosts` names (docs/registries.md#mirrors-hoststoml): each
@@ -334,7 +317,7 @@ class Registry:
         session.deadline = self.deadline
         session.private_headers = {name for name, _ in h.header}
         if h.scheme == "https" and (h.ca or h.client or h.skip_verify):
-            session.mount(f"https://{h.netloc}/", _TLSAdapter(_tls_context(h, image)))
+            session.mount(f"https://{h.netloc}/", _TLSAdapter(h.tls_context(image)))
             session.verify = not h.skip_verify
         resp = self._send(h, session, "GET", self._url(h, ""), image, "contacting the registry", self._headers(h),
                           last)
@@ -419,6 +402,8 @@ class Registry:
                 continue
             try:
                 resp = self._request_at(h, method, path, image, doing, dict(headers or {}), ok, last, **kw)
+            except HostsConfigError:  # the operator's file is wrong (a TLS file): as if it could not be read
+                raise
             except (RegistryUnavailable, AuthError, ImageNotFound) as e:
                 if last:
                     if failed:

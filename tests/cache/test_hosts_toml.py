@@ -28,7 +28,7 @@ import requests
 
 from accelnode import exitcodes
 from accelnode.oci.errors import RegistryUnavailable
-from accelnode.oci.hosts import HostsConfigError
+from accelnode.oci.hosts import HostsConfig, HostsConfigError
 from accelnode.oci.limits import Limits
 from accelnode.oci.manifest import resolve
 from accelnode.oci.registry import RegistryOptions
@@ -569,17 +569,21 @@ def _handshake_errors(reg: RunningRegistry) -> int:
     return (reg.workdir / "registry.log").read_text(errors="replace").count("didn't provide a certificate")
 
 
-def test_a_mirror_whose_tls_files_are_missing_is_passed_over_naming_them(registry, tmp_path, caplog):
-    """``ca = "missing.pem"``: the mirror cannot be spoken to as configured; each request passes
-    it over saying why (the file, the host) and the registry serves."""
-    caplog.set_level(logging.INFO, "accelnode.oci.registry")
+def test_a_mirror_whose_tls_files_are_missing_refuses_the_pull_naming_them(registry, tmp_path):
+    """``ca = "missing.pem"``: the file cannot be used as written, like a file that does not
+    parse (containerd fails the host's configuration too): the pull is refused naming the file
+    and the host, and no host is asked anything."""
     repo = "hosts/tls-missing"
     pinned = push(registry, tmp_path, repo)
     d = certs_d(tmp_path / "certs.d", {key(registry.host): mirror("https://127.0.0.1:1", extra='ca = "missing.pem"')})
-    assert CacheStore(tmp_path / "store", registry=options(registry, d)).ensure(pinned)
-    problems = [r.fields["problem"] for r in caplog.records if r.getMessage() == MIRROR_FAILED]
-    assert problems and all(p.startswith(f"{d}/{key(registry.host)}/hosts.toml: TLS files for https://127.0.0.1:1 "
-                                         "are not usable") for p in problems), problems
+    origin_mark = len(settled(registry))
+    store = CacheStore(tmp_path / "store", registry=options(registry, d))
+    with pytest.raises(HostsConfigError) as err:
+        store.ensure(pinned)
+    assert f"{d}/{key(registry.host)}/hosts.toml: TLS files for https://127.0.0.1:1 are not usable" in str(err.value)
+    assert store.list() == [] and requests_for(registry, repo, origin_mark) == []
+    problems = HostsConfig(str(d)).check()  # what the agent logs at start
+    assert len(problems) == 1 and "TLS files for https://127.0.0.1:1 are not usable" in problems[0], problems
 
 
 # -- where the API root is, and which file applies ------------------------------------------
