@@ -94,8 +94,12 @@ def _errors(fn):
     from accelnode.oci import errors
     from accelnode.oci.build import BuildError
 
+    from accelnode.oci.hosts import HostsConfigError
+
     try:
         return fn()
+    except HostsConfigError as e:  # the mirror configuration --hosts-dir points at: a usage error
+        raise exitcodes.CLIError(str(e), exitcodes.USAGE) from None
     except errors.RegistryUnavailable as e:
         raise exitcodes.CLIError(str(e), exitcodes.UNAVAILABLE) from None
     except errors.InvalidReference as e:

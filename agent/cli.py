@@ -175,7 +175,11 @@ def run(args: argparse.Namespace) -> int:
     health.check("agent", lambda: grpcutil.serving_problem(sock))
     log.info("agent serving", extra=kv(socket=str(sock), store=args.store,
                                        accelerators=[str(a) for a in agent.accelerators],
+                                       hosts_dir=options.hosts_dir,
                                        **({"mirrors": dict(options.mirrors)} if options.mirrors else {})))
+    for problem in options.hosts.check():  # refused at each pull too; said once here, before any
+        log.warning("unusable mirror configuration: pulls of its registry fail until it is fixed",
+                    extra=kv(problem=problem))
     if args.node_name:
         try:
             reporter = status_reporter.for_agent(agent, args.node_name, args.kubeconfig, resync=args.status_resync,

@@ -127,6 +127,9 @@ class Metrics:
                                   registry=registry)
         self.gc_bytes = Counter("accelnode_agent_gc_freed_bytes", "Cache bytes removed by watermark collections",
                                 registry=registry)
+        self.pulled_bytes = Counter("accelnode_agent_pulled_bytes", "Blob bytes pulled, by where they came from: "
+                                    "the registry itself or a mirror (hosts.toml, --registry-mirror)", ["source"],
+                                    registry=registry)
 
 
 class Agent:
@@ -151,6 +154,7 @@ class Agent:
         self._proofs: dict[tuple, float] = {}
         # The store's durable references, mirrored: the agent is their only writer.
         self._refs: dict[str, dict] = store.references()
+        store.on_served = self._count_served
         metrics.references.set(len(self._refs))
         # Called after a pull starts or ends and after a reference is taken or dropped: the
         # status reporter's cue to look again (agent/reporter.py).
@@ -278,6 +282,10 @@ class Agent:
             log.warning("registry unreachable: handing out installed content on an earlier proof",
                         extra=kv(image=pull.image, credentials=pull.credentials.key))
             return self.store.ensure(pull.image, accelerators=targets)
+
+    def _count_served(self, served: dict) -> None:
+        for host, nbytes in served.items():
+            self.metrics.pulled_bytes.labels("registry" if host.is_registry else "mirror").inc(nbytes)
 
     def _count(self) -> None:
         self.metrics.pulls_in_flight.set(self._running)

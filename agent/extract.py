@@ -62,6 +62,31 @@ class Budget:
                 raise Refused(f"more than {self.limits.max_bytes} bytes of file content (the per-image limit, "
                               "--max-image-size)")
 
+    def attempt(self) -> _Attempt:
+        """A budget for one try at one layer: it charges this one, and what it charged can be
+        given back when the layer is fetched again from another host."""
+        return _Attempt(self)
+
+    def refund(self, files: int, nbytes: int) -> None:
+        with self._lock:
+            self.files -= files
+            self.bytes -= nbytes
+
+
+class _Attempt:
+    def __init__(self, budget: Budget):
+        self.budget, self.limits, self.cancelled = budget, budget.limits, budget.cancelled
+        self.files = self.bytes = 0
+
+    def charge(self, nbytes: int) -> None:
+        self.files += 1
+        self.bytes += nbytes
+        self.budget.charge(nbytes)
+
+    def refund(self) -> None:
+        self.budget.refund(self.files, self.bytes)
+        self.files = self.bytes = 0
+
 
 @dataclass(frozen=True)
 class Entry:

@@ -34,7 +34,7 @@ from typing import Callable
 from accelnode.log import kv
 
 from accelnode.oci import cacheformat as fmt
-from accelnode.oci.errors import AuthError, HostileContent, ImageNotFound, NoMatchingManifest
+from accelnode.oci.errors import AuthError, HostileContent, ImageNotFound, IntegrityError, NoMatchingManifest
 from accelnode.oci.limits import Limits
 from accelnode.oci.manifest import check_index, get_manifest, read_config
 from accelnode.oci.reference import DIGEST, Reference, check_digest
@@ -77,6 +77,9 @@ class CacheStore:
         self.capacity = capacity or Capacity()
         # called with the caches a watermark collection removed, after each one that ran
         self.on_collect: Callable[[list[Installed]], None] = lambda removed: None
+        # called after each install that fetched blobs, failed or not, with the blob bytes read
+        # from each host (accelnode.oci.hosts.Host): the registry itself or a mirror
+        self.on_served: Callable[[dict], None] = lambda served: None
         for sub in ("caches", "indexes", "refs", "locks", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._clean_tmp()
@@ -196,6 +199,14 @@ class CacheStore:
         return desc
 
     def _install(self, reg: Registry, ref: Reference, image: str, digest: str, manifest: dict, progress) -> Installed:
+        try:
+            return self._install_blobs(reg, ref, image, digest, manifest, progress)
+        finally:
+            if reg.served:
+                self.on_served(dict(reg.served))
+
+    def _install_blobs(self, reg: Registry, ref: Reference, image: str, digest: str, manifest: dict,
+                       progress) -> Installed:
         layers, kind, targets, labels = read_config(reg, ref, manifest, image, self.limits)
         need = declared_size(layers, kind, labels)
         self.make_room(need, image)
@@ -228,7 +239,8 @@ class CacheStore:
                 raise self._full(e, need, image) from None
             raise
         log.info("cache installed", extra=kv(image=image, digest=digest, kind=kind, bytes=size,
-                                             layers=len(layers), seconds=round(time.monotonic() - started, 3)))
+                                             layers=len(layers), seconds=round(time.monotonic() - started, 3),
+                                             blob_bytes_from={str(h): n for h, n in reg.served.items()}))
         return self._from_meta(digest, meta)
 
     def _extract_all(self, reg, repository, image, layers, where: Path, progress) -> Layer:
@@ -239,19 +251,31 @@ class CacheStore:
 
         def one(i: int, desc: dict) -> Layer:
             try:
-                with reg.open_blob(repository, desc, image) as blob:
-                    if progress is not None:
-                        blob.on_read = progress.advance
-                    try:
-                        return extract_layer(blob, fmt.LAYER_TYPES[desc["mediaType"]], where / str(i), budget)
-                    except Refused as e:
-                        if not budget.cancelled.is_set():
-                            budget.cancelled.set()
-                            blob.drain()  # bytes that do not match their digest are the real problem
-                        raise HostileContent(f"layer {i} ({desc['digest']}): {e}", image) from None
+                return reg.verified(lambda exclude: attempt(i, desc, exclude), image)
             except BaseException:
                 budget.cancelled.set()
                 raise
+
+        def attempt(i: int, desc: dict, exclude) -> Layer:
+            """Layer ``i`` from the first host not in ``exclude``; when its bytes fail their
+            digest, what it unpacked and charged is undone so that the next host can be tried."""
+            charged = budget.attempt()
+            dest = where / str(i)
+            if dest.exists():
+                shutil.rmtree(dest)
+            with reg.open_blob(repository, desc, image, exclude=exclude) as blob:
+                if progress is not None:
+                    blob.on_read = progress.advance
+                try:
+                    try:
+                        return extract_layer(blob, fmt.LAYER_TYPES[desc["mediaType"]], dest, charged)
+                    except Refused as e:
+                        if not budget.cancelled.is_set():
+                            blob.drain()  # bytes that do not match their digest are the real problem
+                        raise HostileContent(f"layer {i} ({desc['digest']}): {e}", image) from None
+                except IntegrityError:
+                    charged.refund()
+                    raise
 
         with ThreadPoolExecutor(max_workers=min(len(layers), 8) or 1) as pool:
             futures = [pool.submit(one, i, d) for i, d in enumerate(layers)]

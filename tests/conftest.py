@@ -21,6 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS_BIN = Path(os.environ.get("ACCELNODE_TOOLS_BIN", ROOT / ".tools" / "bin"))
+# The commands tests run read only the mirror configuration a test gives them, never the
+# machine's containerd hosts directory (--hosts-dir defaults to /etc/containerd/certs.d)
+os.environ.setdefault("ACCELNODE_HOSTS_DIR", "")
 
 pytest_plugins = sorted(
     f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"

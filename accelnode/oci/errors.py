@@ -13,7 +13,13 @@ class ImageError(Exception):
 
     def __init__(self, message: str, image: str | None = None):
         self.image = image
+        self.detail = message  # the message without the image
         super().__init__(f"{image}: {message}" if image else message)
+
+    def add_detail(self, more: str) -> None:
+        """Append ``; more`` to the message (what else was tried, say)."""
+        self.detail = f"{self.detail}; {more}"
+        self.args = (f"{self.image}: {self.detail}" if self.image else self.detail,)
 
 
 class ImageNotFound(ImageError):

@@ -6,6 +6,7 @@ import argparse
 
 from accelnode import exitcodes
 
+from .hosts import DEFAULT_HOSTS_DIR, DEFAULT_MIRROR_DIAL_TIMEOUT
 from .mirrors import parse_mirror
 
 MIRROR_FLAG = "--registry-mirror"
@@ -31,17 +32,35 @@ def add_registry_flags(group, timeout_flag: str = "--timeout", timeout: float = 
     """The registry flags of every command that talks to a registry (``accelnode cache``,
     ``accelnode agent``, ``accelnode controller``); a daemon names its deadline ``--registry-timeout``."""
     group.add_argument("--plain-http", action="store_true",
-                       help="talk plain HTTP to the registry and to every mirror (only when asked: tests, "
-                            "trusted networks)")
+                       help="talk plain HTTP instead of HTTPS to registries and --registry-mirror endpoints "
+                            "(only when asked: tests, trusted networks); a hosts.toml URL names its own scheme")
     group.add_argument("--registry-config", metavar="FILE",
                        help="Docker config JSON with credentials (also a dockerconfigjson Secret's content)")
+    group.add_argument("--hosts-dir", default=DEFAULT_HOSTS_DIR, metavar="DIR",
+                       help="containerd's registry host directory: DIR/<host>/hosts.toml (also host_port_ and "
+                            "_default) names the mirrors tried before each registry, as containerd reads it; a "
+                            "missing directory means none, '' turns it off (default: %(default)s)")
+    group.add_argument("--mirror-dial-timeout", type=_positive, default=DEFAULT_MIRROR_DIAL_TIMEOUT,
+                       metavar="SECONDS", help="connect timeout of a hosts.toml mirror that sets no dial_timeout; "
+                       "one that fails is skipped for 30 s (default: %(default)s)")
     group.add_argument(MIRROR_FLAG, dest="registry_mirrors", action=_MirrorAction, metavar="HOST=ENDPOINT",
-                       help="send every request for images on registry HOST to the mirror ENDPOINT "
-                            "(HOST[:PORT]) instead; images keep their names, there is no fallback to HOST "
-                            "(repeatable; the environment variable takes a comma-separated list)")
+                       help="send every request for images on registry HOST to ENDPOINT (HOST[:PORT]) instead, "
+                            "as a hosts.toml with server = ENDPOINT would, and ahead of --hosts-dir; images keep "
+                            "their names, there is no fallback to HOST (repeatable; the environment variable "
+                            "takes a comma-separated list)")
     group.add_argument(timeout_flag, dest="registry_timeout", type=float, default=timeout, metavar="SECONDS",
                        help=f"{timeout_help}; an unreachable "
                             "registry still fails after 5 quick attempts (default: %(default)s)")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def mirrors(values: list[str] | None) -> dict[str, str]:
@@ -68,4 +87,5 @@ def registry_options(args):
     from .registry import RegistryOptions  # here: --help never loads requests and oras
 
     return RegistryOptions(plain_http=args.plain_http, config_file=args.registry_config,
-                           mirrors=mirrors(args.registry_mirrors), timeout=args.registry_timeout)
+                           mirrors=mirrors(args.registry_mirrors), timeout=args.registry_timeout,
+                           hosts_dir=args.hosts_dir or None, mirror_dial_timeout=args.mirror_dial_timeout)

@@ -17,6 +17,8 @@ import hashlib
 import json
 import logging
 import re
+import ssl
+import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
@@ -27,12 +29,14 @@ from types import MappingProxyType
 import oras.auth
 import oras.auth.utils
 import requests
+import requests.adapters
 import urllib3
 
 from accelnode.log import kv
 
 from .credentials import docker_credentials
 from .errors import AuthError, ImageNotFound, IntegrityError, RegistryUnavailable
+from .hosts import DEFAULT_MIRROR_DIAL_TIMEOUT, Host, HostsConfig, HostsConfigError
 from .mirrors import check_mirrors, registry_host
 from .reference import Reference, check_digest
 
@@ -71,16 +75,28 @@ class RegistryOptions:
     # ~/.docker/config.json (docs/security.md)
     pull_secrets: tuple[tuple[str, str], ...] = ()
     timeout: float = 1800.0  # total deadline of one pull or push, seconds
-    # registry host as images name it (quay.io, registry.example.com:5000) -> mirror HOST[:PORT]
-    # that every request for its images goes to; checked and normalised on creation (ValueError)
+    # registry host as images name it (quay.io, registry.example.com:5000) -> HOST[:PORT] that
+    # every request for its images goes to (--registry-mirror: the hosts.toml ``server`` for
+    # that host); checked and normalised on creation (ValueError)
     mirrors: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # containerd's certs.d directory (hosts.toml files); None: no mirrors but ``mirrors``
+    hosts_dir: str | None = None
+    mirror_dial_timeout: float = DEFAULT_MIRROR_DIAL_TIMEOUT  # connect timeout of a mirror whose file sets none
+    # made from the four fields above on creation; kept by dataclasses.replace() while they are
+    # unchanged, so the mirrors found down stay known across the pulls of one process
+    hosts: HostsConfig | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "mirrors", MappingProxyType(check_mirrors(self.mirrors)))
+        h = self.hosts
+        if h is None or (h.directory, dict(h.mirrors), h.plain_http, h.mirror_dial_timeout) != (
+                self.hosts_dir, dict(self.mirrors), self.plain_http, self.mirror_dial_timeout):
+            object.__setattr__(self, "hosts", HostsConfig(self.hosts_dir, self.mirrors, self.plain_http,
+                                                          self.mirror_dial_timeout))
 
     def endpoint(self, host: str) -> str:
-        """Where requests for images on registry ``host`` go: its mirror, else ``host`` itself."""
-        return self.mirrors.get(registry_host(host), host)
+        """The server for images on registry ``host`` (the last host tried)."""
+        return self.hosts.hosts(host)[-1].netloc
 
 
 class Deadline:
@@ -101,9 +117,18 @@ class Deadline:
 
 
 class _Session(requests.Session):
-    """A session whose requests (including oras-py's token requests) never outlive the deadline."""
+    """A session whose requests (including oras-py's token requests) never outlive the deadline,
+    and whose redirects to another host, port or scheme carry neither our Authorization header
+    (requests' own rule) nor the headers a hosts.toml configures for the host (``private_headers``)."""
 
     deadline: Deadline | None = None
+    private_headers: set[str] = frozenset()
+
+    def rebuild_auth(self, prepared_request, response):
+        super().rebuild_auth(prepared_request, response)
+        if self.private_headers and self.should_strip_auth(response.request.url, prepared_request.url):
+            for name in self.private_headers:
+                prepared_request.headers.pop(name, None)
 
     def request(self, method, url, **kw):
         if self.deadline is not None and kw.get("timeout") is None:
@@ -111,9 +136,9 @@ class _Session(requests.Session):
         return super().request(method, url, **kw)
 
 
-def _timeouts(left: float) -> tuple[float, float]:
+def _timeouts(left: float, connect: float = None) -> tuple[float, float]:
     """(connect, read) socket timeouts for a request with ``left`` seconds of deadline."""
-    return (min(left, CONNECT_TIMEOUT), min(left, READ_TIMEOUT))
+    return (min(left, connect or CONNECT_TIMEOUT), min(left, READ_TIMEOUT))
 
 
 class _Backoff:
@@ -214,103 +239,213 @@ def _netloc(url: urllib.parse.SplitResult) -> tuple[str, int]:
     return url.hostname.lower(), url.port or {"http": 80, "https": 443}.get(url.scheme, 0)
 
 
+class _TLSAdapter(requests.adapters.HTTPAdapter):
+    """Connections to one host with the TLS settings its hosts.toml gives: extra CAs besides the
+    system's, a client certificate, or no verification at all (``skip_verify``)."""
+
+    def __init__(self, context: ssl.SSLContext):
+        self._context = context
+        super().__init__()
+
+    def init_poolmanager(self, *args, **kw):
+        kw["ssl_context"] = self._context
+        return super().init_poolmanager(*args, **kw)
+
+
+def _tls_context(host: Host, image: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context()
+    try:
+        for ca in host.ca:
+            ctx.load_verify_locations(cafile=ca)
+        if host.client:  # Python's TLS takes one client certificate: the first of the file's list
+            cert, key = host.client[0]
+            ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise HostsConfigError(f"{host.source}: TLS files for {host} are not usable "
+                               f"({getattr(e, 'strerror', None) or e})", image) from None
+    if host.skip_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 class Registry:
     """Requests for the images of one registry host with a deadline, auth and retries. They go
-    to ``endpoint``: the host's mirror when the options give one, else the host itself."""
+    to the hosts :meth:`HostsConfig.hosts` names (docs/registries.md#mirrors-hoststoml): each
+    mirror able to do what is asked, in order, then the server; a mirror that cannot connect,
+    errs, refuses or lacks the content is skipped after one attempt (a short dial timeout) and
+    content whose digest does not match is asked of the next host (:meth:`verified`). The
+    server gets the retries. Credentials are those kept under the name of the host contacted:
+    a registry's never go to a mirror unless kept under the mirror's own name."""
 
     def __init__(self, host: str, options: RegistryOptions, deadline: Deadline | None = None):
         self.host = host  # as the image names it
-        self.endpoint = options.endpoint(host)  # what is contacted
-        self.mirrored = self.endpoint != host
         self.options = options
         self.deadline = deadline or Deadline(options.timeout)
-        self.scheme = "http" if options.plain_http else "https"
-        self._oras: _Client | None = None
+        self._hosts: list[Host] | None = None
+        self._clients: dict[Host, _Client] = {}
+        self._refused: dict[Host, str] = {}  # mirrors whose API root refused us: not asked again
+        self.served: dict[Host, int] = {}  # blob bytes read, by the host that sent them
+        self._served_lock = threading.Lock()  # layers stream in parallel
 
-    @property
-    def server(self) -> str:
+    def hosts(self, image: str | None = None) -> list[Host]:
+        """The hosts of this registry, read once per Registry (one operation)."""
+        if self._hosts is None:
+            self._hosts = self.options.hosts.hosts(self.host, image)
+        return self._hosts
+
+    def candidates(self, caps: tuple[str, ...], image: str, exclude=()) -> list[Host]:
+        """The hosts that may do ``caps``, in order; a push goes to the first one only."""
+        found = [h for h in self.hosts(image) if all(h.can(c) for c in caps) and h not in exclude]
+        return found[:1] if "push" in caps else found
+
+    def server(self, h: Host) -> str:
         """The server contacted, as messages name it."""
-        return f"mirror {self.endpoint} of {self.host}" if self.mirrored else f"registry {self.host}"
+        return f"registry {self.host}" if h.is_registry else f"mirror {h.netloc} of {self.host}"
 
-    @property
-    def through(self) -> str:
+    @staticmethod
+    def through(h: Host) -> str:
         """What an error message about a request adds: the mirror it went to, if any."""
-        return f" (through mirror {self.endpoint})" if self.mirrored else ""
+        return "" if h.is_registry else f" (through mirror {h.netloc})"
+
+    @staticmethod
+    def _mirror_kv(h: Host | None) -> dict:
+        """The ``mirror=`` a log line about a request adds when it went to a mirror."""
+        return {"mirror": h.netloc} if h is not None and not h.is_registry else {}
 
     # -- connection and auth -------------------------------------------------------------
 
-    def _client(self, image: str) -> _Client:
-        """Ping /v2/ once and pick the oras-py auth backend the registry's challenge asks for."""
-        if self._oras is not None:
-            return self._oras
-        url = f"{self.scheme}://{self.endpoint}/v2/"
-        resp = self._send(requests.Session(), "GET", url, image, "contacting the registry", {})
-        challenge = resp.headers.get("Www-Authenticate", "")
-        backend = "basic" if resp.status_code == 401 and challenge.lower().startswith("basic") else "token"
+    def _client(self, h: Host, image: str, last: bool) -> _Client:
+        """Ping the host's API root once and pick the oras-py auth backend its challenge asks for."""
+        if (client := self._clients.get(h)) is not None:
+            return client
+        try:
+            client = self._connect(h, image, last)
+        except AuthError as e:
+            self._refused[h] = e.detail
+            raise
+        self._clients[h] = client
+        return client
+
+    def _connect(self, h: Host, image: str, last: bool) -> _Client:
         session = _Session()
         session.deadline = self.deadline
-        auth = (oras.auth.get_auth_backend("basic", session, self.options.plain_http) if backend == "basic"
-                else _TokenAuth(session, self.endpoint if self.options.plain_http else None))
+        session.private_headers = {name for name, _ in h.header}
+        if h.scheme == "https" and (h.ca or h.client or h.skip_verify):
+            session.mount(f"https://{h.netloc}/", _TLSAdapter(_tls_context(h, image)))
+            session.verify = not h.skip_verify
+        resp = self._send(h, session, "GET", self._url(h, ""), image, "contacting the registry", self._headers(h),
+                          last)
+        resp.close()
+        challenge = resp.headers.get("Www-Authenticate", "")
+        backend = "basic" if resp.status_code == 401 and challenge.lower().startswith("basic") else "token"
+        auth = (oras.auth.get_auth_backend("basic", session, h.scheme == "http") if backend == "basic"
+                else _TokenAuth(session, h.netloc if h.scheme == "http" else None))
         client = _Client(auth, session)
-        creds = None if self.options.anonymous else self._credentials(image)
+        key = self.host if h.is_registry else h.netloc
+        creds = None if self.options.anonymous else docker_credentials(
+            key, self.options.config_file, image, inline=self.options.pull_secrets)
         if creds is not None:
             client.auth.set_basic_auth(*creds)
         elif backend == "basic" and self.options.anonymous:
-            raise AuthError(f"{self.server} requires credentials and this pull is anonymous (sends none)",
-                            image)
+            raise AuthError(f"{self.server(h)} requires credentials and this pull is anonymous (sends none)", image)
         elif backend == "basic":
-            raise AuthError(f"{self.server} requires credentials and none were found"
-                            + (f" under {self.endpoint} or {self.host}" if self.mirrored else "")
+            raise AuthError(f"{self.server(h)} requires credentials and none were found under {key}"
                             + (f" in the pull secrets {', '.join(n for n, _ in self.options.pull_secrets)}"
                                if self.options.pull_secrets else f" in {self.options.config_file}"
                                if self.options.config_file else " (use --registry-config)"), image)
-        self._oras = client
         return client
 
-    def _credentials(self, image: str) -> tuple[str, str] | None:
-        """Credentials for the endpoint; through a mirror, those kept under the mirror's own
-        name first (they are for the server that checks them), then the original host's (a pull
-        secret written for the images' registry keeps working with a mirror that accepts it)."""
-        inline = self.options.pull_secrets
-        creds = docker_credentials(self.endpoint, self.options.config_file, image, inline=inline)
-        if creds is None and self.mirrored:
-            creds = docker_credentials(self.host, self.options.config_file, image, inline=inline)
-        return creds
+    def _url(self, h: Host, path: str) -> str:
+        """``path`` under the host's API root; a mirror's requests name the registry (``ns=``)."""
+        url = f"{h.scheme}://{h.netloc}{h.path}/{path}"
+        if not h.is_registry:
+            url += ("&" if "?" in path else "?") + urllib.parse.urlencode({"ns": self.host})
+        return url
 
-    def _send(self, session, method, url, image, doing, headers, **kw) -> requests.Response:
-        """One request with retries on connection errors and retryable statuses, within the deadline."""
+    @staticmethod
+    def _headers(h: Host) -> dict:
+        out: dict[str, str] = {}
+        for name, value in h.header:  # a name given several values: one comma-joined header
+            out[name] = f"{out[name]}, {value}" if name in out else value
+        return out
+
+    def _send(self, h: Host, session, method, url, image, doing, headers, last: bool, **kw) -> requests.Response:
+        """One request with retries on connection errors and retryable statuses, within the
+        deadline: only one attempt at a host that is not the last one to try."""
         backoff = _Backoff(self.deadline)
+        connect = h.dial_timeout or (CONNECT_TIMEOUT if h.is_registry or last else self.options.hosts.mirror_dial_timeout)
         while True:
             left = self.deadline.check(image, doing)
             try:
-                resp = session.request(method, url, headers=headers, timeout=_timeouts(left), **kw)
+                resp = session.request(method, url, headers=headers, timeout=_timeouts(left, connect), **kw)
                 if resp.status_code not in _RETRY_STATUS:
                     return resp
                 problem = f"HTTP {resp.status_code}"
                 resp.close()
             except requests.RequestException as e:
                 problem = _describe(e)
+            if not last:
+                self.options.hosts.mark_down(h)
+                raise RegistryUnavailable(f"{doing}: {problem}{self.through(h)}", image)
             if (why := backoff.give_up()) is not None:
-                raise RegistryUnavailable(f"{doing}: {problem} ({why}){self.through}", image)
+                raise RegistryUnavailable(f"{doing}: {problem} ({why}){self.through(h)}", image)
             log.info("registry request failed, retrying", extra=kv(image=image, doing=doing, problem=problem,
                                                                   retry_in=round(backoff.delay, 2),
-                                                                  **self._mirror_kv()))
+                                                                  **self._mirror_kv(h)))
             backoff.pause()
 
-    def request(self, method: str, path: str, image: str, doing: str, *, headers=None, ok=(200,), **kw):
-        """An authenticated request to ``/v2/<path>``; maps 401/403/404 to our errors."""
-        client = self._client(image)
-        url = f"{self.scheme}://{self.endpoint}/v2/{path}"
-        headers = dict(headers or {})
+    def request(self, method: str, path: str, image: str, doing: str, *, headers=None, ok=(200,),
+                caps: tuple[str, ...] = ("pull",), exclude=(), **kw) -> requests.Response:
+        """An authenticated request for ``/<api root>/<path>`` at the first host that answers it
+        (``resp.served_by``); maps 401/403/404 to our errors. Hosts that failed are named in the
+        error of the last one, or logged when a later host answers."""
+        hosts = self.candidates(caps, image, exclude)
+        if not hosts:
+            raise RegistryUnavailable(f"{doing}: no host of {self.host} may {'+'.join(caps)}"
+                                      + (" (the others served bad content)" if exclude else "")
+                                      + f" ({self.options.hosts.file(registry_host(self.host)) or 'no hosts.toml'})",
+                                      image)
+        failed: list[str] = []
+        for i, h in enumerate(hosts):
+            last = i == len(hosts) - 1
+            if not last and (wait := self.options.hosts.down(h)):
+                failed.append(f"{h}: skipped, failed to connect lately (again in {wait:.0f}s)")
+                continue
+            if not last and h in self._refused:
+                failed.append(f"{h}: skipped, {self._refused[h]}")
+                continue
+            try:
+                resp = self._request_at(h, method, path, image, doing, dict(headers or {}), ok, last, **kw)
+            except (RegistryUnavailable, AuthError, ImageNotFound) as e:
+                if last:
+                    if failed:
+                        e.add_detail(f"tried first: {'; '.join(failed)}")
+                    raise
+                failed.append(f"{h}: {e.detail}")
+                log.info("mirror failed, trying the next host", extra=kv(image=image, doing=doing, mirror=str(h),
+                                                                        problem=e.detail))
+                continue
+            if failed or not h.is_registry:
+                self.options.hosts.mark_up(h)
+            resp.served_by = h
+            return resp
+        raise AssertionError("unreachable: the last host returns or raises")
+
+    def _request_at(self, h: Host, method, path, image, doing, headers, ok, last, **kw) -> requests.Response:
+        client = self._client(h, image, last)
+        url = self._url(h, path)
+        headers = self._headers(h) | headers
         for attempt in range(2):
-            headers.update(client.auth.get_auth_header() if _has_creds(client.auth) else {})
-            resp = self._send(client.session, method, url, image, doing, headers, **kw)
+            if _has_creds(client.auth):
+                headers.update(client.auth.get_auth_header())
+            resp = self._send(h, client.session, method, url, image, doing, headers, last, **kw)
             if resp.status_code not in (401, 403) or attempt:
                 break
             try:
                 headers, changed = client.auth.authenticate_request(resp, headers, refresh=True)
             except (*_NET_ERRORS, ValueError) as e:
-                raise AuthError(f"{doing}: token request failed: {_describe(e)}", image) from None
+                raise AuthError(f"{doing}: token request failed: {_describe(e)}{self.through(h)}", image) from None
             resp.close()
             if not changed:
                 break
@@ -318,58 +453,84 @@ class Registry:
             return resp
         body = resp.text[:300] if not kw.get("stream") else ""
         resp.close()
-        where = self.through
+        where = self.through(h)
         if resp.status_code in (401, 403):
             raise AuthError(f"{doing}: registry refused our credentials (HTTP {resp.status_code}){where}", image)
         if resp.status_code == 404:
             raise ImageNotFound(f"{doing}: not found in the registry (HTTP 404){where}", image)
         raise RegistryUnavailable(f"{doing}: unexpected HTTP {resp.status_code}{where}: {body.strip()}", image)
 
-    def _mirror_kv(self) -> dict:
-        """The ``mirror=`` a log line about this registry adds when it goes through a mirror."""
-        return {"mirror": self.endpoint} if self.mirrored else {}
+    def verified(self, fetch, image: str, caps: tuple[str, ...] = ("pull",)):
+        """``fetch(exclude)`` again without the host whose content did not match its digest
+        (``IntegrityError.served_by``), while another host may do ``caps``."""
+        exclude: list[Host] = []
+        while True:
+            try:
+                return fetch(tuple(exclude))
+            except IntegrityError as e:
+                source = getattr(e, "served_by", None)
+                if source is None or not self.candidates(caps, image, (*exclude, source)):
+                    raise
+                exclude.append(source)
+                log.warning("content from a mirror failed verification, trying the next host",
+                            extra=kv(image=image, mirror=str(source), problem=e.detail))
 
     # -- reading ----------------------------------------------------------------------------
 
     def get_manifest(self, ref: Reference, image: str, *, limit: int = MAX_MANIFEST_BYTES,
                      digest: str | None = None) -> tuple[bytes, str, str]:
-        """Fetch a manifest or index: (raw bytes, media type, digest), digest- and size-checked."""
+        """Fetch a manifest or index: (raw bytes, media type, digest), digest- and size-checked.
+        By tag only hosts that may resolve are asked; by digest, any that may pull."""
         want = digest or ref.digest
+        caps = ("pull",) if want else ("pull", "resolve")
+        return self.verified(lambda exclude: self._get_manifest(ref, image, limit, want, caps, exclude), image, caps)
+
+    def _get_manifest(self, ref, image, limit, want, caps, exclude) -> tuple[bytes, str, str]:
         accept = ", ".join(MANIFEST_TYPES + INDEX_TYPES)
         doing = "fetching the manifest"
         resp = self.request("GET", f"{ref.repository}/manifests/{want or ref.ref}", image, doing,
-                            headers={"Accept": accept}, stream=True)
-        with resp:
-            declared = int(resp.headers.get("Content-Length") or 0)
-            if declared > limit:
-                raise IntegrityError(f"manifest is {declared} bytes, over the {limit}-byte limit", image)
-            body = bytearray()
-            try:
-                while self.deadline.check(image, doing) and (chunk := resp.raw.read1(65536)):
-                    body += chunk
-                    if len(body) > limit:
-                        raise IntegrityError(f"manifest is over the {limit}-byte limit", image)
-            except _NET_ERRORS as e:
-                raise RegistryUnavailable(f"{doing}: {_describe(e)}{self.through}", image) from None
-        body = bytes(body)
-        actual = "sha256:" + hashlib.sha256(body).hexdigest()
-        if want and actual != want:
-            raise IntegrityError(f"manifest digest mismatch: asked for {want}, content is {actual}", image)
+                            headers={"Accept": accept}, stream=True, caps=caps, exclude=exclude)
+        source = resp.served_by
+        try:
+            with resp:
+                declared = int(resp.headers.get("Content-Length") or 0)
+                if declared > limit:
+                    raise IntegrityError(f"manifest is {declared} bytes, over the {limit}-byte limit", image)
+                body = bytearray()
+                try:
+                    while self.deadline.check(image, doing) and (chunk := resp.raw.read1(65536)):
+                        body += chunk
+                        if len(body) > limit:
+                            raise IntegrityError(f"manifest is over the {limit}-byte limit", image)
+                except _NET_ERRORS as e:
+                    raise RegistryUnavailable(f"{doing}: {_describe(e)}{self.through(source)}", image) from None
+            body = bytes(body)
+            actual = "sha256:" + hashlib.sha256(body).hexdigest()
+            if want and actual != want:
+                raise IntegrityError(f"manifest digest mismatch: asked for {want}, content is {actual}"
+                                     f"{self.through(source)}", image)
+        except IntegrityError as e:
+            e.served_by = source
+            raise
         media_type = resp.headers.get("Content-Type", "").split(";")[0].strip()
         return body, media_type, actual
 
-    def open_blob(self, repository: str, descriptor: dict, image: str, *, limit: int | None = None) -> BlobStream:
-        return BlobStream(self, repository, descriptor, image, limit)
+    def open_blob(self, repository: str, descriptor: dict, image: str, *, limit: int | None = None,
+                  exclude=()) -> BlobStream:
+        return BlobStream(self, repository, descriptor, image, limit, exclude)
 
     def read_blob(self, repository: str, descriptor: dict, image: str, *, limit: int) -> bytes:
         """A small blob (a config) read whole, verified."""
-        with self.open_blob(repository, descriptor, image, limit=limit) as blob:
-            return blob.read_all()
+        def fetch(exclude):
+            with self.open_blob(repository, descriptor, image, limit=limit, exclude=exclude) as blob:
+                return blob.read_all()
+        return self.verified(fetch, image)
 
     # -- writing (build/push) ----------------------------------------------------------------
 
     def blob_exists(self, repository: str, digest: str, image: str) -> bool:
-        resp = self.request("HEAD", f"{repository}/blobs/{digest}", image, "checking a blob", ok=(200, 404))
+        resp = self.request("HEAD", f"{repository}/blobs/{digest}", image, "checking a blob", ok=(200, 404),
+                            caps=("push",))
         resp.close()
         return resp.status_code == 200
 
@@ -377,7 +538,8 @@ class Registry:
         """Monolithic upload (POST then PUT) of bytes or a binary file object."""
         if self.blob_exists(repository, digest, image):
             return
-        resp = self.request("POST", f"{repository}/blobs/uploads/", image, "starting a blob upload", ok=(202,))
+        resp = self.request("POST", f"{repository}/blobs/uploads/", image, "starting a blob upload", ok=(202,),
+                            caps=("push",))
         location = resp.headers["Location"]
         resp.close()
         sep = "&" if "?" in location else "?"
@@ -388,11 +550,11 @@ class Registry:
         if hasattr(data, "seek"):
             data.seek(0)
         self.request("PUT", f"{location}{sep}digest={digest}", image, f"uploading blob {digest}", ok=(201,),
-                     data=data, headers={"Content-Type": "application/octet-stream"}).close()
+                     data=data, headers={"Content-Type": "application/octet-stream"}, caps=("push",)).close()
 
     def put_manifest(self, repository: str, ref: str, body: bytes, media_type: str, image: str) -> str:
         self.request("PUT", f"{repository}/manifests/{ref}", image, "uploading the manifest", ok=(201,),
-                     data=body, headers={"Content-Type": media_type}).close()
+                     data=body, headers={"Content-Type": media_type}, caps=("push",)).close()
         return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
@@ -420,8 +582,11 @@ class BlobStream:
     declared size, a short stream, or a digest mismatch raise :class:`IntegrityError`.
     """
 
-    def __init__(self, registry: Registry, repository: str, descriptor: dict, image: str, limit: int | None):
+    def __init__(self, registry: Registry, repository: str, descriptor: dict, image: str, limit: int | None,
+                 exclude=()):
         self.registry = registry
+        self.exclude = tuple(exclude)  # hosts not to ask (they served bad content)
+        self.source: Host | None = None  # the host the bytes come from now
         self.repository = repository
         self.image = image
         self.digest = check_digest(descriptor.get("digest"), image)
@@ -441,21 +606,22 @@ class BlobStream:
         # identity: the digest is over the stored bytes, never over a transfer re-encoding
         headers = {"Accept-Encoding": "identity"} | ({"Range": f"bytes={self.offset}-"} if self.offset else {})
         resp = self.registry.request("GET", f"{self.repository}/blobs/{self.digest}", self.image,
-                                     f"downloading blob {self.digest}", headers=headers, ok=(200, 206), stream=True)
-        self._resp = resp
+                                     f"downloading blob {self.digest}", headers=headers, ok=(200, 206), stream=True,
+                                     exclude=self.exclude)
+        self._resp, self.source = resp, resp.served_by
         length = resp.headers.get("Content-Length")
         expect = self.size - (self.offset if resp.status_code == 206 else 0)
         if length is not None and int(length) != expect:
             self.close()
-            raise IntegrityError(f"blob {self.digest}: registry sends {length} bytes, manifest says {self.size}"
-                                 + (f" (resuming at {self.offset})" if self.offset else ""), self.image)
+            raise self._bad(f"blob {self.digest}: registry sends {length} bytes, manifest says {self.size}"
+                            + (f" (resuming at {self.offset})" if self.offset else ""))
         if resp.status_code == 206:
             got = resp.headers.get("Content-Range", "")
             m = _CONTENT_RANGE.match(got)
             if not m or int(m[1]) != self.offset or m[3] not in ("*", str(self.size)):
                 self.close()
-                raise IntegrityError(f"blob {self.digest}: asked for bytes {self.offset}- of {self.size}, "
-                                     f"the registry sent the range {got!r}", self.image)
+                raise self._bad(f"blob {self.digest}: asked for bytes {self.offset}- of {self.size}, "
+                                f"the registry sent the range {got!r}")
         elif self.offset:  # range ignored, the whole blob again: skip what we already have
             skip = self.offset
             while skip:
@@ -480,19 +646,20 @@ class BlobStream:
             self.close()
             if (why := backoff.give_up()) is not None:
                 raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} ({why})"
-                                          f"{self.registry.through}", self.image)
+                                          f"{self.registry.through(self.source) if self.source else ''}", self.image)
             log.info("blob download interrupted, resuming", extra=kv(image=self.image, digest=self.digest,
                                                                      offset=self.offset, problem=problem,
-                                                                     **self.registry._mirror_kv()))
+                                                                     **self.registry._mirror_kv(self.source)))
             backoff.pause()
         if not data:
             self._finish()
             return b""
         self.offset += len(data)
         if self.offset > self.size:
-            raise IntegrityError(f"blob {self.digest} is longer than the {self.size} bytes its descriptor says",
-                                 self.image)
+            raise self._bad(f"blob {self.digest} is longer than the {self.size} bytes its descriptor says")
         self._hash.update(data)
+        with self.registry._served_lock:
+            self.registry.served[self.source] = self.registry.served.get(self.source, 0) + len(data)
         if self.on_read is not None:
             self.on_read(len(data))
         return data
@@ -501,11 +668,18 @@ class BlobStream:
         if self._verified:
             return
         if self.offset != self.size:
-            raise IntegrityError(f"blob {self.digest} truncated: got {self.offset} of {self.size} bytes", self.image)
+            raise self._bad(f"blob {self.digest} truncated: got {self.offset} of {self.size} bytes")
         actual = "sha256:" + self._hash.hexdigest()
         if actual != self.digest:
-            raise IntegrityError(f"blob digest mismatch: expected {self.digest}, content is {actual}", self.image)
+            raise self._bad(f"blob digest mismatch: expected {self.digest}, content is {actual}")
         self._verified = True
+
+    def _bad(self, message: str) -> IntegrityError:
+        """The error for content that is not what the descriptor says, naming the host that sent
+        it (``served_by``: :meth:`Registry.verified` asks the next host)."""
+        e = IntegrityError(message + (self.registry.through(self.source) if self.source else ""), self.image)
+        e.served_by = self.source
+        return e
 
     def read_all(self) -> bytes:
         parts = []

@@ -200,7 +200,8 @@ class BlobRedirector:
             def _forward(self):
                 if self.command == "GET" and "/blobs/sha256:" in self.path:
                     self.send_response(307)
-                    self.send_header("Location", f"http://{front.blob_host}/blobs/{self.path.rsplit('/', 1)[-1]}")
+                    digest = self.path.split("?", 1)[0].rsplit("/", 1)[-1]  # a mirror's requests carry ?ns=
+                    self.send_header("Location", f"http://{front.blob_host}/blobs/{digest}")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return

@@ -131,17 +131,31 @@ def test_build_through_the_mirror_pushes_there_under_the_quay_name(registry, tmp
     assert resolve(f"{registry.host}/{REPO}:built-through-mirror", registry.options())[0] == digest
 
 
-@pytest.mark.parametrize("key", ["mirror", "origin"])
-def test_credentials_under_the_mirror_or_the_original_host(auth_registry, tmp_path, key):
+def test_credentials_kept_under_the_mirrors_name_go_to_the_mirror(auth_registry, tmp_path):
     digest = auth_registry.push(triton_tree(tmp_path / "src"), REPO, TAG).split("@")[1]
-    host = auth_registry.host if key == "mirror" else "quay.io"
-    cfg = _config(tmp_path, host, auth_registry.username, auth_registry.password)
+    cfg = _config(tmp_path, auth_registry.host, auth_registry.username, auth_registry.password)
     store = str(tmp_path / "store")
     out = cache("pull", QUAY, "--store", store, "--plain-http", "--registry-config", cfg,
                 "--registry-mirror", f"quay.io={auth_registry.host}").stdout.split()
     assert out[0] == digest and CacheStore(store).installed(digest).image == QUAY
     options = auth_registry.options(config_file=cfg, mirrors={"quay.io": auth_registry.host})
     assert resolve(QUAY, options)[0] == digest
+
+
+def test_the_registrys_credentials_never_go_to_its_mirror(auth_registry, tmp_path):
+    """Attack: a mirror (anyone's pull-through cache, a peer) would collect the credentials of
+    every registry it fronts if they were sent to it. Credentials kept for quay.io are not: the
+    mirror, which checks basic auth, is asked without any and refuses (its own log: nothing but
+    401s), and the error says under which name credentials for it would be looked up."""
+    auth_registry.push(triton_tree(tmp_path / "src"), REPO, TAG)
+    cfg = _config(tmp_path, "quay.io", auth_registry.username, auth_registry.password)
+    before = len(auth_registry.access_log())
+    proc = cache("pull", QUAY, "--store", str(tmp_path / "store"), "--plain-http", "--registry-config", cfg,
+                 "--registry-mirror", f"quay.io={auth_registry.host}", rc=exitcodes.FAILURE)
+    assert f"mirror {auth_registry.host} of quay.io requires credentials and none were found under " \
+           f"{auth_registry.host}" in proc.stderr
+    seen = auth_registry.access_log()[before:]
+    assert seen and {status for _, _, status, _ in seen} == {401}, seen
 
 
 def test_credentials_under_the_mirror_win_and_none_is_a_clear_error(auth_registry, tmp_path):
@@ -157,7 +171,7 @@ def test_credentials_under_the_mirror_win_and_none_is_a_clear_error(auth_registr
     with pytest.raises(AuthError, match=rf"refused our credentials \(HTTP 401\) \(through mirror {auth_registry.host}\)"):
         resolve(QUAY, auth_registry.options(config_file=str(both), mirrors=mirrors))
     with pytest.raises(AuthError, match=rf"mirror {auth_registry.host} of quay.io requires credentials and none "
-                                        rf"were found under {auth_registry.host} or quay.io"):
+                                        rf"were found under {auth_registry.host} \(use --registry-config\)"):
         resolve(QUAY, auth_registry.options(config_file=None, mirrors=mirrors))
 
 
@@ -165,7 +179,7 @@ def test_redirects_from_a_mirror_never_carry_credentials(auth_registry, tmp_path
     digest = auth_registry.push(triton_tree(tmp_path / "src"), REPO, "redirected").split("@")[1]
     front = BlobRedirector(auth_registry)
     try:
-        cfg = _config(tmp_path, "quay.io", auth_registry.username, auth_registry.password)
+        cfg = _config(tmp_path, front.host, auth_registry.username, auth_registry.password)
         options = auth_registry.options(config_file=cfg, mirrors={"quay.io": front.host})
         inst = CacheStore(tmp_path / "store", registry=options).ensure(f"quay.io/{REPO}:redirected")
     finally:

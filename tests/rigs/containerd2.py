@@ -43,7 +43,6 @@ class Containerd2Node(Node):
         super().__init__(workdir, tools_bin, control_plane, **kw)
         self.bin = bin_dir(tools_bin)
         self.cdi_dir = self.workdir / "cdi"
-        self.hosts_dir = self.workdir / "certs.d"  # containerd's registry hosts (hosts.toml per registry)
 
     def start(self, import_images=()) -> None:
         missing = prerequisites(self.tools_bin)

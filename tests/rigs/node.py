@@ -75,6 +75,9 @@ class Node:
         self.log = log
         self.root_dir = self.workdir / "kubelet"  # kubelet --root-dir
         self.containerd_dir = self.workdir / "containerd"
+        # containerd's registry hosts (hosts.toml per registry): containerd's config_path, and the
+        # agent's /etc/containerd/certs.d (write_overlay), so both read the same mirrors
+        self.hosts_dir = self.workdir / "certs.d"
         self.socket = self.workdir / "containerd.sock"
         self.pod_logs = self.workdir / "pod-logs"
         self.kubelet_port = free_port()
@@ -118,6 +121,7 @@ class Node:
         d = self.containerd_dir
         for sub in ("root", "state", "opt", "net.d", "cni-state"):
             (d / sub).mkdir(parents=True, exist_ok=True)
+        self.hosts_dir.mkdir(parents=True, exist_ok=True)
         cri = 'plugins."io.containerd.grpc.v1.cri"'
         (d / "config.toml").write_text(f"""version = 2
 root = "{d / 'root'}"
@@ -138,6 +142,8 @@ state = "{d / 'state'}"
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   enable_cdi = false
+  [{cri}.registry]
+    config_path = "{self.hosts_dir}"
   [{cri}.cni]
     bin_dir = "/usr/lib/cni"
     conf_dir = "{d / 'net.d'}"
@@ -435,6 +441,10 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
                                   {"name": "sys", "mountPath": str(sysfs_root), "readOnly": True},
                                   {"name": "dev", "mountPath": str(dev_root), "readOnly": True},
                                   {"name": "registry-credentials", "mountPath": "/etc/accelnode/registry/.docker",
+                                   "readOnly": True},
+                                  # the rig's containerd hosts directory (Node.hosts_dir), where the base
+                                  # mounts the node's /etc/containerd/certs.d
+                                  {"name": "containerd-hosts", "mountPath": "/etc/containerd/certs.d",
                                    "readOnly": True}]}],
             "volumes": [{"name": "kubelet-pods", "hostPath": {"path": str(kdir / "pods")}},
                         {"name": "plugin-dir", "hostPath": {"path": str(plugin_dir)}},
@@ -442,7 +452,8 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
                         {"name": "cache-store", "hostPath": {"path": str(caches)}},
                         {"name": "views", "hostPath": {"path": str(kdir / "accelnode-views"), "type": "DirectoryOrCreate"}},
                         {"name": "sys", "hostPath": {"path": str(sysfs_root)}},
-                        {"name": "dev", "hostPath": {"path": str(dev_root)}}]}}}}
+                        {"name": "dev", "hostPath": {"path": str(dev_root)}},
+                        {"name": "containerd-hosts", "hostPath": {"path": str(node.hosts_dir)}}]}}}}
     controller = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "accelnode-controller", "namespace": SYSTEM_NS},
         "spec": {"replicas": 1, "template": {"spec": {
