@@ -78,6 +78,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.fixtures.registry import RunningRegistry, _free_port  # noqa: E402  (needs ROOT on sys.path)
+
 G = "mirrors"
 AGENTS = int(os.environ.get("BENCH_MIRRORS_AGENTS", "20"))
 ROUNDS = int(os.environ.get("BENCH_MIRRORS_ROUNDS", "2"))
@@ -207,8 +209,6 @@ class Nginx:
     """nginx in the foreground on 127.0.0.1, caching ``upstream``'s blobs under ``workdir``."""
 
     def __init__(self, workdir: Path, upstream: str):
-        from tests.fixtures.registry import _free_port
-
         workdir.mkdir(parents=True)
         self.workdir = workdir
         self.host = f"127.0.0.1:{_free_port()}"
@@ -230,23 +230,13 @@ class Nginx:
                     raise RuntimeError(f"nginx did not start: {(workdir / 'error.log').read_text(errors='replace')}")
                 time.sleep(0.05)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: fast shutdown
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+    stop = RunningRegistry.stop  # SIGTERM (nginx's fast shutdown), then SIGKILL; closes self.log
 
 
 # --- dead mirrors -----------------------------------------------------------------------------
 
 def closed_port() -> int:
     """A loopback port nothing listens on: a connect is refused at once."""
-    from tests.fixtures.registry import _free_port
-
     return _free_port()
 
 
@@ -344,7 +334,6 @@ def fallback(origin, image: str, work: Path, mirror: str, blob_bytes: int) -> No
 
 def main() -> None:
     from bench.bench_cache import LAYERS, make_cache
-    from tests.fixtures.registry import RunningRegistry
 
     if not shutil.which("docker-registry"):
         raise RuntimeError("docker-registry missing (Debian package docker-registry: make system-deps)")
