@@ -137,7 +137,7 @@ class CacheStore:
             self._save_index(digest, body)
             found = self._use(desc["digest"])
             if found is not None:
-                return self._granted(found, ref, options, asked=True) if own else found
+                return self._granted(found, ref, options, asked=self._served_by_server(reg)) if own else found
             _, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits, desc["digest"])
         if media_type not in MANIFEST_TYPES:
             raise HostileContent(f"unsupported manifest media type {media_type!r}", image)
@@ -146,8 +146,17 @@ class CacheStore:
             with self._digest_lock(digest, image, reg.deadline):
                 found = self._use(digest)  # another thread or process may have installed it meanwhile
                 if found is None:
-                    return self._install(reg, ref, image, digest, manifest, progress)
-        return self._granted(found, ref, options, asked=True) if own else found
+                    found = self._install(reg, ref, image, digest, manifest, progress)
+                    if not own or self._served_by_server(reg):
+                        return found
+        return self._granted(found, ref, options, asked=self._served_by_server(reg)) if own else found
+
+    @staticmethod
+    def _served_by_server(reg: Registry) -> bool:
+        """Whether every manifest of this pull came from the server (the registry, or the one
+        endpoint --registry-mirror names): a mirror's answer proves nothing about who may have a
+        digest (a pull-through cache serves anyone; Spegel serves a digest under any name)."""
+        return reg.manifest_hosts <= {reg.last}
 
     def _granted(self, found: Installed, ref: Reference, options: RegistryOptions, *, asked: bool) -> Installed:
         """``found`` for a pull with options of its own, once ``ref``'s repository has served the
@@ -167,7 +176,7 @@ class CacheStore:
         """Raise AuthError unless ``repo``'s repository serves manifest ``digest`` with ``options``
         (a GET, its body checked against the digest). Neither its absence nor a refusal is told
         apart in the message: both say only that this pull may not have it."""
-        reg = Registry(repo.host, options, Deadline(options.timeout))
+        reg = Registry(repo.host, options, Deadline(options.timeout), only_server=True)
         try:
             get_manifest(reg, Reference(repo.host, repo.repository, digest=digest), image, self.limits)
         except (AuthError, ImageNotFound):
@@ -216,8 +225,7 @@ class CacheStore:
         except OSError as e:
             raise self._full(e, need, image) from None
         try:
-            (stage / "layers").mkdir()
-            base = self._extract_all(reg, ref.repository, image, layers, stage / "layers", progress)
+            base = self._extract_from_hosts(reg, ref, image, layers, stage / "layers", progress)
             content = stage / "content"
             os.rename(base.root, content)
             kind = kind or fmt.detect_kind(content)
@@ -242,6 +250,29 @@ class CacheStore:
                                              layers=len(layers), seconds=round(time.monotonic() - started, 3),
                                              blob_bytes_from={str(h): n for h, n in reg.served.items()}))
         return self._from_meta(digest, meta)
+
+    def _extract_from_hosts(self, reg: Registry, ref: Reference, image: str, layers: list[dict], where: Path,
+                            progress) -> Layer:
+        """:meth:`_extract_all`, once more from the server alone when content a mirror sent part
+        of was refused as hostile: limits are shared by the layers of an image, and a layer a
+        mirror corrupts counts against them until its digest fails, so a sound layer beside it
+        may be refused for what the mirror sent (docs/registries.md, Failures)."""
+        where.mkdir()
+        try:
+            return self._extract_all(reg, ref.repository, image, layers, where, progress)
+        except HostileContent as e:
+            if all(h == reg.last for h in reg.served):
+                raise
+            log.warning("content refused after a mirror served part of it; pulling it again from the server alone",
+                        extra=kv(image=image, problem=e.detail, mirrors=[str(h) for h in reg.served if h != reg.last]))
+        shutil.rmtree(where)
+        where.mkdir()
+        server = Registry(ref.host, reg.options, reg.deadline, only_server=True)
+        try:
+            return self._extract_all(server, ref.repository, image, layers, where, progress)
+        finally:
+            for h, n in server.served.items():
+                reg.served[h] = reg.served.get(h, 0) + n
 
     def _extract_all(self, reg, repository, image, layers, where: Path, progress) -> Layer:
         """Download and unpack every layer in parallel, then merge them in order."""

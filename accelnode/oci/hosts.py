@@ -16,9 +16,11 @@ dead mirror instead of waiting for it again.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import ssl
+import stat
 import threading
 import time
 import tomllib
@@ -35,10 +37,11 @@ DEFAULT_HOSTS_DIR = "/etc/containerd/certs.d"
 DEFAULT_MIRROR_DIAL_TIMEOUT = 1.0
 DOWN_FOR = 30.0  # seconds a mirror that failed to connect is skipped while another host is left
 MAX_HOSTS_FILE = 1 << 20
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-_HEADER_VALUE = re.compile(r"^[\t\x20-\x7e\x80-\xff]*$")
+# printable, no leading white space (requests refuses those, quoting the value in its error)
+_HEADER_VALUE = re.compile(r"^(?:[\x21-\x7e\x80-\xff][\t\x20-\x7e\x80-\xff]*)?$")
 
 
 class HostsConfigError(RegistryUnavailable):
@@ -63,6 +66,7 @@ class Host:
 
     @property
     def url(self) -> str:
+        """The API root's URL."""
         return f"{self.scheme}://{self.netloc}{self.path}"
 
     @property
@@ -88,7 +92,9 @@ class Host:
                 ctx.load_cert_chain(cert, key)
         except (OSError, ssl.SSLError) as e:
             raise HostsConfigError(f"{self.source}: TLS files for {self} are not usable "
-                                   f"({getattr(e, 'strerror', None) or e})", image) from None
+                                   f"({getattr(e, 'strerror', None) or e}; this process reads them: the "
+                                   "agent's pod sees the node's files only under the hosts directory)",
+                                   image) from None
         if self.skip_verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
@@ -198,8 +204,7 @@ def parse_hosts_file(path: Path, registry: str, scheme: str, image: str | None) 
     """The hosts of one hosts.toml for ``registry`` (see the module docstring)."""
     where = str(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_HOSTS_FILE + 1)
+        data = _read_regular(path)
     except FileNotFoundError:
         return [_default_server(registry, scheme, {}, None, "")]
     except OSError as e:
@@ -210,6 +215,8 @@ def parse_hosts_file(path: Path, registry: str, scheme: str, image: str | None) 
         doc = tomllib.loads(data.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise HostsConfigError(f"mirror configuration {where} is not valid TOML ({e})", image) from None
+    except RecursionError:
+        raise HostsConfigError(f"mirror configuration {where} nests too deeply", image) from None
     try:
         hosts = []
         table = doc.get("host", {})
@@ -229,6 +236,18 @@ def parse_hosts_file(path: Path, registry: str, scheme: str, image: str | None) 
     except ValueError as e:
         raise HostsConfigError(f"mirror configuration {where}: {e}", image) from None
     return hosts
+
+
+def _read_regular(path: Path) -> bytes:
+    """At most MAX_HOSTS_FILE + 1 bytes of a regular file: never blocks on a FIFO or a device."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_HOSTS_FILE + 1)
+    finally:
+        os.close(fd)
 
 
 def _host(url: str, table: dict, path: Path, registry: str, source: str) -> Host:
@@ -322,22 +341,29 @@ def _headers(value, what: str) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"{what}: header name {name!r} is not a valid HTTP header name")
         for one in _strings(v, what, f"header {name!r}"):
             if not _HEADER_VALUE.match(one):
-                raise ValueError(f"{what}: header {name!r} has a value with control characters")
+                raise ValueError(f"{what}: header {name!r} has a value with control characters or that starts "
+                                 "with white space")
             out.append((name, one))
     return tuple(out)
 
 
-def parse_duration(value, what: str = "dial_timeout") -> float:
-    """A Go duration (``"200ms"``, ``"1.5s"``, ``"1m30s"``) in seconds; ValueError if not one."""
+def parse_duration(value, what: str = "dial_timeout") -> float | None:
+    """A Go duration (``"200ms"``, ``"1.5s"``, ``"1m30s"``, ``"0"``, a sign) in seconds, as
+    Go's time.ParseDuration reads it; None for zero or less (no timeout of its own: the
+    caller's default). ValueError if it is not one."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"{what}: dial_timeout must be a duration string such as \"500ms\"")
-    pos, total = 0, 0.0
+    sign, body = (-1.0, value[1:]) if value[0] == "-" else (1.0, value[1:] if value[0] == "+" else value)
+    if body == "0":
+        return None
+    if not body:
+        raise ValueError(f"{what}: dial_timeout {value!r} is not a duration such as \"500ms\" or \"2s\"")
+    pos, total, value = 0, 0.0, body
     while pos < len(value):
         m = _DURATION.match(value, pos)
         if not m:
             raise ValueError(f"{what}: dial_timeout {value!r} is not a duration such as \"500ms\" or \"2s\"")
         total += float(m[1]) * _UNITS[m[2]]
         pos = m.end()
-    if total <= 0:
-        raise ValueError(f"{what}: dial_timeout {value!r} must be positive")
-    return total
+    total *= sign
+    return total if total > 0 else None

@@ -9,7 +9,7 @@ from . import cacheformat as fmt
 from .errors import HostileContent
 from .limits import Limits
 from .reference import Reference, check_digest
-from .registry import INDEX_TYPES, Deadline, Registry, RegistryOptions
+from .registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Registry, RegistryOptions
 
 
 def inspect(image: str, options: RegistryOptions, limits: Limits | None = None) -> dict:
@@ -42,11 +42,15 @@ def inspect(image: str, options: RegistryOptions, limits: Limits | None = None) 
 
 def get_manifest(reg: Registry, ref: Reference, image: str, limits: Limits,
                   digest: str | None = None) -> tuple[bytes, dict, str, str]:
-    """A manifest or index: (body, parsed document, media type, digest). The document's own
-    ``mediaType`` wins over the Content-Type the registry sent."""
+    """A manifest or index: (body, parsed document, media type, digest). The type is what the
+    document says (its ``mediaType``, else its shape: ``manifests`` is an index, ``config`` or
+    ``layers`` a manifest), the Content-Type the registry (or a mirror: a header no digest
+    covers) sent only when the document says nothing."""
     body, media_type, digest = reg.get_manifest(ref, image, limit=limits.max_manifest_bytes, digest=digest)
     doc = json_object(body, image, "manifest")
-    return body, doc, doc.get("mediaType") or media_type, digest
+    shape = (INDEX_TYPES[0] if "manifests" in doc and "layers" not in doc
+             else MANIFEST_TYPES[0] if "config" in doc or "layers" in doc else None)
+    return body, doc, doc.get("mediaType") or shape or media_type, digest
 
 
 def read_config(reg: Registry, ref: Reference, manifest: dict, image: str,

@@ -8,7 +8,8 @@ checked for size and digest as they flow (:class:`BlobStream`); no credential-he
 ever run; the Authorization header never follows a redirect to another host; a token realm is
 asked only over https, or over http at the very host:port contacted with ``--plain-http``
 (:class:`_TokenAuth`), so credentials never cross a network in clear to a host the registry
-names; a mirrored host is talked to only at its mirror, never falling back to the original.
+names; which hosts a registry's requests go to (mirrors, then the server) is the hosts.toml's
+(:mod:`accelnode.oci.hosts`), and a mirror gets none of the registry's credentials.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 MAX_ATTEMPTS = 5
 CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 30.0
+MIRROR_READ_TIMEOUT = 5.0  # a mirror (not the last host asked) that stalls this long is passed over
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _NET_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
 MAX_TOKEN_ANSWER = 1 << 20  # a token server's JSON answer (JWTs are a few KiB)
@@ -94,9 +96,6 @@ class RegistryOptions:
             object.__setattr__(self, "hosts", HostsConfig(self.hosts_dir, self.mirrors, self.plain_http,
                                                           self.mirror_dial_timeout))
 
-    def endpoint(self, host: str) -> str:
-        """The server for images on registry ``host`` (the last host tried)."""
-        return self.hosts.hosts(host)[-1].netloc
 
 
 class Deadline:
@@ -138,9 +137,9 @@ class _Session(requests.Session):
         return super().request(method, url, **kw)
 
 
-def _timeouts(left: float, connect: float = None) -> tuple[float, float]:
+def _timeouts(left: float, connect: float = None, read: float = READ_TIMEOUT) -> tuple[float, float]:
     """(connect, read) socket timeouts for a request with ``left`` seconds of deadline."""
-    return (min(left, connect or CONNECT_TIMEOUT), min(left, READ_TIMEOUT))
+    return (min(left, connect or CONNECT_TIMEOUT), min(left, read))
 
 
 class _Backoff:
@@ -263,8 +262,10 @@ class Registry:
     server gets the retries. Credentials are those kept under the name of the host contacted:
     a registry's never go to a mirror unless kept under the mirror's own name."""
 
-    def __init__(self, host: str, options: RegistryOptions, deadline: Deadline | None = None):
+    def __init__(self, host: str, options: RegistryOptions, deadline: Deadline | None = None, *,
+                 only_server: bool = False):
         self.host = host  # as the image names it
+        self.only_server = only_server  # ask the server alone, no mirror (proofs, a retry of hostile content)
         self.options = options
         self.deadline = deadline or Deadline(options.timeout)
         self._hosts: list[Host] | None = None
@@ -272,12 +273,20 @@ class Registry:
         self._refused: dict[Host, str] = {}  # mirrors whose API root refused us: not asked again
         self.served: dict[Host, int] = {}  # blob bytes read, by the host that sent them
         self._served_lock = threading.Lock()  # layers stream in parallel
+        self._connect_lock = threading.Lock()  # ... and would each ping a host not yet connected
+        self.manifest_hosts: set[Host] = set()  # the hosts that served a manifest in this operation
 
     def hosts(self, image: str | None = None) -> list[Host]:
         """The hosts of this registry, read once per Registry (one operation)."""
         if self._hosts is None:
-            self._hosts = self.options.hosts.hosts(self.host, image)
+            hosts = self.options.hosts.hosts(self.host, image)
+            self._hosts = hosts[-1:] if self.only_server else hosts
         return self._hosts
+
+    @property
+    def last(self) -> Host:
+        """The server: the host asked last (a --registry-mirror endpoint, or the registry)."""
+        return self.hosts()[-1]
 
     def candidates(self, caps: tuple[str, ...], image: str, exclude=()) -> list[Host]:
         """The hosts that may do ``caps``, in order; a push goes to the first one only."""
@@ -302,15 +311,16 @@ class Registry:
 
     def _client(self, h: Host, image: str, last: bool) -> _Client:
         """Ping the host's API root once and pick the oras-py auth backend its challenge asks for."""
-        if (client := self._clients.get(h)) is not None:
+        with self._connect_lock:
+            if (client := self._clients.get(h)) is not None:
+                return client
+            try:
+                client = self._connect(h, image, last)
+            except AuthError as e:
+                self._refused[h] = e.detail
+                raise
+            self._clients[h] = client
             return client
-        try:
-            client = self._connect(h, image, last)
-        except AuthError as e:
-            self._refused[h] = e.detail
-            raise
-        self._clients[h] = client
-        return client
 
     def _connect(self, h: Host, image: str, last: bool) -> _Client:
         session = _Session()
@@ -320,8 +330,8 @@ class Registry:
             session.mount(f"https://{h.netloc}/", _TLSAdapter(h.tls_context(image)))
             session.verify = not h.skip_verify
         resp = self._send(h, session, "GET", self._url(h, ""), image, "contacting the registry", self._headers(h),
-                          last)
-        resp.close()
+                          last, stream=True)
+        resp.close()  # only the status and the challenge matter: a body is never read
         challenge = resp.headers.get("Www-Authenticate", "")
         backend = "basic" if resp.status_code == 401 and challenge.lower().startswith("basic") else "token"
         auth = (oras.auth.get_auth_backend("basic", session, h.scheme == "http") if backend == "basic"
@@ -345,7 +355,7 @@ class Registry:
         """``path`` under the host's API root; a mirror's requests name the registry (``ns=``)."""
         url = f"{h.scheme}://{h.netloc}{h.path}/{path}"
         if not h.is_registry:
-            url += ("&" if "?" in path else "?") + urllib.parse.urlencode({"ns": self.host})
+            url += ("&" if "?" in path else "?") + urllib.parse.urlencode({"ns": h.registry})
         return url
 
     @staticmethod
@@ -360,10 +370,11 @@ class Registry:
         deadline: only one attempt at a host that is not the last one to try."""
         backoff = _Backoff(self.deadline)
         connect = h.dial_timeout or (CONNECT_TIMEOUT if h.is_registry or last else self.options.hosts.mirror_dial_timeout)
+        read = READ_TIMEOUT if last else MIRROR_READ_TIMEOUT
         while True:
             left = self.deadline.check(image, doing)
             try:
-                resp = session.request(method, url, headers=headers, timeout=_timeouts(left, connect), **kw)
+                resp = session.request(method, url, headers=headers, timeout=_timeouts(left, connect, read), **kw)
                 if resp.status_code not in _RETRY_STATUS:
                     return resp
                 problem = f"HTTP {resp.status_code}"
@@ -451,16 +462,25 @@ class Registry:
         """``fetch(exclude)`` again without the host whose content did not match its digest
         (``IntegrityError.served_by``), while another host may do ``caps``."""
         exclude: list[Host] = []
+        first: IntegrityError | None = None
         while True:
             try:
                 return fetch(tuple(exclude))
             except IntegrityError as e:
+                first = first or e
                 source = getattr(e, "served_by", None)
                 if source is None or not self.candidates(caps, image, (*exclude, source)):
                     raise
                 exclude.append(source)
-                log.warning("content from a mirror failed verification, trying the next host",
-                            extra=kv(image=image, mirror=str(source), problem=e.detail))
+                log.warning("content failed verification, trying the next host",
+                            extra=kv(image=image, problem=e.detail,
+                                     **{("registry" if source.is_registry else "mirror"): str(source)}))
+            except (RegistryUnavailable, AuthError, ImageNotFound) as e:
+                if first is None:
+                    raise
+                # the bad content is the news, not that the hosts left could not make up for it
+                first.add_detail(f"the other hosts: {e.detail}")
+                raise first from None
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -480,18 +500,10 @@ class Registry:
         source = resp.served_by
         try:
             with resp:
-                declared = int(resp.headers.get("Content-Length") or 0)
+                declared = _content_length(resp, image, "manifest")
                 if declared > limit:
                     raise IntegrityError(f"manifest is {declared} bytes, over the {limit}-byte limit", image)
-                body = bytearray()
-                try:
-                    while self.deadline.check(image, doing) and (chunk := resp.raw.read1(65536)):
-                        body += chunk
-                        if len(body) > limit:
-                            raise IntegrityError(f"manifest is over the {limit}-byte limit", image)
-                except _NET_ERRORS as e:
-                    raise RegistryUnavailable(f"{doing}: {_describe(e)}{self.through(source)}", image) from None
-            body = bytes(body)
+                body = self.read_capped(resp, limit, image, doing, "manifest")
             actual = "sha256:" + hashlib.sha256(body).hexdigest()
             if want and actual != want:
                 raise IntegrityError(f"manifest digest mismatch: asked for {want}, content is {actual}"
@@ -500,7 +512,21 @@ class Registry:
             e.served_by = source
             raise
         media_type = resp.headers.get("Content-Type", "").split(";")[0].strip()
+        self.manifest_hosts.add(source)
         return body, media_type, actual
+
+    def read_capped(self, resp, limit: int, image: str, doing: str, what: str) -> bytes:
+        """The body of a streamed answer, at most ``limit`` bytes (IntegrityError past it), read
+        within the deadline whatever the server's pace."""
+        body = bytearray()
+        try:
+            while self.deadline.check(image, doing) and (chunk := resp.raw.read1(65536)):
+                body += chunk
+                if len(body) > limit:
+                    raise IntegrityError(f"{what} is over the {limit}-byte limit", image)
+        except _NET_ERRORS as e:
+            raise RegistryUnavailable(f"{doing}: {_describe(e)}{self.through(resp.served_by)}", image) from None
+        return bytes(body)
 
     def open_blob(self, repository: str, descriptor: dict, image: str, *, limit: int | None = None,
                   exclude=()) -> BlobStream:
@@ -527,13 +553,16 @@ class Registry:
             return
         resp = self.request("POST", f"{repository}/blobs/uploads/", image, "starting a blob upload", ok=(202,),
                             caps=("push",))
-        location = resp.headers["Location"]
+        location, root = resp.headers.get("Location", ""), resp.served_by.path + "/"
         resp.close()
+        # the upload URL's path under the host's API root, asked of the same host (request()
+        # puts the root back in front; a registry behind a proxy may name itself otherwise)
+        url = urllib.parse.urlsplit(location)
+        if not url.path.startswith(root):
+            raise RegistryUnavailable(f"starting a blob upload: the registry's upload location {location[:200]!r} "
+                                      f"is not under {resp.served_by}{root}", image)
+        location = url.path[len(root):] + (f"?{url.query}" if url.query else "")
         sep = "&" if "?" in location else "?"
-        if location.startswith("/v2/"):
-            location = location[len("/v2/"):]
-        elif "://" in location:
-            location = location.split("/v2/", 1)[1]
         if hasattr(data, "seek"):
             data.seek(0)
         self.request("PUT", f"{location}{sep}digest={digest}", image, f"uploading blob {digest}", ok=(201,),
@@ -543,6 +572,17 @@ class Registry:
         self.request("PUT", f"{repository}/manifests/{ref}", image, "uploading the manifest", ok=(201,),
                      data=body, headers={"Content-Type": media_type}, caps=("push",)).close()
         return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def _content_length(resp, image: str, what: str, default=0) -> int | None:
+    """The answer's Content-Length, ``default`` when it has none; IntegrityError when it is not
+    one decimal number (``2, 2`` is legal HTTP for a repeated header, and no length we trust)."""
+    text = resp.headers.get("Content-Length")
+    if text is None:
+        return default
+    if not text.strip().isdigit():
+        raise IntegrityError(f"{what}: Content-Length {text[:40]!r} is not a number", image)
+    return int(text)
 
 
 def _has_creds(auth) -> bool:
@@ -597,9 +637,13 @@ class BlobStream:
                                      f"downloading blob {self.digest}", headers=headers, ok=(200, 206), stream=True,
                                      exclude=self.exclude)
         self._resp, self.source = resp, resp.served_by
-        length = resp.headers.get("Content-Length")
+        try:
+            length = _content_length(resp, self.image, f"blob {self.digest}", None)
+        except IntegrityError as e:
+            self.close()
+            raise self._bad(e.detail) from None
         expect = self.size - (self.offset if resp.status_code == 206 else 0)
-        if length is not None and int(length) != expect:
+        if length is not None and length != expect:
             self.close()
             raise self._bad(f"blob {self.digest}: registry sends {length} bytes, manifest says {self.size}"
                             + (f" (resuming at {self.offset})" if self.offset else ""))
@@ -631,6 +675,8 @@ class BlobStream:
                 break
             except _NET_ERRORS as e:
                 problem = _describe(e)
+                if self.source is not None and self.source is not self.registry.last:
+                    self.registry.options.hosts.mark_down(self.source)  # the resume asks the next host
             self.close()
             if (why := backoff.give_up()) is not None:
                 raise RegistryUnavailable(f"blob {self.digest}: {problem} at byte {self.offset} ({why})"

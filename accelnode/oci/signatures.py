@@ -355,13 +355,14 @@ def _referrers(reg: Registry, ref: Reference, digest: str, image: str) -> list[d
     """Descriptors of the artifacts referring to ``digest``: the referrers API, else the
     fallback tag ``sha256-<hex>``."""
     try:
+        # a listing no digest covers: asked only of hosts trusted to say what a name means
         resp = reg.request("GET", f"{ref.repository}/referrers/{digest}", image, "listing referrers",
-                           headers={"Accept": INDEX_TYPE}, ok=(200,))
+                           headers={"Accept": INDEX_TYPE}, ok=(200,), stream=True, caps=("pull", "resolve"))
         with resp:
             if resp.headers.get("Content-Type", "").split(";")[0].strip() == INDEX_TYPE:
-                doc = json.loads(resp.content[:MAX_SIG_BYTES])
+                doc = json.loads(reg.read_capped(resp, MAX_SIG_BYTES, image, "listing referrers", "referrers index"))
                 return [m for m in _list(_obj(doc).get("manifests")) if isinstance(m, dict)]
-    except (ImageNotFound, ValueError, RecursionError):
+    except (ImageNotFound, IntegrityError, ValueError, RecursionError):
         pass  # no referrers API (404): the fallback tag
     except RegistryUnavailable as e:
         if "unexpected HTTP 4" not in str(e):  # 400/405...: no referrers API either; else a real outage

@@ -39,15 +39,23 @@ def refused(tmp_path, text, registry: str = REG) -> str:
 
 @pytest.mark.parametrize("text, seconds", [
     ("200ms", 0.2), ("1.5s", 1.5), ("1m30s", 90.0), ("2h", 7200.0), ("500us", 0.0005), ("250µs", 0.00025),
-    ("1000000ns", 0.001), (".5s", 0.5), ("1.s", 1.0), ("1h1m1s1ms", 3661.001),
+    ("1000000ns", 0.001), (".5s", 0.5), ("1.s", 1.0), ("1h1m1s1ms", 3661.001), ("+1s", 1.0),
+    ("3\u03bcs", 0.000003),  # Go takes U+03BC (Greek mu) as well as U+00B5 (micro sign)
 ])
 def test_go_durations(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
 
 
+@pytest.mark.parametrize("text", ["0", "0s", "-1s", "+0", "-0"])
+def test_zero_or_less_is_no_timeout_of_its_own(text):
+    """Go parses these; containerd then has no dial timeout of the file's, and the caller's
+    default (--mirror-dial-timeout) applies."""
+    assert parse_duration(text) is None
+
+
 @pytest.mark.parametrize("value, fragment", [
     ("3", "is not a duration"), ("3 seconds", "is not a duration"), ("1d", "is not a duration"),
-    ("-1s", "is not a duration"), ("1s ", "is not a duration"), ("0s", "must be positive"),
+    ("--1s", "is not a duration"), ("1s ", "is not a duration"), ("+", "is not a duration"),
     ("", "must be a duration string"), (3, "must be a duration string"), (1.5, "must be a duration string"),
 ])
 def test_bad_durations(value, fragment):
@@ -224,6 +232,9 @@ def test_top_level_fields_apply_to_the_default_server(tmp_path):
     (HEADER + '"X-Colon:" = "x"\n', "is not a valid HTTP header name"),
     (HEADER + 'X-Token = "a\\nInjected: 1"\n', "header 'X-Token' has a value with control characters"),
     (HEADER + 'X-Token = "a\\r"\n', "has a value with control characters"),
+    # requests refuses a leading space quoting the value in its error, which would put the token in logs
+    (HEADER + 'X-Token = " s3cret"\n', "header 'X-Token' has a value with control characters or that starts"),
+    (HEADER + 'X-Token = "\\ts3cret"\n', "has a value with control characters or that starts"),
     (HEADER + 'X-Token = 5\n', "header 'X-Token' must be a string or a list of strings"),
     (HEADER + 'X-Token = ["a", 5]\n', "must be a string or a list of strings"),
     (MIRROR + 'header = "X-Token: a"\n', "header must be a table"),
@@ -233,6 +244,23 @@ def test_top_level_fields_apply_to_the_default_server(tmp_path):
 ])
 def test_unusable_files_name_the_file_and_say_why(tmp_path, text, fragment):
     assert fragment in refused(tmp_path, text)
+
+
+def test_a_fifo_or_a_deep_nest_is_refused_not_waited_on_or_crashed_on(tmp_path):
+    """A FIFO named hosts.toml would block every pull opening it; a 10 KB file of nested arrays
+    would exhaust the parser's recursion (the agent's start-up check crashed on it)."""
+    import os
+
+    (tmp_path / "fifo.example.com").mkdir()
+    os.mkfifo(tmp_path / "fifo.example.com" / "hosts.toml")
+    with pytest.raises(HostsConfigError, match="is not readable .not a regular file."):
+        HostsConfig(str(tmp_path)).hosts("fifo.example.com")
+    (tmp_path / "deep.example.com").mkdir()
+    (tmp_path / "deep.example.com" / "hosts.toml").write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(HostsConfigError, match="nests too deeply"):
+        HostsConfig(str(tmp_path)).hosts("deep.example.com")
+    problems = HostsConfig(str(tmp_path)).check()
+    assert len(problems) == 2 and all("hosts.toml" in p for p in problems), problems
 
 
 def test_unreadable_file_names_the_file(tmp_path):

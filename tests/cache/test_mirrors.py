@@ -230,7 +230,10 @@ def test_environment_mirrors_and_the_command_line_winning(registry, pushed):
 def test_mirror_keys_are_registry_hosts_as_images_name_them():
     options = RegistryOptions(mirrors={"Index.Docker.io": "mirror.local:5000", "QUAY.io": "Mirror.Local"})
     assert dict(options.mirrors) == {"docker.io": "mirror.local:5000", "quay.io": "mirror.local"}
-    assert options.endpoint("docker.io") == "mirror.local:5000" and options.endpoint("quay.io") == "mirror.local"
-    assert options.endpoint("registry.example.com:5000") == "registry.example.com:5000"
+    def server(host):
+        return options.hosts.hosts(host)[-1].netloc
+
+    assert server("docker.io") == "mirror.local:5000" and server("quay.io") == "mirror.local"
+    assert server("registry.example.com:5000") == "registry.example.com:5000"
     with pytest.raises(ValueError, match="two mirrors"):
         RegistryOptions(mirrors={"quay.io": "a.local", "Quay.io": "b.local"})

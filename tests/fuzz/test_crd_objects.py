@@ -33,14 +33,17 @@ policy_objects = crd_objects(CRDS, "ClusterCacheTrustPolicy")
 class View:
     """The CSI driver's view of the API server, holding one object (what its informer would)."""
 
-    def __init__(self, obj):
-        self.obj = obj
+    def __init__(self, obj, policies=()):
+        self.obj, self._policies = obj, list(policies)
 
     def synced(self, cache):
         return True
 
     def get(self, cache):
         return self.obj
+
+    def policies(self):
+        return self._policies
 
 
 @fuzz_settings(ci_examples=300)
@@ -63,7 +66,7 @@ def test_cache_objects(obj, policy, namespace):
     pod = resolve.Pod(namespace or "team", "worker-0", "uid")
     ref = resolve.CacheRef(obj["metadata"]["name"], None if cluster else (namespace or "team"))
     try:
-        resolve.ApiResolver(View(obj)).image(ref, pod, {})
+        resolve.ApiResolver(View(obj, [policy])).image(ref, pod, {})
     except resolve.ResolveError:
         pass
     for ns, entry in ((obj.get("status") or {}).get("pvcStatus") or {}).items():  # the claims' status

@@ -1,0 +1,246 @@
+"""Mirrors that misbehave on purpose (issue 28, the review of the hosts.toml change): a mirror can
+withhold content, never make a pull hang past its deadline, fail content that is sound, hide the
+real problem, or prove a tenant's right to a digest. Each test runs the attack against the test
+registry (distribution) and a small Python mirror in front of it; each failed before its fix."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import socket
+import tarfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from accelnode.oci.errors import AuthError, IntegrityError
+from accelnode.oci.registry import RegistryOptions
+from agent.store import CacheStore
+from tests.cache.helpers import TAR, TRITON_CONFIG, Forwarder, tar
+from tests.cache.test_hosts_toml import certs_d, key, mirror, options, push
+
+
+class Mirror:
+    """A mirror on 127.0.0.1 that forwards to ``upstream`` what ``special(handler, path)`` leaves
+    alone (it returns False), a connection per request."""
+
+    def __init__(self, upstream: str, special):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                path = self.path.split("?", 1)[0]
+                if special(self, path):
+                    return
+                path = self.path.split("?", 1)[0]  # special() may have rewritten it
+                req = urllib.request.Request(f"http://{upstream}{path}", headers={
+                    k: v for k, v in self.headers.items() if k.lower() != "host"})
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as r:
+                        status, body, headers = r.status, r.read(), r.headers
+                except urllib.error.HTTPError as e:
+                    status, body, headers = e.code, e.read(), e.headers
+                self.send_response(status)
+                for k, v in headers.items():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Writes ``hosts.toml`` for the registry naming one mirror first; returns the directory."""
+    def write(registry, mirror_host: str, caps=("pull",)) -> str:
+        return certs_d(tmp_path / "certs.d", {key(registry.host): mirror(f"http://{mirror_host}", caps)})
+    return write
+
+
+def test_a_mirror_dripping_its_api_root_is_not_waited_for(registry, tmp_path, hosts):
+    """The mirror answers ``/v2/`` 200 with a body it sends a byte a second, forever, and 404 to
+    the rest: only the status and the challenge of the API root are read, never its body, so the
+    pull moves on to the registry well within its 20 s deadline (it used to read the body, past
+    any deadline, or until memory ran out when the body came fast)."""
+    stop = threading.Event()
+
+    def drip(handler, path):
+        if path != "/v2/":
+            handler.send_response(404)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return True
+        handler.send_response(200)
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        while not stop.is_set():
+            try:
+                handler.wfile.write(b"1\r\nx\r\n")
+                handler.wfile.flush()
+            except OSError:
+                return True
+            time.sleep(1)
+        return True
+
+    pinned = push(registry, tmp_path, "hostile/drip")
+    m = Mirror(registry.host, drip)
+    try:
+        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host), timeout=20))
+        assert store.ensure(pinned).digest == pinned.split("@")[1]
+    finally:
+        stop.set()
+        m.close()
+
+
+def test_a_content_length_no_digest_covers_moves_to_the_next_host(registry, tmp_path, hosts):
+    """``Content-Length: 2, 2`` (legal HTTP for a repeated header) on a blob: the mirror is passed
+    over like one that sent bad bytes (it was an internal error, and the registry never asked)."""
+    pinned = push(registry, tmp_path, "hostile/length")
+
+    def answer(method, path, headers):
+        if "/blobs/sha256:" in path:
+            return 200, {"Content-Length": "2, 2"}, b"xx"
+        return None
+
+    front = Forwarder(registry.host, answer=answer)
+    try:
+        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, front.host)))
+        assert store.ensure(pinned).digest == pinned.split("@")[1]
+    finally:
+        front.close()
+    assert store.verify() == []
+
+
+def test_a_stalled_corrupt_layer_does_not_fail_a_sound_one(registry, tmp_path, hosts, caplog):
+    """The mirror sends layer A's first tar header claiming a 100 GiB file, stalls, then the rest;
+    meanwhile layer B, sound, crosses the image's size limit because A's claim still counts. A
+    refusal of content a mirror served part of is not the last word: the image is pulled again
+    from the server alone, and installs (it failed as BAD_CONTENT of layer B)."""
+    a = tar(("io.triton.cache/a/x", "file", b"a" * 1000), compression="none")
+    b = tar(("io.triton.cache/b/y", "file", b"b" * 300_000), compression="none")
+    pinned = registry.push_raw("hostile/race", "v1", config=TRITON_CONFIG, layers=[(TAR, a), (TAR, b)])
+    a_digest = "sha256:" + hashlib.sha256(a).hexdigest()
+    info = tarfile.TarInfo("io.triton.cache/a/x")
+    info.size = 100 << 30
+    header = info.tobuf(format=tarfile.PAX_FORMAT)
+    bad = (header + b"\0" * len(a))[:len(a)]
+
+    def stall(handler, path):
+        if not path.endswith(f"/blobs/{a_digest}"):
+            return False
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(bad)))
+        handler.end_headers()
+        handler.wfile.write(bad[:len(header)])
+        handler.wfile.flush()
+        time.sleep(2)
+        handler.wfile.write(bad[len(header):])
+        return True
+
+    m = Mirror(registry.host, stall)
+    try:
+        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host)))
+        assert store.ensure(pinned).digest == pinned.split("@")[1]
+    finally:
+        m.close()
+    assert store.verify() == []
+    assert any(r.getMessage().startswith("content refused after a mirror served part of it") for r in caplog.records)
+
+
+def test_when_no_host_has_a_blob_right_the_mismatch_is_the_error(tmp_path_factory, tmp_path, hosts):
+    """The mirror has nothing (404) and the registry's copy of a layer is corrupt: the error is the
+    digest mismatch (BAD_CONTENT), with what the mirror answered after it, not the mirror's 404
+    from asking it again once the registry was left out."""
+    from tests.fixtures.registry import _start
+
+    own = _start(tmp_path_factory)  # a registry of its own: this one's storage is damaged on purpose
+    try:
+        pinned = push(own, tmp_path, "hostile/lost")
+        layer = own.blob_file(next(iter(_layers(own, pinned))))
+        data = bytearray(layer.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        layer.write_bytes(bytes(data))
+        front = Forwarder(own.host, answer=lambda m, p, h: (404, {}, b"") if "/blobs/" in p else None)
+        try:
+            store = CacheStore(tmp_path / "store", registry=options(own, hosts(own, front.host)))
+            with pytest.raises(IntegrityError, match=r"blob digest mismatch: .*; the other hosts: .*HTTP 404"):
+                store.ensure(pinned)
+        finally:
+            front.close()
+    finally:
+        own.stop()
+
+
+def _layers(reg, pinned: str) -> list[str]:
+    import json
+
+    manifest = json.loads(reg.blob_file(pinned.split("@")[1]).read_bytes())
+    return [d["digest"] for d in manifest["layers"]]
+
+
+def test_a_mirror_answering_a_digest_under_any_name_proves_nothing(registry, tmp_path, hosts):
+    """Spegel serves a digest whatever repository the request names. A tenant's pull (options of
+    its own) names a repository that does not hold the digest; the mirror answers it anyway. The
+    proof is asked of the server alone, which says no: nothing is handed out (it used to be)."""
+    pinned = push(registry, tmp_path, "hostile/private")
+    digest = pinned.split("@")[1]
+
+    def any_name(handler, path):  # /v2/<any repo>/(manifests|blobs)/<digest> -> the private repo's
+        if "/manifests/sha256:" in path or "/blobs/sha256:" in path:
+            kind, ref = path.rsplit("/", 2)[1:]
+            handler.path = f"/v2/hostile/private/{kind}/{ref}"
+        return False
+
+    m = Mirror(registry.host, any_name)
+    try:
+        d = hosts(registry, m.host)
+        store = CacheStore(tmp_path / "store", registry=options(registry, d))
+        tenant = RegistryOptions(plain_http=True, timeout=30, hosts_dir=d, anonymous=True)
+        with pytest.raises(AuthError, match="does not serve"):
+            store.ensure(f"{registry.host}/hostile/elsewhere@{digest}", options=tenant)
+    finally:
+        m.close()
+
+
+def test_a_mirror_that_accepts_and_never_answers_is_passed(registry, tmp_path, hosts):
+    """A mirror that accepts connections and never answers is given the mirror read timeout (5 s),
+    not the server's 30 s, and the pull goes on at the registry within its 20 s deadline."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted = []
+    done = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not done.is_set():
+            try:
+                accepted.append(listener.accept()[0])  # held open, never answered
+            except OSError:
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    pinned = push(registry, tmp_path, "hostile/silent")
+    try:
+        host = f"127.0.0.1:{listener.getsockname()[1]}"
+        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, host), timeout=20))
+        assert store.ensure(pinned).digest == pinned.split("@")[1]
+    finally:
+        done.set()
+        for c in accepted:
+            c.close()
+        listener.close()
+    assert accepted, "the silent mirror was never asked"
