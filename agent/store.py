@@ -137,7 +137,7 @@ class CacheStore:
             self._save_index(digest, body)
             found = self._use(desc["digest"])
             if found is not None:
-                return self._granted(found, ref, options, asked=self._served_by_server(reg)) if own else found
+                return self._granted(found, ref, options, asked=reg.manifests_from_server) if own else found
             _, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits, desc["digest"])
         if media_type not in MANIFEST_TYPES:
             raise HostileContent(f"unsupported manifest media type {media_type!r}", image)
@@ -147,16 +147,9 @@ class CacheStore:
                 found = self._use(digest)  # another thread or process may have installed it meanwhile
                 if found is None:
                     found = self._install(reg, ref, image, digest, manifest, progress)
-                    if not own or self._served_by_server(reg):
+                    if not own or reg.manifests_from_server:
                         return found
-        return self._granted(found, ref, options, asked=self._served_by_server(reg)) if own else found
-
-    @staticmethod
-    def _served_by_server(reg: Registry) -> bool:
-        """Whether every manifest of this pull came from the server (the registry, or the one
-        endpoint --registry-mirror names): a mirror's answer proves nothing about who may have a
-        digest (a pull-through cache serves anyone; Spegel serves a digest under any name)."""
-        return reg.manifest_hosts <= {reg.last}
+        return self._granted(found, ref, options, asked=reg.manifests_from_server) if own else found
 
     def _granted(self, found: Installed, ref: Reference, options: RegistryOptions, *, asked: bool) -> Installed:
         """``found`` for a pull with options of its own, once ``ref``'s repository has served the

@@ -288,6 +288,13 @@ class Registry:
         """The server: the host asked last (a --registry-mirror endpoint, or the registry)."""
         return self.hosts()[-1]
 
+    @property
+    def manifests_from_server(self) -> bool:
+        """Whether every manifest of this operation came from the server: a mirror's answer
+        proves nothing about who may have a digest (a pull-through cache serves anyone; Spegel
+        serves a digest under any repository name)."""
+        return self.manifest_hosts <= {self.last}
+
     def candidates(self, caps: tuple[str, ...], image: str, exclude=()) -> list[Host]:
         """The hosts that may do ``caps``, in order; a push goes to the first one only."""
         found = [h for h in self.hosts(image) if all(h.can(c) for c in caps) and h not in exclude]

@@ -225,10 +225,13 @@ class Forwarder:
     - ``answer(method, path, headers)``: answers instead of the upstream when it returns
       ``(status, headers, body)`` (a 500, a redirect), forwards when it returns None;
     - ``mangle(path, body)``: what the client gets instead of the upstream's body (same length
-      or not: Content-Length follows the body).
+      or not: Content-Length follows the body);
+    - ``serve(handler, path)``: called first with the request handler and the path without its
+      query; it has answered (written to ``handler.wfile`` at its own pace) when it returns True,
+      else the request goes on as above (it may have rewritten ``handler.path``).
     """
 
-    def __init__(self, upstream: str, *, prefix: str = "/v2", answer=None, mangle=None):
+    def __init__(self, upstream: str, *, prefix: str = "/v2", answer=None, mangle=None, serve=None):
         import http.client
         import http.server
 
@@ -246,6 +249,8 @@ class Forwarder:
                     self.wfile.write(body)
 
             def _forward(self):
+                if serve is not None and serve(self, self.path.split("?", 1)[0]):
+                    return
                 fwd.seen.append((self.command, self.path, dict(self.headers)))
                 length = int(self.headers.get("Content-Length") or 0)
                 data = self.rfile.read(length) if length else None

@@ -1,18 +1,16 @@
 """Mirrors that misbehave on purpose (issue 28, the review of the hosts.toml change): a mirror can
 withhold content, never make a pull hang past its deadline, fail content that is sound, hide the
 real problem, or prove a tenant's right to a digest. Each test runs the attack against the test
-registry (distribution) and a small Python mirror in front of it; each failed before its fix."""
+registry (distribution) and a small Python mirror in front of it (``Forwarder`` with a ``serve``
+hook that misbehaves); each failed before its fix."""
 
 from __future__ import annotations
 
 import hashlib
-import http.server
 import socket
 import tarfile
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -21,45 +19,6 @@ from accelnode.oci.registry import RegistryOptions
 from agent.store import CacheStore
 from tests.cache.helpers import TAR, TRITON_CONFIG, Forwarder, tar
 from tests.cache.test_hosts_toml import certs_d, key, mirror, options, push
-
-
-class Mirror:
-    """A mirror on 127.0.0.1 that forwards to ``upstream`` what ``special(handler, path)`` leaves
-    alone (it returns False), a connection per request."""
-
-    def __init__(self, upstream: str, special):
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                path = self.path.split("?", 1)[0]
-                if special(self, path):
-                    return
-                path = self.path.split("?", 1)[0]  # special() may have rewritten it
-                req = urllib.request.Request(f"http://{upstream}{path}", headers={
-                    k: v for k, v in self.headers.items() if k.lower() != "host"})
-                try:
-                    with urllib.request.urlopen(req, timeout=30) as r:
-                        status, body, headers = r.status, r.read(), r.headers
-                except urllib.error.HTTPError as e:
-                    status, body, headers = e.code, e.read(), e.headers
-                self.send_response(status)
-                for k, v in headers.items():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.host = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -96,7 +55,7 @@ def test_a_mirror_dripping_its_api_root_is_not_waited_for(registry, tmp_path, ho
         return True
 
     pinned = push(registry, tmp_path, "hostile/drip")
-    m = Mirror(registry.host, drip)
+    m = Forwarder(registry.host, serve=drip)
     try:
         store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host), timeout=20))
         assert store.ensure(pinned).digest == pinned.split("@")[1]
@@ -150,7 +109,7 @@ def test_a_stalled_corrupt_layer_does_not_fail_a_sound_one(registry, tmp_path, h
         handler.wfile.write(bad[len(header):])
         return True
 
-    m = Mirror(registry.host, stall)
+    m = Forwarder(registry.host, serve=stall)
     try:
         store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host)))
         assert store.ensure(pinned).digest == pinned.split("@")[1]
@@ -204,7 +163,7 @@ def test_a_mirror_answering_a_digest_under_any_name_proves_nothing(registry, tmp
             handler.path = f"/v2/hostile/private/{kind}/{ref}"
         return False
 
-    m = Mirror(registry.host, any_name)
+    m = Forwarder(registry.host, serve=any_name)
     try:
         d = hosts(registry, m.host)
         store = CacheStore(tmp_path / "store", registry=options(registry, d))

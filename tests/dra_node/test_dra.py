@@ -17,6 +17,7 @@ from accelnode import IMAGE
 from tests.conftest import TOOLS_BIN, require
 from tests.rigs.containerd2 import claim_pod as pod
 from tests.rigs.containerd2 import claim_template as template
+from tests.rigs.node import TREE_PROBE
 # what a workload container got: device nodes and TPU env, as one JSON line
 PROBE = r"""
 import glob, json, os, time
@@ -112,19 +113,7 @@ def test_the_slice_is_republished_after_kubelet_restarts(lane):
     assert len(lane.slice_devices()) == 4
 
 
-IMAGE_VOLUME_PROBE = r"""
-import errno, hashlib, json, os, sys
-root = sys.argv[1]
-files = {}
-for d, _, names in os.walk(root):
-    for n in names:
-        p = os.path.join(d, n)
-        files[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
-try:
-    open(os.path.join(root, "written-by-pod"), "w").close()
-    read_only = False
-except OSError as e:
-    read_only = e.errno == errno.EROFS
+IMAGE_VOLUME_PROBE = TREE_PROBE + """
 print(json.dumps({"files": files, "read_only": read_only}), flush=True)
 """
 

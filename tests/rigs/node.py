@@ -490,9 +490,9 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
 
 TPU = "google.com/tpu"
 MOUNT = "/caches/jax"
-# Runs in the workload container (the accelnode image's python3): what it got, as one JSON line;
-# exit 1 when something is missing, so the pod Succeeds only when everything holds.
-PROBE = r"""
+# The start of the probes workload containers run (the accelnode image's python3): ``files``, the
+# sha256 of every file under the mount argv[1], and ``read_only``, whether writing there is EROFS.
+TREE_PROBE = r"""
 import errno, glob, hashlib, json, os, sys
 root = sys.argv[1]
 files = {}
@@ -505,6 +505,10 @@ try:
     read_only = False
 except OSError as e:
     read_only = e.errno == errno.EROFS
+"""
+# What a workload got, as one JSON line; exit 1 when something is missing, so the pod Succeeds
+# only when everything holds.
+PROBE = TREE_PROBE + r"""
 devices = sorted(p for p in glob.glob("/dev/vfio/*") + glob.glob("/dev/accel*"))
 tpu = {k: v for k, v in os.environ.items() if k.startswith("TPU_")}
 print(json.dumps({"devices": devices, "tpu_env": tpu, "files": files, "read_only": read_only}))
