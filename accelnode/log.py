@@ -6,19 +6,37 @@ Each record is one line: JSON (``--log-format json``, the default for daemons) o
     log.info("registered with kubelet", extra=kv(resource="google.com/tpu", endpoint=sock))
 
 Secrets never go through here: callers pass names and digests, never tokens or passwords.
-A last-line defence masks values of fields whose names look secret.
+A digest of a secret is :func:`secret_digest`: keyed with a random key of this process (HMAC),
+so that a log reader cannot test guesses of the secret against it, as a plain hash would let
+them (a password is often guessable). A last-line defence masks values of fields whose names
+look secret.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
 
 _STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 _SECRET_WORDS = ("token", "password", "secret", "authorization", "auth")
+
+
+_DIGEST_KEY = secrets.token_bytes(32)  # this process's: digests of one secret differ between processes
+
+
+def secret_digest(*parts: bytes) -> str:
+    """16 hex digits naming a secret (``parts`` joined unambiguously) within this process: equal
+    for equal secrets, useless for testing a guess outside it."""
+    h = hmac.new(_DIGEST_KEY, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "big") + p)
+    return h.hexdigest()[:16]
 
 
 def kv(**fields) -> dict:

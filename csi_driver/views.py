@@ -1,7 +1,8 @@
 """Copy-on-write views: an overlay of a store cache with a private, size-bounded writable layer.
 
 Invariant: the store's copy is never written; each view's upper and work directories live on a
-tmpfs of their own (``size=`` is the hard bound, pages are charged to the writing pod's memory
+tmpfs of their own (``size=`` is the hard bound on bytes, ``nr_inodes=`` on files, each of which
+costs kernel memory that ``size=`` does not count; pages are charged to the writing pod's memory
 cgroup, nothing survives a crash) at ``<views-dir>/<id>``, ``id`` a hash of the resolved target,
 so a restarted driver finds a view from its target alone. A view is ours when the mount at its
 target shows the (st_dev, st_ino) recorded in ``view.json`` next to the upper directory.
@@ -33,6 +34,16 @@ WRITING_KINDS = ("triton", "vllm")  # their consumers write the cache tree as th
 SOURCE = "accelnode-view"  # the source name of both mounts, as df and the mount table show it
 RECORD = "view.json"
 MAX_STACKED = 16
+# files a view may hold: one per BYTES_PER_INODE of its size, at least MIN_INODES. Empty files
+# take no pages, so without this bound a pod could make millions of them (kernel memory, each
+# inode and dentry about 1 KiB) inside a 1 MiB view.
+BYTES_PER_INODE = 8192
+MIN_INODES = 4096
+
+
+def inodes_for(size: int) -> int:
+    """The ``nr_inodes=`` of a view of ``size`` bytes."""
+    return max(MIN_INODES, size // BYTES_PER_INODE)
 # characters overlayfs's option parser gives a meaning to (',' between options, ':' between
 # lower layers, '\' escapes) or that have no business in a path we hand it
 _UNSAFE = re.compile(r"[,:\\\x00-\x1f\x7f]")
@@ -168,7 +179,8 @@ class Views:
         flags |= mounts.MS_NOSUID | mounts.MS_NODEV
         os.mkdir(d, 0o700)
         try:
-            mounts.mount(SOURCE, d, "tmpfs", mounts.MS_NOSUID | mounts.MS_NODEV, f"size={size},mode=0700")
+            mounts.mount(SOURCE, d, "tmpfs", mounts.MS_NOSUID | mounts.MS_NODEV,
+                         f"size={size},nr_inodes={inodes_for(size)},mode=0700")
             upper, work = os.path.join(d, "upper"), os.path.join(d, "work")
             os.mkdir(work, 0o700)
             _writable_dirs(lower, upper)

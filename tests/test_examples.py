@@ -33,6 +33,7 @@ EXERCISED: dict[str, list[str]] = {
     "gkm/workloads/gkm-daemonset.yaml": [NODE],
     "pod-claim-cache.yaml": ["tests/controller/test_claim_volumes.py", NODE],
     "pod-inline-cache.yaml": [NODE],
+    "lend-pull-secrets.yaml": ["tests/agent/test_pull_secrets.py"],
     "signatures/policy-cosign-v2.yaml": [MANIFESTS],
     "signatures/policy-cosign-v3.yaml": [MANIFESTS],
     "signatures/policy-keyless.yaml": ["tests/controller/test_signatures.py"],

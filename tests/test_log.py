@@ -71,3 +71,25 @@ def test_a_thread_that_dies_logs_its_traceback_as_one_record():
     assert (rec["msg"], rec["level"], rec["thread"]) == ("thread died", "critical", "reflector-pods")
     assert rec["error"] == "ValueError: bad event"
     assert "Traceback" in rec["exc"] and "in watch_loop" in rec["exc"]
+
+
+def test_a_logged_digest_of_pull_secrets_cannot_test_a_guessed_password():
+    """The agent logs ``credentials=<PullSecrets.key>`` with every pull. A log reader who guesses
+    a tenant's registry password must not be able to check the guess against it: the digest is
+    keyed per process (on main it was a plain SHA-256 of the Docker config, password included)."""
+    import base64
+    import hashlib
+    import subprocess
+    import sys
+
+    from accelnode.kube.pullsecrets import PullSecrets
+
+    config = json.dumps({"auths": {"reg.example.com": {"auth": base64.b64encode(b"alice:hunter2").decode()}}})
+    key = PullSecrets("team-a", (("team-a/regcred", config),)).key
+    guess = hashlib.sha256(b"team-a/regcred\0" + config.encode() + b"\0").hexdigest()[:16]
+    assert key.startswith("tenant:team-a:") and guess not in key and "hunter2" not in key
+    assert key == PullSecrets("team-a", (("team-a/regcred", config),)).key  # stable within the process
+    other = subprocess.run([sys.executable, "-c", "import sys; from accelnode.kube.pullsecrets import PullSecrets; "
+                            "print(PullSecrets('team-a', (('team-a/regcred', sys.argv[1]),)).key)", config],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert other.startswith("tenant:team-a:") and other != key

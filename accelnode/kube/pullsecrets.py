@@ -4,8 +4,9 @@ own), each a ``kubernetes.io/dockerconfigjson`` or ``kubernetes.io/dockercfg`` S
 namespace (docs/security.md).
 
 Reading them takes ``get`` on that ServiceAccount and on those Secrets, which no accelnode
-identity holds by default: a namespace lends them by binding the ClusterRole
-``accelnode-pull-secret-reader`` (or a Role naming its secrets) to the agent and the controller.
+identity holds by default: a namespace lends them with a Role of its own that names the
+ServiceAccount ``default`` and each pull secret (``resourceNames``: never the namespace's other
+Secrets), bound to the agent and the controller (:func:`lending` writes the pair).
 A namespace that lends nothing (its ServiceAccount may not be read) has no pull secrets: its
 caches are pulled anonymously, and :attr:`PullSecrets.why` says how to lend them; a secret the
 ServiceAccount names but that may not be read is an error. Nothing is ever pulled with anyone
@@ -17,15 +18,33 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import threading
 import time
 from dataclasses import dataclass
 
+from accelnode.log import secret_digest
 from .client import Client, KubeError, Unreachable, is_forbidden, is_not_found
 
 SECRET_TYPES = {"kubernetes.io/dockerconfigjson": ".dockerconfigjson", "kubernetes.io/dockercfg": ".dockercfg"}
-GRANT = "accelnode-pull-secret-reader"
+LENDING = "accelnode-pull-secrets"  # the Role and RoleBinding a namespace lends its pull secrets with
+AGENT = ("accelnode-system", "accelnode-agent")
+CONTROLLER = ("accelnode-system", "accelnode-controller")
+
+
+def lending(namespace: str, secrets: list[str], subjects=(AGENT, CONTROLLER)) -> list[dict]:
+    """The Role and RoleBinding with which ``namespace`` lends the pull secrets named ``secrets``
+    (and nothing else of its own) to ``subjects`` ((namespace, ServiceAccount) pairs): what
+    docs/security.md shows."""
+    if not secrets:
+        raise ValueError("lending names at least one pull secret")
+    meta = {"name": LENDING, "namespace": namespace}
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": [
+            {"apiGroups": [""], "resources": ["serviceaccounts"], "resourceNames": ["default"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": list(secrets), "verbs": ["get"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": LENDING},
+         "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": ns} for ns, n in subjects]}]
 
 
 class PullSecretError(Exception):
@@ -47,10 +66,8 @@ class PullSecrets:
         """Names these credentials in caches of proofs and pulls, without their content."""
         if not self.secrets:
             return "anonymous"
-        h = hashlib.sha256()
-        for name, content in self.secrets:
-            h.update(name.encode() + b"\0" + content.encode() + b"\0")
-        return f"tenant:{self.namespace}:{h.hexdigest()[:16]}"
+        parts = [p.encode() for name, content in self.secrets for p in (name, content)]
+        return f"tenant:{self.namespace}:{secret_digest(*parts)}"  # logged: keyed, never a plain hash
 
 
 class PullSecretReader:
@@ -81,9 +98,9 @@ class PullSecretReader:
             if is_not_found(e):
                 return None
             if is_forbidden(e):
-                raise NotLent(f"{self.who} may not read {what} (namespace {namespace} has not bound the "
-                                      f"ClusterRole {GRANT}, or a Role naming its pull secrets, to it; "
-                                      "docs/security.md)") from None
+                raise NotLent(f"{self.who} may not read {what} (namespace {namespace} has not lent it: a Role "
+                              f"{LENDING} with get on serviceaccounts [default] and on secrets [the names of "
+                              "its pull secrets], bound to it; docs/security.md)") from None
             raise PullSecretError(f"cannot read {what}: {e}") from None
         except Unreachable as e:
             raise PullSecretError(f"cannot read {what}: {e}") from None

@@ -1,18 +1,21 @@
 """A namespace's pull secrets as the agent reads them (accelnode/kube/pullsecrets.py), as the
 "agent" identity with daemonsets/rbac-agent.yaml applied, against the real API server: only what
-a namespace lends, both Secret types kubelet reads, a clear error for anything else."""
+a namespace lends (by a Role naming each pull secret: examples/lend-pull-secrets.yaml), both Secret
+types kubelet reads, a clear error for anything else."""
 
 from __future__ import annotations
 
 import base64
 import json
 import uuid
+from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes import client
 
-from accelnode.kube.client import Client, Config
-from accelnode.kube.pullsecrets import PullSecretError, PullSecretReader
+from accelnode.kube.client import Client, Config, KubeError
+from accelnode.kube.pullsecrets import AGENT, PullSecretError, PullSecretReader, lending
 from accelnode.oci.credentials import docker_credentials
 
 from .conftest import eventually
@@ -26,7 +29,7 @@ def lending(kube_api, kubectl, crds):
     rbac = client.RbacAuthorizationV1Api(kube_api("admin"))
     made = []
 
-    def namespace(secrets: dict[str, tuple[str, dict]], names: list[str], *, lend: bool = True) -> str:
+    def namespace(secrets: dict[str, tuple[str, dict]], names: list[str], *, lend: bool | list[str] = True) -> str:
         ns = f"ps-{uuid.uuid4().hex[:8]}"
         core.create_namespace(body={"metadata": {"name": ns}})
         made.append(ns)
@@ -35,11 +38,9 @@ def lending(kube_api, kubectl, crds):
                 k: base64.b64encode(v.encode()).decode() for k, v in data.items()}})
         assert eventually(lambda: _patch_sa(core, ns, names))
         if lend:
-            rbac.create_namespaced_role_binding(ns, {
-                "metadata": {"name": "lend"},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                            "name": "accelnode-pull-secret-reader"},
-                "subjects": [{"kind": "ServiceAccount", "name": "accelnode-agent", "namespace": "accelnode-system"}]})
+            role, binding = lending(ns, lend if isinstance(lend, list) else names, (AGENT,))
+            rbac.create_namespaced_role(ns, role)
+            rbac.create_namespaced_role_binding(ns, binding)
         return ns
 
     yield namespace
@@ -82,7 +83,7 @@ def test_a_namespace_that_lends_nothing_has_no_secrets(lending, reader):
     ns = lending({"new": ("kubernetes.io/dockerconfigjson", {".dockerconfigjson": "{}"})}, ["new"], lend=False)
     found = reader.of(ns)
     assert found.secrets == () and found.key == "anonymous"
-    assert "may not read ServiceAccount" in found.why and "accelnode-pull-secret-reader" in found.why
+    assert "may not read ServiceAccount" in found.why and "Role accelnode-pull-secrets" in found.why
 
 
 def test_a_secret_of_another_type_is_a_clear_error(lending, reader):
@@ -90,3 +91,36 @@ def test_a_secret_of_another_type_is_a_clear_error(lending, reader):
     with pytest.raises(PullSecretError) as e:
         reader.of(ns)
     assert f"pull secret {ns}/opaque is of type 'Opaque'" in str(e.value) and "s3cret" not in str(e.value)
+
+
+def test_lending_grants_only_the_named_secrets(lending, reader, control_plane):
+    """The lending Role names the pull secrets: the agent's identity reads those and no other
+    Secret of the namespace (with main's ClusterRole accelnode-pull-secret-reader bound, the
+    lending namespace handed over every Secret it held)."""
+    ns = lending({"regcred": ("kubernetes.io/dockerconfigjson", {".dockerconfigjson": json.dumps(
+                      {"auths": {"reg.example.com": {"auth": AUTH}}})}),
+                  "db-password": ("Opaque", {"password": "s3cret"})}, ["regcred"])
+    assert [n for n, _ in reader.of(ns).secrets] == [f"{ns}/regcred"]
+    agent = Client(Config.from_kubeconfig(control_plane.kubeconfig("agent")))
+    for method, path in (("GET", f"/api/v1/namespaces/{ns}/secrets/db-password"),
+                         ("GET", f"/api/v1/namespaces/{ns}/secrets"),
+                         ("GET", f"/api/v1/namespaces/{ns}/serviceaccounts/other")):
+        with pytest.raises(KubeError) as err:
+            agent.request(method, path)
+        assert err.value.code == 403, (path, err.value)
+
+
+def test_a_pull_secret_left_out_of_the_role_is_refused_by_name(lending, reader):
+    ns = lending({"regcred": ("kubernetes.io/dockerconfigjson", {".dockerconfigjson": "{}"}),
+                  "second": ("kubernetes.io/dockerconfigjson", {".dockerconfigjson": "{}"})},
+                 ["regcred", "second"], lend=["regcred"])
+    with pytest.raises(PullSecretError) as e:
+        reader.of(ns)
+    assert f"may not read pull secret {ns}/second" in str(e.value) and "Role accelnode-pull-secrets" in str(e.value)
+
+
+def test_the_example_is_the_lending_the_docs_show():
+    """examples/lend-pull-secrets.yaml is what ``lending`` writes (the tests above apply that)."""
+    docs = [d for d in yaml.safe_load_all((Path(__file__).parents[2] / "examples/lend-pull-secrets.yaml").read_text())
+            if d]
+    assert docs == lending("team-a", ["regcred"])

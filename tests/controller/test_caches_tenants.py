@@ -1,14 +1,14 @@
 """The pin of a GKMCache asks the registry with its namespace's pull secrets, never the
 controller's own credentials (docs/security.md). The cache reconcilers in-process as the
 controller's identity, the controller holding credentials for the htpasswd registry; a namespace
-lends its pull secret by binding accelnode-pull-secret-reader to accelnode-controller."""
+lends its pull secret to accelnode-controller with a Role naming it (pullsecrets.lending)."""
 
 from __future__ import annotations
 
 import pytest
 from kubernetes import client
 
-from accelnode.kube.pullsecrets import PullSecretReader
+from accelnode.kube.pullsecrets import CONTROLLER, PullSecretReader, lending
 from controller.caches.pinning import Resolver
 from tests.agent.conftest import eventually, make_cache
 from tests.controller.test_caches import (caches_rbac, cond, controller_client, run_reconcilers, status,  # noqa: F401
@@ -18,9 +18,7 @@ from tests.csi.test_tenants import give_pull_secret
 
 
 @pytest.fixture
-def tenant_reconcilers(control_plane, caches_rbac, kubectl, auth_registry):  # noqa: F811
-    out = kubectl("admin", "apply", "-f", "daemonsets/rbac-agent.yaml")  # the ClusterRole namespaces bind
-    assert out.returncode == 0, out.stderr
+def tenant_reconcilers(control_plane, caches_rbac, auth_registry):  # noqa: F811
     me = controller_client(control_plane)
     yield from run_reconcilers(me, Resolver(auth_registry.options(timeout=10),
                                             secrets=PullSecretReader(me, ttl=0.5)))
@@ -28,11 +26,9 @@ def tenant_reconcilers(control_plane, caches_rbac, kubectl, auth_registry):  # n
 
 def lend_to_controller(kube_api, namespace: str) -> None:
     rbac = client.RbacAuthorizationV1Api(kube_api("admin"))
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "accelnode-pull-secrets-controller"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": "accelnode-pull-secret-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "accelnode-controller", "namespace": "accelnode-system"}]})
+    role, binding = lending(namespace, ["regcred"], (CONTROLLER,))
+    rbac.create_namespaced_role(namespace, role)
+    rbac.create_namespaced_role_binding(namespace, binding)
 
 
 def test_a_gkmcache_is_pinned_with_its_namespaces_pull_secrets(world, tenant_reconcilers, namespaces,  # noqa: F811

@@ -136,3 +136,22 @@ def test_what_one_component_needs_is_not_granted_to_the_others(authz):
             extra = [n for n in NEEDS[other] if n not in NEEDS[account] and allowed(authz, account, *n)]
             # the CSI ClusterRole is bound to the agent's account too (both run in one pod)
             assert extra == [], f"{account} may do what only {other} needs: {extra}"
+
+
+def test_no_shipped_role_grants_secrets_by_kind():
+    """Every rule we ship that grants a read of Secrets names them (resourceNames): a namespace
+    that binds one of our ClusterRoles, or a Role we ship, gives none of its other Secrets away.
+    (main shipped accelnode-pull-secret-reader: get on every Secret of the binding namespace.)"""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    loose = []
+    for path in sorted((ROOT / "daemonsets").glob("*.yaml")) + sorted((ROOT / "examples").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") in ("Role", "ClusterRole"):
+                for rule in doc.get("rules") or ():
+                    if "secrets" in rule.get("resources", ()) and set(rule["verbs"]) & {"get", "list", "watch", "*"} \
+                            and not rule.get("resourceNames"):
+                        loose.append(f"{path.name}: {doc['kind']} {doc['metadata']['name']}")
+    assert loose == []

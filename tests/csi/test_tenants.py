@@ -2,7 +2,7 @@
 (docs/security.md). Real API server, real agent and driver with real mounts, real registry with
 auth. The agent holds the node's credentials for that registry (``--registry-config``) and reads
 pull secrets as the "agent" identity with daemonsets/rbac-agent.yaml applied; a namespace grants
-it its pull secrets by binding ``accelnode-pull-secret-reader``.
+it its pull secrets with a Role naming them (``pullsecrets.lending``).
 
 Each attack here succeeds on a driver that pulls every cache with the node's credentials and
 hands installed content out by digest alone."""
@@ -78,12 +78,12 @@ def give_pull_secret(core, namespace: str, registry, *, grant: bool = True) -> N
     if grant:
         from kubernetes import client
 
+        from accelnode.kube.pullsecrets import AGENT, lending
+
         rbac = client.RbacAuthorizationV1Api(core.api_client)
-        rbac.create_namespaced_role_binding(namespace, {
-            "metadata": {"name": "accelnode-pull-secrets"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": "accelnode-pull-secret-reader"},
-            "subjects": [{"kind": "ServiceAccount", "name": "accelnode-agent", "namespace": "accelnode-system"}]})
+        role, binding = lending(namespace, ["regcred"], (AGENT,))
+        rbac.create_namespaced_role(namespace, role)
+        rbac.create_namespaced_role_binding(namespace, binding)
 
 
 def digest_cache(objects, name: str, image: str, namespace: str) -> None:  # noqa: F811
@@ -128,7 +128,7 @@ def test_a_pull_secret_the_agent_may_not_read_is_a_clear_refusal(tenant_node, ob
     digest_cache(objects, "kernels", image, b)
     vol = tenant_node.volume("", pod_namespace=b, cache="kernels", cache_namespace=b)
     message = refused(tenant_node, vol)
-    assert f"may not read ServiceAccount {b}/default" in message and "accelnode-pull-secret-reader" in message
+    assert f"may not read ServiceAccount {b}/default" in message and "Role accelnode-pull-secrets" in message
     assert auth_registry.password not in message
 
 
