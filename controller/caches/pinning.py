@@ -71,9 +71,12 @@ class Resolver:
             return "anonymous", self._anonymous
         return found.key, dataclasses.replace(self._anonymous, anonymous=False, pull_secrets=found.secrets)
 
-    def pin(self, image: str, namespace: str | None = None) -> Pin:
+    def pin(self, image: str, namespace: str | None = None, *, public: bool = False) -> Pin:
+        """``public``: asked anonymously whatever the cache's credentials (what anyone may learn
+        from the registry: the admission webhooks' answers, which anyone who reaches the webhook
+        port can ask for; docs/cache-webhooks.md)."""
         Reference.parse(image)  # InvalidReference for anything we cannot pull
-        whose, options = self.credentials(namespace, image)
+        whose, options = ("anonymous", self._anonymous) if public else self.credentials(namespace, image)
         key = (image, whose)
         now = time.monotonic()
         with self._lock:

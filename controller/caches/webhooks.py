@@ -8,6 +8,12 @@ that only the controller writes it (docs/cache-webhooks.md).
   the pin may only be absent, unchanged or exactly what the Resolver answers.
 * Who the controller is comes from ``userInfo.username`` against the username learnt at start
   (a SelfSubjectReview), never from anything in the object.
+* An answer tells only what anyone may learn from the registry: the image is asked about
+  anonymously, never with a namespace's pull secrets or the controller's credentials. The server
+  cannot tell the API server from any pod that reaches its port (no client certificate), so a
+  review may be forged, and its namespace, user and object with it; a private image is admitted
+  unpinned and the reconciler, which reads the cache from the API server, pins it with the
+  credentials that are the cache's.
 
 Pure decisions (:func:`plan_pin`, :func:`check_pin`, :func:`annotation_patch`) take the
 resolution as a callable; :class:`CacheHooks` adds identity, time bounds and the routes.
@@ -267,16 +273,16 @@ class CacheHooks:
                  max_lookups: int = MAX_LOOKUPS):
         self.resolver, self.identity, self.budget, self.max_lookups = resolver, identity, budget, max_lookups
         self._lock = threading.Lock()
-        self._lookups: dict[str, Future] = {}
+        self._lookups: dict[str, Future] = {}  # image -> its public lookup
 
     def routes(self) -> dict[str, Handler]:
         return {MUTATE_GKMCACHE: self.mutate, MUTATE_CLUSTERGKMCACHE: self.mutate,
                 VALIDATE_GKMCACHE: self.validate, VALIDATE_CLUSTERGKMCACHE: self.validate}
 
-    def resolve(self, image: str, namespace: str | None = None) -> Pin:
-        """The Resolver's pin for ``image`` with the credentials of ``namespace`` (None: a cluster
-        cache) within the budget, else :class:`Unpinned`."""
-        key = (image, namespace)
+    def resolve(self, image: str) -> Pin:
+        """The Resolver's public pin for ``image`` (asked anonymously) within the budget, else
+        :class:`Unpinned`."""
+        key = image
         with self._lock:
             future = self._lookups.get(key)
             if future is None:
@@ -293,16 +299,16 @@ class CacheHooks:
         except ImageNotFound as e:
             raise Unpinned("the registry has no such image", str(e)) from None
         except AuthError as e:
-            whose = f"namespace {namespace}'s pull secrets" if namespace else "the controller's credentials"
-            raise Unpinned(f"the registry refused {whose}", str(e)) from None
+            raise Unpinned("the registry does not answer anonymously (the controller pins a private image "
+                           "with the cache's credentials once it is stored)", str(e)) from None
         except InvalidReference:
             raise  # image_of() checked the reference first: this is a bug, not the registry
         except ImageError as e:
             raise Unpinned(f"the registry's answer was refused ({type(e).__name__})", str(e)) from None
 
-    def _lookup(self, key: tuple[str, str | None], future: Future) -> None:
+    def _lookup(self, key: str, future: Future) -> None:
         try:
-            pin, error = self.resolver.pin(*key), None
+            pin, error = self.resolver.pin(key, public=True), None
         except BaseException as e:  # handed to every waiting admission
             pin, error = None, e
         with self._lock:  # done before answering: an admission after this one asks the Resolver afresh
@@ -354,13 +360,13 @@ class CacheHooks:
         return allow()
 
     def _resolver_for(self, request: dict) -> Resolve:
-        """Resolution with the credentials of the request's namespace (none: a cluster cache)."""
-        namespace = request.get("namespace") if isinstance(request.get("namespace"), str) else None
-        return lambda image: self._resolve_logged(image, namespace or None)
+        """Public resolution, whoever the request claims to be and whatever namespace it names
+        (both are the request's word only: see the module's doc)."""
+        return self._resolve_logged
 
-    def _resolve_logged(self, image: str, namespace: str | None = None) -> Pin:
+    def _resolve_logged(self, image: str) -> Pin:
         try:
-            return self.resolve(image, namespace)
+            return self.resolve(image)
         except Unpinned as e:
             log.warning("image not resolved at admission", extra=kv(image=image, reason=e.reason, error=e.detail))
             raise

@@ -7,14 +7,17 @@ pool), then writes, each atomically (temporary file, fsync, rename):
    ``k8s.<driver>/tpu``: one CDI device ``<claim UID>-tpu-<index>`` per chip with its device
    nodes, and spec-wide edits applied once per container: ``/dev/vfio/vfio`` (VFIO generations),
    the TPU env of exactly these chips (the device plugin's table, device_plugin/topology.py) and
-   the libtpu log directory mounted from the host;
+   libtpu's log directory: a tmpfs the runtime mounts per container (``size=``, ``nr_inodes=``:
+   bounded; ``mode=1777``: writable by whatever user the pod runs as; nothing of it on the host,
+   so nothing is left behind when the claim goes);
 2. the claim's **checkpoint** ``<state-dir>/<claim UID>.json``: the answer given to kubelet.
 
 A claim with both files is prepared: preparing it again returns the checkpoint without asking
 the API server (kubelet repeats calls after its own restarts). A crash between 1 and 2 leaves a
 spec without checkpoint: the next prepare writes both again. Unpreparing removes the spec, then
 the checkpoint; a claim that is not (or no longer) prepared is not an error. So a restart of the
-plugin between prepare and unprepare loses nothing.
+plugin between prepare and unprepare loses nothing. A checkpoint that does not parse is that
+claim's problem alone: it is prepared anew from the API server.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ log = logging.getLogger("accelnode.dra")
 CDI_VERSION = "0.6.0"
 CDI_CLASS = "tpu"
 LOG_DIR_IN_CONTAINER = "/tmp/tpu_logs"  # where libtpu writes its logs
+LOG_SIZE = 64 << 20  # bytes of a claim's container's log tmpfs (--libtpu-log-size)
+LOG_BYTES_PER_INODE = 16384  # files it may hold: one per this many bytes of its size, at least 1024
 _UID = re.compile(r"^[0-9a-fA-F-]{1,64}$")
 
 
@@ -67,10 +72,10 @@ def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
 class Claims:
     def __init__(self, *, client: Client, driver: str, node: str, cdi_dir: Path, state_dir: Path, dev_root: Path,
                  states: Callable[[], tuple[ChipState, ...]], config: Callable[[], topology.NodeConfig],
-                 log_dir: Path | None):
+                 log_size: int = LOG_SIZE):
         self.client, self.driver, self.node = client, driver, node
         self.cdi_dir, self.state_dir, self.dev_root = cdi_dir, state_dir, dev_root
-        self.states, self.config, self.log_dir = states, config, log_dir
+        self.states, self.config, self.log_size = states, config, log_size
         self.kind = f"k8s.{driver}/{CDI_CLASS}"
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
@@ -100,7 +105,9 @@ class Claims:
         with self._lock(uid):
             ck = self.checkpoint_path(uid)
             if ck.exists() and self.spec_path(uid).exists():
-                return json.loads(ck.read_text())["devices"]
+                devs = self._checkpointed(ck, uid)
+                if devs is not None:
+                    return devs
             results = self._allocation(namespace, name, uid)
             by_name = {device_name(s.chip.index): s for s in self.states()}
             chips = []
@@ -133,6 +140,27 @@ class Claims:
 
     # -- internals -----------------------------------------------------------------------------------
 
+    @staticmethod
+    def _checkpointed(ck: Path, uid: str) -> list[dict] | None:
+        """The devices a checkpoint recorded; None (logged) when it is not one we wrote, so the
+        claim is prepared anew: one bad file never fails another claim, nor the plugin."""
+        try:
+            with open(ck, "rb") as f:
+                data = f.read(1 << 20)
+            doc = json.loads(data)
+            devs = doc["devices"]
+            if doc.get("uid") != uid or not isinstance(devs, list) or not all(
+                    isinstance(d, dict) and isinstance(d.get("device_name"), str) and isinstance(d.get("pool_name"), str)
+                    and all(isinstance(d.get(k), list) and all(isinstance(x, str) for x in d[k])
+                            for k in ("request_names", "cdi_device_ids")) and set(d) == {
+                        "request_names", "pool_name", "device_name", "cdi_device_ids"} for d in devs):
+                raise ValueError("not a checkpoint of this claim")
+            return devs
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            log.warning("claim checkpoint unreadable; preparing the claim anew", extra=kv(
+                uid=uid, checkpoint=str(ck), error=f"{type(e).__name__}: {e}"[:200]))
+            return None
+
     def _allocation(self, namespace: str, name: str, uid: str) -> list[dict]:
         try:
             claim = self.client.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
@@ -160,11 +188,11 @@ class Claims:
         env = topology.container_env(sorted(chips, key=lambda c: c.index), host_chips, self.config())
         edits: dict = {"env": [f"{k}={v}" for k, v in sorted(env.items())],
                        "deviceNodes": [node(p) for p in sorted(shared)]}
-        if self.log_dir is not None:
-            host_logs = self.log_dir / uid
-            host_logs.mkdir(parents=True, exist_ok=True)
-            edits["mounts"] = [{"hostPath": str(host_logs), "containerPath": LOG_DIR_IN_CONTAINER,
-                                "options": ["rw", "rbind", "nosuid", "nodev"]}]
+        if self.log_size:
+            inodes = max(1024, self.log_size // LOG_BYTES_PER_INODE)
+            edits["mounts"] = [{"hostPath": "tmpfs", "containerPath": LOG_DIR_IN_CONTAINER, "type": "tmpfs",
+                                "options": ["nosuid", "nodev", "noexec", f"size={self.log_size}",
+                                            f"nr_inodes={inodes}", "mode=1777"]}]
         return {"cdiVersion": CDI_VERSION, "kind": self.kind, "containerEdits": edits,
                 "devices": [{"name": f"{uid}-{device_name(c.index)}",
                              "containerEdits": {"deviceNodes": [node(p) for p in c.dev_paths if p not in shared],

@@ -8,6 +8,19 @@ from accelnode import cli as acli
 from accelnode import exitcodes
 
 from ..cli import _tick
+
+MAX_LOG_SIZE = 4 << 30  # memory a container's log tmpfs may take at most
+
+
+def _size(raw: str) -> int:
+    import argparse
+
+    from accelnode.kube.quantity import to_bytes
+
+    v = to_bytes(raw)
+    if v is None or not 0 <= v <= MAX_LOG_SIZE:
+        raise argparse.ArgumentTypeError(f"{raw}: must be a quantity from 0 to 4Gi (e.g. 64Mi)")
+    return v
 from ..events import DEFAULT_TICK
 from ..topology import RECIPES
 
@@ -40,9 +53,10 @@ def register(sub) -> None:
                    help="where the per-claim CDI specs go; the runtime must read it (default: %(default)s)")
     p.add_argument("--state-dir", default=None,
                    help="per-claim checkpoints (default: <kubelet-root>/plugins/<driver>/claims)")
-    p.add_argument("--libtpu-log-dir", default="/var/log/tpu_logs",
-                   help="host directory whose <claim UID>/ subdirectory is mounted at /tmp/tpu_logs in the claim's "
-                   "containers; empty: no mount (default: %(default)s)")
+    p.add_argument("--libtpu-log-size", type=_size, default="64Mi", metavar="QUANTITY",
+                   help="size of the tmpfs mounted at /tmp/tpu_logs in each of a claim's containers for libtpu's logs "
+                   "(writable by any user, one file per 16Ki of it; gone with the container); 0: no mount "
+                   "(default: %(default)s)")
     p.add_argument("--sysfs-root", default="/sys", help="where sysfs is mounted (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="where device nodes live (default: %(default)s)")
     p.add_argument("--tpu-env", choices=RECIPES, default="gke",
@@ -101,7 +115,7 @@ def run(args) -> int:
     state = Path(args.state_dir) if args.state_dir else root / "plugins" / args.driver_name / "claims"
     driver = Driver(driver=args.driver_name, node=args.node_name, client=client, kubelet_root=root, sysfs_root=sysfs,
                     dev_root=dev, cdi_dir=Path(args.cdi_dir), state_dir=state,
-                    log_dir=Path(args.libtpu_log_dir) if args.libtpu_log_dir else None, config=facts,
+                    log_size=args.libtpu_log_size, config=facts,
                     tick=args.health_interval, pod_uid=args.pod_uid, health=health)
     facts.on_change = driver.facts_changed
     facts.watch_node(client, args.node_name)

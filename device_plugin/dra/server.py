@@ -50,7 +50,7 @@ class DRAService:
             try:
                 devs = self.claims.prepare(c.namespace, c.name, c.uid)
                 out.claims[c.uid].devices.extend(self.pb.Device(**d) for d in devs)
-            except (ClaimError, OSError) as e:
+            except (ClaimError, OSError, ValueError) as e:  # this claim's failure, never the others'
                 log.warning("claim not prepared", extra=kv(claim=f"{c.namespace}/{c.name}", uid=c.uid, error=str(e)))
                 out.claims[c.uid].error = str(e)
         return out
@@ -88,7 +88,7 @@ class RegistrationService(api.RegistrationServicer):
 
 class Driver:
     def __init__(self, *, driver: str, node: str, client, kubelet_root: Path, sysfs_root: Path, dev_root: Path,
-                 cdi_dir: Path, state_dir: Path, log_dir: Path | None, config, tick: float,
+                 cdi_dir: Path, state_dir: Path, log_size: int, config, tick: float,
                  pod_uid: str | None = None, health: Health | None = None, grace: float = GRACE_DEFAULT):
         self.driver, self.node, self.pod_uid = driver, node, pod_uid
         self.health = health or Health()
@@ -102,7 +102,7 @@ class Driver:
         self._states: tuple[ChipState, ...] = ()
         self.publisher = slices.Publisher(client, node, driver)
         self.claims = Claims(client=client, driver=driver, node=node, cdi_dir=cdi_dir, state_dir=state_dir,
-                             dev_root=dev_root, states=lambda: self._states, config=self.config, log_dir=log_dir)
+                             dev_root=dev_root, states=lambda: self._states, config=self.config, log_size=log_size)
         self.registration = RegistrationService(driver, self.endpoint, self.publisher.kick)
         self.watcher = Watcher(Inventory(sysfs_root, dev_root), self.registry_dir, self._on_devices, self._check_sockets,
                                tick, self.health.heartbeat("device watcher", tick + grace), grace)

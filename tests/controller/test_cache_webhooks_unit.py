@@ -38,7 +38,7 @@ class Registry:
         self.error = error
         self.calls: list[str] = []
 
-    def __call__(self, image, namespace=None):
+    def __call__(self, image, namespace=None, public=False):
         self.calls.append(image)
         if self.error is not None:
             raise self.error
@@ -288,7 +288,7 @@ def test_the_registry_budget_bounds_an_admission():
     calls = []
 
     class Stuck:
-        def pin(self, image, namespace=None):
+        def pin(self, image, namespace=None, public=False):
             calls.append(image)
             release.wait(30)
             raise RegistryUnavailable("late", image)

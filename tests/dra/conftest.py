@@ -36,7 +36,6 @@ class DRA:
     def start(self, *flags: str, wait: bool = True) -> PluginProcess:
         argv = accelnode_cmd() + ["dra", "--node-name", self.node, "--kubeconfig", str(self.kubeconfig),
                                   "--kubelet-root", str(self.root), "--cdi-dir", str(self.cdi),
-                                  "--libtpu-log-dir", str(self.tmp / "tpu_logs"),
                                   "--sysfs-root", str(self.host.sysfs_root), "--dev-root", str(self.host.dev_root),
                                   "--driver-name", self.driver, "--health-interval", "0.2", "--metrics-address", "",
                                   "--log-format", "text", *flags]

@@ -153,3 +153,31 @@ def test_prepare_of_several_claims_answers_each(control_plane, admin, node, tpu_
     except grpc.RpcError as e:  # an empty request is no error either
         raise AssertionError(e) from None
     assert os.path.exists(d.cdi / f"k8s.{DRIVER}-tpu_{a}.json")
+
+
+def test_a_checkpoint_that_does_not_parse_fails_no_other_claim(control_plane, admin, node, tpu_host, dra,
+                                                              kube_namespace):
+    """A corrupt checkpoint (a torn disk write, a bad restore) is that claim's alone: the claims
+    prepared beside it in one call are answered, and the claim itself is prepared anew from the
+    API server. On main the JSON error escaped the handler: the whole call failed (UNKNOWN)."""
+    host = tpu_host("v5e-4")
+    n = node("dra-corrupt")
+    d = dra(host, n, control_plane.kubeconfig("admin"))
+    d.start()
+    ns = kube_namespace
+    a = allocated_claim(admin, ns, "a", n, ["tpu-0"])
+    b = allocated_claim(admin, ns, "b", n, ["tpu-1"])
+    for name, uid in (("a", a), ("b", b)):
+        assert d.prepare(ns, name, uid).error == ""
+    claims = d.root / "plugins" / DRIVER / "claims"
+    (claims / f"{a}.json").write_bytes(b'{"devices": [')  # torn
+    (claims / f"{b}.json").write_text(json.dumps({"uid": b, "devices": "tpu-1"}))  # not a list of devices
+    pb, _ = api.SERVICES["v1.DRAPlugin"]
+    for _ in range(2):  # the second call reads the checkpoints it rewrote
+        got = d.stub().NodePrepareResources(pb.NodePrepareResourcesRequest(claims=[
+            pb.Claim(namespace=ns, name="a", uid=a), pb.Claim(namespace=ns, name="b", uid=b)]), timeout=45).claims
+        assert (got[a].error, got[b].error) == ("", "")
+        assert [x.device_name for x in got[a].devices] == ["tpu-0"] and [x.device_name for x in got[b].devices] == [
+            "tpu-1"]
+    assert json.loads((claims / f"{a}.json").read_text())["uid"] == a
+    assert "claim checkpoint unreadable" in d.procs[-1].log()

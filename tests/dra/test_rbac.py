@@ -88,6 +88,16 @@ def test_the_plugin_account_writes_only_its_own_nodes_slices(control_plane, admi
     admin.request("POST", SLICES, body=slice_of(b))
     assert "may not write" in refused(lambda: plugin.request("DELETE", f"{SLICES}/{b}-x"))
     assert [s["metadata"]["name"] for s in node_slices(admin, b)] == [f"{b}-x"]
+    # its own node, but another node's pool or another driver: devices the scheduler would
+    # allocate as b's pool, or as another driver's
+    other_pool = slice_of(a, "dra-own-pool")
+    other_pool["spec"]["pool"]["name"] = b
+    why = refused(lambda: plugin.request("POST", SLICES, body=other_pool))
+    assert why.startswith("403") and f"writes only pool {a}, not pool {b}" in why, why
+    other_driver = slice_of(a, "dra-own-driver")
+    other_driver["spec"]["driver"] = "gpu.example.com"
+    why = refused(lambda: plugin.request("POST", SLICES, body=other_driver))
+    assert why.startswith("403") and "driver tpu.google.com only, not gpu.example.com" in why, why
     # its own node's slice: create, update, delete
     mine = plugin.request("POST", SLICES, body=slice_of(a))
     mine["spec"]["devices"].append({"name": "tpu-1"})

@@ -60,7 +60,7 @@ def test_the_cdi_spec_of_a_claim_holds_its_chips_env_and_log_mount(tpu_host, tmp
     claims = Claims(client=None, driver="tpu.google.com", node="n", cdi_dir=tmp_path / "cdi",
                     state_dir=tmp_path / "state", dev_root=host.dev_root, states=lambda: states,
                     config=lambda: NodeConfig(accelerator="tpu-v5-lite-podslice", topology="2x2"),
-                    log_dir=tmp_path / "logs")
+                    log_size=64 << 20)
     uid = "0f0e0d0c-0000-4000-8000-000000000001"
     spec = claims.spec(uid, [states[2].chip, states[3].chip], 4)
     assert spec["kind"] == "k8s.tpu.google.com/tpu" and spec["cdiVersion"] == "0.6.0"
@@ -74,5 +74,9 @@ def test_the_cdi_spec_of_a_claim_holds_its_chips_env_and_log_mount(tpu_host, tmp
     # the device plugin's table for two chips of a 2x2 v5e host (tests/device_plugin/test_node_facts.py)
     assert (env["TPU_TOPOLOGY"], env["TPU_CHIPS_PER_HOST_BOUNDS"], env["TPU_HOST_BOUNDS"]) == ("2x2", "1,2,1", "2,1,1")
     assert env["TPU_ACCELERATOR_TYPE"] == "v5litepod-4" and env["TPU_WORKER_ID"] == "0"
+    # libtpu's logs: a tmpfs of the container's own, bounded in bytes and files, writable by any
+    # user (main bind-mounted a root-owned 0755 host directory, never removed, unbounded)
     (mount,) = spec["containerEdits"]["mounts"]
-    assert mount["hostPath"] == str(tmp_path / "logs" / uid) and mount["containerPath"] == "/tmp/tpu_logs"
+    assert (mount["type"], mount["hostPath"], mount["containerPath"]) == ("tmpfs", "tmpfs", "/tmp/tpu_logs")
+    assert {"nosuid", "nodev", "noexec", f"size={64 << 20}", "nr_inodes=4096", "mode=1777"} == set(mount["options"])
+    assert not (tmp_path / "logs").exists()

@@ -145,7 +145,7 @@ class DRALane:
             self.plugin = _Proc("accelnode dra", [
                 sys.executable, "-m", "accelnode", "dra", "--node-name", self.node.name,
                 "--kubeconfig", str(self.cp.kubeconfig("admin")), "--kubelet-root", str(self.node.root_dir),
-                "--cdi-dir", str(self.node.cdi_dir), "--libtpu-log-dir", str(self.workdir / "tpu_logs"),
+                "--cdi-dir", str(self.node.cdi_dir),
                 "--sysfs-root", str(self.host.sysfs_root), "--dev-root", str(self.host.dev_root),
                 "--metrics-address", "", "--log-format", "text"], self.workdir / "dra.log")
             self.plugin.start()
