@@ -270,6 +270,12 @@ def images(docs: list[dict]) -> set[str]:
     return {c["image"] for _, pod in workloads(docs) for c in pod["containers"]}
 
 
+def pinned_device_plugin_image(docs: list[dict]) -> str:
+    """The image the guard lets the controller deploy (daemonsets/rbac-controller-guards.yaml)."""
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "accelnode-device-plugin-image"]
+    return cm["data"]["image"]
+
+
 def test_every_workload_runs_the_one_fully_qualified_image_of_this_version():
     """A name with a registry host and a tag that is this release's version: never a bare
     `accelnode`, which a cluster would look up on Docker Hub."""
@@ -283,7 +289,7 @@ def test_every_workload_runs_the_one_fully_qualified_image_of_this_version():
     assert images(docs) == {accelnode.IMAGE}
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["ACCELNODE_DEVICE_PLUGIN_IMAGE"] == accelnode.IMAGE
+    assert env["ACCELNODE_DEVICE_PLUGIN_IMAGE"] == accelnode.IMAGE == pinned_device_plugin_image(docs)
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## [{version}]" in changelog, "CHANGELOG.md has no entry for this version"
     assert "Apache License" in (ROOT / "LICENSE").read_text()
@@ -293,7 +299,8 @@ def test_every_workload_runs_the_one_fully_qualified_image_of_this_version():
 def test_an_overlays_images_entry_moves_every_container_and_the_controllers_device_plugin_image(tmp_path):
     """docs/operations.md's overlay for an image pushed to the operator's registry: the node
     DaemonSets, the controller, and the image the controller gives the node groups' device-plugin
-    DaemonSet all follow it (daemonsets/kustomizeconfig.yaml); other variables stay as they are."""
+    DaemonSet (and the guard's pin of it) all follow it (daemonsets/kustomizeconfig.yaml); other
+    variables stay as they are."""
     ours = "registry.example.com/team/accelnode:0.1.0-rc1"
     docs = overlay(tmp_path, images=[{"name": "ghcr.io/accelnode/accelnode", "newName": ours.rsplit(":", 1)[0],
                                       "newTag": ours.rsplit(":", 1)[1]}])
@@ -302,7 +309,7 @@ def test_an_overlays_images_entry_moves_every_container_and_the_controllers_devi
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     base_env = {e["name"]: e.get("value") for d in build(BASE) if d["kind"] == "Deployment"
                 for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["ACCELNODE_DEVICE_PLUGIN_IMAGE"] == ours
+    assert env["ACCELNODE_DEVICE_PLUGIN_IMAGE"] == ours == pinned_device_plugin_image(docs)
     assert {k: v for k, v in env.items() if k != "ACCELNODE_DEVICE_PLUGIN_IMAGE"} == {
         k: v for k, v in base_env.items() if k != "ACCELNODE_DEVICE_PLUGIN_IMAGE"}
 

@@ -53,6 +53,7 @@ NEEDS = {
         ("get", "", "secrets", "kube-system", "bootstrap-token-acn007"),
         ("get", "", "configmaps", "kube-public", "cluster-info"),
         ("get", "", "namespaces", "", "kube-system"),  # the cluster id in node groups' ownership markers
+        ("delete", "apps", "daemonsets", NS, "accelnode-tpu-device-plugin"),  # the node groups' own
         # Events on users' objects (rbac-controller-events.yaml)
         ("create", "", "events", "team-a", ""), ("patch", "", "events", "team-a", "c.1"),
         ("create", "", "events", "default", "")],
@@ -81,6 +82,7 @@ DANGEROUS = [
     ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "someone-elses"),
     ("delete", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),
     ("create", "apps", "daemonsets", NS, ""), ("update", "apps", "daemonsets", NS, "accelnode-csi-node"),
+    ("delete", "apps", "daemonsets", NS, "accelnode-csi-node"),  # to re-create it as another
     ("delete", "coordination.k8s.io", "leases", NS, "accelnode-controller"),
     ("update", "coordination.k8s.io", "leases", "kube-node-lease", "n1"),
 ]
