@@ -104,6 +104,17 @@ def eventually(predicate, what: str, timeout: float = 20.0, interval: float = 0.
     return value
 
 
+def refused(call) -> str:
+    """'' when ``call()`` succeeds, else the API server's status code and message (a KubeError)."""
+    from accelnode.kube.client import KubeError
+
+    try:
+        call()
+    except KubeError as e:
+        return f"{e.code} {e}"
+    return ""
+
+
 def health_turned(port: int, what: str, timeout: float = 20.0) -> str:
     """The daemon's ``/healthz`` 503 body once it names ``what``; ``/readyz`` must be 503 and
     name it too (a daemon that is not alive is not ready)."""

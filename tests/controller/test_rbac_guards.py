@@ -22,7 +22,7 @@ import yaml
 from accelnode.kube.client import Client, Config, KubeError, is_not_found
 from controller.nodegroups.jointokens import GROUP_ANNOTATION, NODE_GROUP, POOL, JoinTokens
 from controller.nodegroups.reconciler import DEVICE_PLUGIN, device_plugin_daemonset
-from tests.conftest import ROOT, eventually
+from tests.conftest import ROOT, eventually, refused
 from tests.controller.test_jointokens import Ledger, whoami
 
 KS = "/api/v1/namespaces/kube-system/secrets"
@@ -48,20 +48,6 @@ def guarded(kubectl, crds, kube_api):
 @pytest.fixture
 def me(control_plane, guarded) -> Client:
     return Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), user_agent="accelnode-controller")
-
-
-@pytest.fixture
-def admin(control_plane) -> Client:
-    return Client(Config.from_kubeconfig(control_plane.kubeconfig("admin")))
-
-
-def refused(call) -> str:
-    """'' when ``call`` succeeds, else the API server's status code and message."""
-    try:
-        call()
-    except KubeError as e:
-        return f"{e.code} {e}"
-    return ""
 
 
 def in_force(call, what: str) -> str:

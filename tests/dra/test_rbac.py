@@ -10,7 +10,7 @@ import yaml
 
 from accelnode import IMAGE
 from accelnode.kube.client import Client, Config, KubeError
-from tests.conftest import ROOT, eventually
+from tests.conftest import ROOT, eventually, refused
 from tests.dra.conftest import DRIVER, SLICES, node_slices
 
 SYSTEM = "accelnode-system"
@@ -61,14 +61,6 @@ def plugin_token(control_plane, admin, node, kubectl):
 def as_plugin(control_plane, token: str) -> Client:
     return Client(Config(server=f"https://127.0.0.1:{control_plane.port}", ca_file=str(control_plane.ca_file),
                          token=token), user_agent="accelnode-dra-test")
-
-
-def refused(call) -> str:
-    try:
-        call()
-    except KubeError as e:
-        return f"{e.code} {e}"
-    return ""
 
 
 def test_the_plugin_account_writes_only_its_own_nodes_slices(control_plane, admin, node, plugin_token):
