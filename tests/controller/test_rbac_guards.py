@@ -124,6 +124,15 @@ def test_a_join_token_has_exactly_kubeadms_keys(me, change):
     assert why.startswith("422") and "exactly kubeadm's keys" in why, why
 
 
+def test_every_pool_name_takes_a_kubeadm_token(me):
+    """The guard compares token-id with its name in base64 (the API server's CEL has no decoder):
+    every name of the pool passes, as its API server dry run shows."""
+    in_force(lambda: me.request("POST", KS, query=DRY, body=sa_token_secret(f"bootstrap-token-{POOL[-1]}")),
+             "the secrets guard")
+    assert [tid for tid in POOL if refused(lambda: me.request("POST", KS, query=DRY, body=bootstrap_secret(tid)))
+            .startswith(("403", "422"))] == []
+
+
 def test_a_kubeadm_join_token_still_works(control_plane, me, admin):
     """What the node groups do (controller/nodegroups/jointokens.py) under the guard: a token
     created as the controller authenticates as kubeadm's node bootstrapper; it is read, reused
@@ -161,7 +170,7 @@ def test_the_controller_creates_only_the_device_plugin_daemonset_as_the_operator
     why = in_force(lambda: me.request("POST", DAEMONSETS, query=DRY, body=evil), "the daemonsets guard")
     assert why.startswith("403") and "accelnode-device-plugin-image" in why, why
     assert not refused(lambda: me.request("POST", DAEMONSETS, query=DRY, body=good)).startswith("403")
-    for mutate in (lambda c, p: c["securityContext"].update(privileged=True),
+    for mutate in (lambda c, p: c.update(securityContext={"privileged": True}),
                    lambda c, p: c.update(command=["sh", "-c", "cat /host/etc/shadow"]),
                    lambda c, p: p["volumes"].append({"name": "root", "hostPath": {"path": "/"}}),
                    lambda c, p: p.update(hostPID=True),
@@ -190,7 +199,7 @@ def test_the_controller_changes_only_the_ca_bundle_of_its_webhooks(me, admin):
     (doc,) = [d for d in yaml.safe_load_all((ROOT / "daemonsets/webhooks-tpu-env.yaml").read_text()) if d]
     admin.request("POST", WEBHOOKS, body=doc)
     try:
-        cur = me.request("GET", f"{WEBHOOKS}/accelnode-tpu-env")
+        cur = admin.request("GET", f"{WEBHOOKS}/accelnode-tpu-env")  # the controller lists and watches them
         wider = copy.deepcopy(cur)
         for h in wider["webhooks"]:
             h.pop("namespaceSelector", None)
