@@ -15,7 +15,8 @@ import yaml
 from kubernetes import client
 
 from accelnode.kube.client import Client, Config, KubeError
-from accelnode.kube.pullsecrets import AGENT, PullSecretError, PullSecretReader, lending
+from accelnode.kube.pullsecrets import AGENT, PullSecretError, PullSecretReader
+from accelnode.kube.pullsecrets import lending as lending_objects
 from accelnode.oci.credentials import docker_credentials
 
 from .conftest import eventually
@@ -38,7 +39,7 @@ def lending(kube_api, kubectl, crds):
                 k: base64.b64encode(v.encode()).decode() for k, v in data.items()}})
         assert eventually(lambda: _patch_sa(core, ns, names))
         if lend:
-            role, binding = lending(ns, lend if isinstance(lend, list) else names, (AGENT,))
+            role, binding = lending_objects(ns, lend if isinstance(lend, list) else names, (AGENT,))
             rbac.create_namespaced_role(ns, role)
             rbac.create_namespaced_role_binding(ns, binding)
         return ns
@@ -120,7 +121,7 @@ def test_a_pull_secret_left_out_of_the_role_is_refused_by_name(lending, reader):
 
 
 def test_the_example_is_the_lending_the_docs_show():
-    """examples/lend-pull-secrets.yaml is what ``lending`` writes (the tests above apply that)."""
+    """examples/lend-pull-secrets.yaml is what ``pullsecrets.lending`` writes (the tests above apply that)."""
     docs = [d for d in yaml.safe_load_all((Path(__file__).parents[2] / "examples/lend-pull-secrets.yaml").read_text())
             if d]
-    assert docs == lending("team-a", ["regcred"])
+    assert docs == lending_objects("team-a", ["regcred"])
