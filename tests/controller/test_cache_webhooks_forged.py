@@ -54,10 +54,10 @@ def test_a_forged_review_learns_no_digest_size_or_existence(lent, auth_registry,
     give_pull_secret(core, ns, auth_registry, grant=False)
     for obj in lending(ns, ["regcred"], (CONTROLLER,)):
         (rbac.create_namespaced_role if obj["kind"] == "Role" else rbac.create_namespaced_role_binding)(ns, obj)
-    private = auth_registry.push(make_cache(tmp_path / "p", {"xla/p.bin": b"\x07" * 300}), f"team/p-{ns}")
+    private = auth_registry.push(make_cache(tmp_path / "p", {"xla/p.bin": b"\x07" * 300}), f"team/p-{ns}", kind="jax")
     digest = private.split("@", 1)[1]
     tag = private.split("@", 1)[0] + ":latest"
-    public = registry.push(make_cache(tmp_path / "q", {"xla/q.bin": b"\x08" * 300}), f"team/q-{ns}")
+    public = registry.push(make_cache(tmp_path / "q", {"xla/q.bin": b"\x08" * 300}), f"team/q-{ns}", kind="jax")
     ca = CA()
     cert, key, _ = ca.serving(tmp_path, "accelnode-controller")
     (port,) = free_ports(1)
