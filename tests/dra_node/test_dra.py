@@ -21,9 +21,18 @@ from tests.rigs.node import TREE_PROBE
 # what a workload container got: device nodes and TPU env, as one JSON line
 PROBE = r"""
 import glob, json, os, time
+def write_as_user():  # the log directory is the pod's user's, whoever that is (the image's: not root)
+    try:
+        with open(f"/tmp/tpu_logs/probe-{os.getuid()}.log", "w") as f:
+            f.write("x")
+        return os.getuid()
+    except OSError as e:
+        return f"uid {os.getuid()}: {e}"
+mounts = [line.split(" - ", 1)[1].split() for line in open("/proc/self/mountinfo") if line.split()[4] == "/tmp/tpu_logs"]
 print(json.dumps({"devices": sorted(glob.glob("/dev/vfio/*") + glob.glob("/dev/accel*")),
                   "tpu_env": {k: v for k, v in os.environ.items() if k.startswith("TPU_")},
-                  "logs": os.path.isdir("/tmp/tpu_logs")}), flush=True)
+                  "logs": os.path.isdir("/tmp/tpu_logs"), "logs_mount": mounts[-1] if mounts else None,
+                  "logs_writer": write_as_user()}), flush=True)
 time.sleep(3600)  # hold the claim until the test deletes the pod
 """
 
@@ -87,6 +96,11 @@ def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
         env = r["tpu_env"]
         assert (env["TPU_TOPOLOGY"], env["TPU_CHIPS_PER_HOST_BOUNDS"], env["TPU_HOST_BOUNDS"]) == ("2x2", "1,2,1", "2,1,1")
         assert env["TPU_ACCELERATOR_TYPE"] == "v5litepod-4" and r["logs"] is True
+        # libtpu's logs: a bounded tmpfs of the container's own, writable by any user (main: a
+        # root-owned 0755 host directory per claim, unbounded and never removed)
+        fstype, _, options = r["logs_mount"]
+        assert fstype == "tmpfs" and "size=65536k" in options.split(",") and "nr_inodes=4096" in options, r
+        assert r["logs_writer"] not in (0, None) and isinstance(r["logs_writer"], int), r
         assert {k for k in env if k.endswith("_RESOURCE_CLAIM")} == {f"TPU_DEVICE_{i}_RESOURCE_CLAIM" for i in devices}
     assert sorted(pairs) == [[0, 1], [2, 3]]  # ICI neighbours, and the two pods share nothing
 
