@@ -132,14 +132,17 @@ def test_claims_that_cannot_be_prepared_say_why_and_write_nothing(control_plane,
     assert not list((d.root / "plugins" / DRIVER / "claims").glob("*.json"))
 
 
-def test_prepare_of_several_claims_answers_each(control_plane, admin, node, tpu_host, dra, kube_namespace):
-    host = tpu_host("v5e-4")
-    n = node("dra-many")
-    d = dra(host, n, control_plane.kubeconfig("admin"))
+def two_claims(control_plane, admin, node, tpu_host, dra, ns: str, node_name: str):
+    """A plugin on a v5e-4 host and claims a (tpu-0) and b (tpu-1) allocated on its node: (plugin, a, b)."""
+    n = node(node_name)
+    d = dra(tpu_host("v5e-4"), n, control_plane.kubeconfig("admin"))
     d.start()
+    return d, allocated_claim(admin, ns, "a", n, ["tpu-0"]), allocated_claim(admin, ns, "b", n, ["tpu-1"])
+
+
+def test_prepare_of_several_claims_answers_each(control_plane, admin, node, tpu_host, dra, kube_namespace):
     ns = kube_namespace
-    a = allocated_claim(admin, ns, "a", n, ["tpu-0"])
-    b = allocated_claim(admin, ns, "b", n, ["tpu-1"])
+    d, a, b = two_claims(control_plane, admin, node, tpu_host, dra, ns, "dra-many")
     pb, _ = api.SERVICES["v1.DRAPlugin"]
     req = pb.NodePrepareResourcesRequest(claims=[pb.Claim(namespace=ns, name="a", uid=a),
                                                  pb.Claim(namespace=ns, name="missing", uid=b[:-1] + "0"),
@@ -160,13 +163,8 @@ def test_a_checkpoint_that_does_not_parse_fails_no_other_claim(control_plane, ad
     """A corrupt checkpoint (a torn disk write, a bad restore) is that claim's alone: the claims
     prepared beside it in one call are answered, and the claim itself is prepared anew from the
     API server. On main the JSON error escaped the handler: the whole call failed (UNKNOWN)."""
-    host = tpu_host("v5e-4")
-    n = node("dra-corrupt")
-    d = dra(host, n, control_plane.kubeconfig("admin"))
-    d.start()
     ns = kube_namespace
-    a = allocated_claim(admin, ns, "a", n, ["tpu-0"])
-    b = allocated_claim(admin, ns, "b", n, ["tpu-1"])
+    d, a, b = two_claims(control_plane, admin, node, tpu_host, dra, ns, "dra-corrupt")
     for name, uid in (("a", a), ("b", b)):
         assert d.prepare(ns, name, uid).error == ""
     claims = d.root / "plugins" / DRIVER / "claims"
