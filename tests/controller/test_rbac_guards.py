@@ -227,10 +227,19 @@ def test_the_controller_changes_only_the_tpu_environment_of_a_statefulset(me, ad
                     "template": {"metadata": {"labels": {"app": "w"}}, "spec": {"containers": [
                         {"name": "w", "image": "python:3.12", "env": [{"name": "A", "value": "1"}]}]}}}}
     admin.request("POST", path, body=sts)
-    cur = admin.request("GET", f"{path}/w")  # the controller reads from its watch: RBAC gives it no get
-    evil = copy.deepcopy(cur)
-    evil["spec"]["template"]["spec"]["containers"][0]["image"] = "attacker.example.com/x:1"
-    why = in_force(lambda: me.request("PUT", f"{path}/w", query=DRY, body=evil), "the statefulsets guard")
+
+    def put(name: str, mutate, query=None) -> str:
+        """``refused`` of the controller's update of the StatefulSet as read now, changed by
+        ``mutate``; read again when its controller wrote the status meanwhile (409)."""
+        def once():
+            s = admin.request("GET", f"{path}/{name}")  # the controller reads from its watch: RBAC gives it no get
+            mutate(s)
+            why = refused(lambda: me.request("PUT", f"{path}/{name}", query=query, body=s))
+            return None if why.startswith("409") else (why or "written")
+        return eventually(once, "an update between the StatefulSet controller's status writes")
+
+    why = eventually(lambda: put("w", lambda s: s["spec"]["template"]["spec"]["containers"][0].update(
+        image="attacker.example.com/x:1"), DRY).replace("written", ""), "the statefulsets guard", timeout=30)
     assert why.startswith("403") and "TPU_* and MEGASCALE_*" in why, why
     for mutate in (lambda s: s["spec"]["template"]["spec"]["containers"][0].update(command=["sh"]),
                    lambda s: s["spec"]["template"]["spec"].update(serviceAccountName="builder"),
@@ -238,20 +247,19 @@ def test_the_controller_changes_only_the_tpu_environment_of_a_statefulset(me, ad
                        {"name": "LD_PRELOAD", "value": "/x.so"}),
                    lambda s: s["spec"]["template"]["spec"]["containers"][0]["env"].append(
                        {"name": "TPU_X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}})):
-        s = copy.deepcopy(cur)
-        mutate(s)
-        assert refused(lambda: me.request("PUT", f"{path}/w", query=DRY, body=s)).startswith("403")
-    ok = copy.deepcopy(cur)
-    ok["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "TPU_WORKER_HOSTNAMES", "value": "w-0.w"})
-    ok["spec"]["template"].setdefault("metadata", {}).setdefault("annotations", {})["tpu-env.accelnode.io/injected"] = "{}"
-    me.request("PUT", f"{path}/w", body=ok)
+        assert put("w", mutate, DRY).startswith("403")
+
+    def ours(s: dict) -> None:
+        s["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "TPU_WORKER_HOSTNAMES", "value": "w-0.w"})
+        s["spec"]["template"].setdefault("metadata", {}).setdefault("annotations", {})[
+            "tpu-env.accelnode.io/injected"] = "{}"
+    assert put("w", ours) == "written"
     unlabelled = copy.deepcopy(sts)
     unlabelled["metadata"] = {"name": "plain"}
     admin.request("POST", path, body=unlabelled)
-    plain = admin.request("GET", f"{path}/plain")
-    plain["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "TPU_WORKER_ID", "value": "0"})
-    assert "gke-tpu-env-injector.aaronbatilo.dev/inject=enabled" in refused(
-        lambda: me.request("PUT", f"{path}/plain", body=plain))
+    why = put("plain", lambda s: s["spec"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": "TPU_WORKER_ID", "value": "0"}))
+    assert "gke-tpu-env-injector.aaronbatilo.dev/inject=enabled" in why, why
 
 
 def test_the_controller_writes_only_csi_gkm_io_volumes(me):
