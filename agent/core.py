@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,14 +29,13 @@ from accelnode.hw.accelerators import Accelerator
 from accelnode.log import kv
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci import errors
-from accelnode.oci.reference import Reference
+from accelnode.oci.reference import DIGEST_PINNED, Reference
 
 from . import fit
 from .credentials import Chooser, Credentials, PullSecretError
 
 log = logging.getLogger("accelnode.agent")
 
-DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
 PROOF_TTL = 300.0  # seconds a repository's answer for (digest, credentials) is taken as still true
 MAX_PROOFS = 16384
 

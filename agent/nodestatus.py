@@ -27,8 +27,8 @@ QUEUED = "queued: waiting for a free pull slot on this node"
 # inputs
 
 
-def _refused(labels: dict, conditions: list) -> str | None:
-    refused = pull_refusal(labels, conditions)
+def _refused(labels: dict, status: dict, digest: str | None) -> str | None:
+    refused = pull_refusal(labels, status, digest)
     return None if refused is None else refused[1]
 
 
@@ -55,7 +55,7 @@ class Cache:
                    dict(tmpl.get("nodeSelector") or {}),
                    (md.get("annotations") or {}).get(PREFETCH_ANNOTATION, "").lower() == "true",
                    tuple(spec.get("workloadNamespaces") or ()),
-                   _refused(md.get("labels") or {}, st.get("conditions") or []))
+                   _refused(md.get("labels") or {}, st, digest))
 
     @property
     def key(self) -> tuple[str, str]:

@@ -301,6 +301,7 @@ def _trim_cache(obj: dict) -> dict:
     st = obj.get("status") or {}
     return {"metadata": {k: md[k] for k in ("name", "namespace", "annotations", "labels") if k in md},
             "spec": obj.get("spec") or {}, "status": {"resolvedDigest": st.get("resolvedDigest"),
+                                                      "verification": st.get("verification"),
                                                       "conditions": [c for c in st.get("conditions") or ()
                                                                      if isinstance(c, dict) and c.get("type") == "Verified"]}}
 

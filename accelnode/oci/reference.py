@@ -14,6 +14,7 @@ _REF = re.compile(
     r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
 )
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")  # REGISTRY/REPO@sha256:<64 hex>, the form nodes pull
 
 
 @dataclass(frozen=True)

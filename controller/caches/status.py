@@ -17,7 +17,9 @@ import re
 from dataclasses import dataclass
 
 from accelnode.oci import errors
+from accelnode.oci.errors import quoted
 from accelnode.oci.reference import Reference
+from accelnode.oci.refusal import VERIFICATION, Verdict
 
 from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
 
@@ -205,7 +207,7 @@ def summary(pin: Pin | None, unresolved_message: str, agg: Aggregate) -> tuple[s
         parts.append(f"{_n(c['podOutdatedCnt'], 'pod')} still on an older digest")
     if agg.errors:
         node, msg = agg.errors[0]
-        parts.append(f"{_n(len(agg.errors), 'node')} failed ({node}: {msg})")
+        parts.append(f"{_n(len(agg.errors), 'node')} failed ({node}: {quoted(msg, MAX_MESSAGE)})")  # a registry's words
     message = "; ".join(parts)
     if agg.errors:
         return ERROR, message
@@ -238,10 +240,11 @@ def _condition(old: dict | None, kind: str, status: str, reason: str, message: s
 
 
 def cache_status(obj: dict, pin: Pin | None, resolved: tuple[str, str], agg: Aggregate, now: str, *,
-                 verified: tuple[str, str, str] | None = None) -> dict:
+                 verified: tuple[str, str, str] | None = None, verification: Verdict | None = None) -> dict:
     """The wanted ``status`` of the cache ``obj``: ``resolvedDigest`` (absent without a pin),
-    ``counts``, ``conditions`` (Ready first, then Resolved, then Verified when ``verified`` (status,
-    reason, message) is given, then any other type as it was) and
+    ``verification`` (the verdict on that digest, absent without one: it never outlives a change
+    of digest), ``counts``, ``conditions`` (Ready first, then Resolved, then Verified when
+    ``verified`` (status, reason, message) is given, then any other type as it was) and
     ``lastUpdated`` (``now`` when anything else changed, else as it was). Fields written by
     others (``pvcStatus``, ``pvcOwner``) are kept."""
     old = obj.get("status") or {}
@@ -256,9 +259,12 @@ def cache_status(obj: dict, pin: Pin | None, resolved: tuple[str, str], agg: Agg
     others = [c for c in old.get("conditions") or () if c.get("type") not in OURS]
     if verified is not None:
         others.insert(0, _condition(condition(obj, VERIFIED), VERIFIED, *verified, generation, now))
-    status = {k: v for k, v in old.items() if k not in ("resolvedDigest", "counts", "conditions", "lastUpdated")}
+    status = {k: v for k, v in old.items() if k not in ("resolvedDigest", VERIFICATION, "counts", "conditions",
+                                                         "lastUpdated")}
     if pin is not None:
         status["resolvedDigest"] = pin.digest
+        if verification is not None and verification.digest == pin.digest:
+            status[VERIFICATION] = verification.to_status()
     status["counts"] = agg.counts
     status["conditions"] = [ready, res, *others]
     before = {k: v for k, v in old.items() if k != "lastUpdated"}

@@ -138,7 +138,7 @@ def test_the_summary_message_says_how_many_nodes_hold_what():
     reason, message = cs.summary(Pin(IMAGE, D1, None), "", cs.aggregate(REPORTS))
     assert reason == "Error"
     assert message == (f"3 of 6 nodes hold {D1}; 3 pods running; 1 downloading; 1 pending; "
-                       "1 pod still on an older digest; 1 node failed (n4: pull failed: 500)")
+                       "1 pod still on an older digest; 1 node failed (n4: 'pull failed: 500')")
     assert cs.summary(Pin(IMAGE, D1, None), "", only())[1] == f"pinned to {D1}; no node holds it yet"
     assert cs.summary(None, "registry down", only("n1")) == ("Unresolved", "registry down")
 
