@@ -7,14 +7,18 @@ from __future__ import annotations
 import os
 import uuid
 
+from accelnode.oci.refusal import Verdict
 from tests.agent.conftest import eventually, make_cache
 from tests.agent.test_status import digest_of, entry_in
 
 SELECT = {"cloud.google.com/gke-tpu-topology": "2x2"}
 
 
-def _verified(cluster, ns, name, status, reason):
+def _verified(cluster, ns, name, image, status, reason):
+    """The controller's verdict on ``image``'s digest (``status.verification``) and its condition."""
+    v = Verdict(digest_of(image), (), status == "True", reason, "2026-01-01T00:00:00Z")
     cluster.objs.patch_namespaced_custom_object_status("gkm.io", "v1alpha1", ns, "gkmcaches", name, body={"status": {
+        "verification": v.to_status(),
         "conditions": [{"type": "Verified", "status": status, "reason": reason, "message": "by the test",
                         "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
 
@@ -33,7 +37,7 @@ def test_refused_or_unverified_caches_are_never_prefetched(cluster, node_factory
     refused, unverdicted = own_image(registry, tmp_path, "refused"), own_image(registry, tmp_path, "unverdicted")
     node = node_factory().start()
     cluster.cache("refused", refused, namespace=ns, node_selector=SELECT)
-    _verified(cluster, ns, "refused", "False", "WrongKey")
+    _verified(cluster, ns, "refused", refused, "False", "WrongKey")
     body = {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache",
             "metadata": {"name": "labelled", "labels": {"gkm.io/signature-format": "cosign-v3"}},
             "spec": {"image": unverdicted, "podTemplate": {"spec": {"nodeSelector": SELECT}}}}
@@ -45,5 +49,5 @@ def test_refused_or_unverified_caches_are_never_prefetched(cluster, node_factory
     assert node.store.installed(digest_of(unverdicted)) is None, "a cache without a verdict was pulled"
     assert node.reporter.prefetcher.outcome(refused) is None
     # the controller accepts the signature: now it is pulled
-    _verified(cluster, ns, "refused", "True", "Verified")
+    _verified(cluster, ns, "refused", refused, "True", "Verified")
     assert eventually(lambda: node.store.installed(digest_of(refused)) is not None), "not pulled once verified"

@@ -182,3 +182,28 @@ def test_keyless_policy_parsed_and_bad_roots_make_it_invalid():
     for bad in ({**spec, "trustRoots": [{"name": "r", "certificate": "junk"}]}, {**spec, "trustRoots": []},
                 {**spec, "keyless": [{"issuer": ISSUER}]}, {**spec, "keyless": [{"issuer": ISSUER, "subjectRegExp": "("}]}):
         assert parse_policy({"metadata": {"name": "k"}, "spec": bad}).error, bad
+
+
+def test_what_a_node_decides_from_the_verdict_and_the_policies():
+    """accelnode/oci/refusal.py, the rule the agent and the driver apply: a verdict is data about
+    one digest under one covering set; its message is never read."""
+    from accelnode.oci.refusal import mount_refusal, pull_refusal
+
+    pol = {"metadata": {"name": "p", "generation": 3}, "spec": {"namespaces": ["team"], "requireSignature": True}}
+    ok = Verdict(D1, ("p@3",), True, sg.VERIFIED, T0)
+    st = {"verification": ok.to_status(), "conditions": [
+        {"type": "Verified", "status": "True", "reason": "Verified", "message": f"[digest {D2}; policies p@3]"}]}
+    assert mount_refusal("team", {}, st, D1, [pol]) is None
+    assert mount_refusal("team", {}, st, D2, [pol])[0] == "Unknown"  # the message names D2: text, not a verdict
+    assert pull_refusal({}, st, D2)[0] == "Unknown"
+    moved = {**pol, "metadata": {"name": "p", "generation": 4}}  # a key removed, say
+    assert "judged under policies p@3" in mount_refusal("team", {}, st, D1, [moved])[1]
+    added = {"metadata": {"name": "q", "generation": 1}, "spec": {"namespaces": ["*"]}}
+    assert mount_refusal("team", {}, st, D1, [pol, added])[0] == "Unknown"  # another policy covers it now
+    assert mount_refusal("other", {}, {}, D1, [pol]) is None  # not covered, no verdict: unaffected
+    refused = {"verification": Verdict(D1, ("p@3",), False, sg.WRONG_KEY, T0).to_status()}
+    assert pull_refusal({}, refused, D1)[0] == "False" and mount_refusal("other", {}, refused, D1, [])[0] == "False"
+    assert pull_refusal(LABEL, {}, D1)[0] == "Unknown" and pull_refusal({}, {}, D1) is None
+    for bad in ({"digest": D1}, {**ok.to_status(), "verified": "true"}, {**ok.to_status(), "digest": "sha256:x"}, []):
+        assert Verdict.of({"verification": bad}) is None, bad
+        assert mount_refusal("team", {}, {"verification": bad}, D1, [pol])[0] == "Unknown"

@@ -94,6 +94,16 @@ def condition(type_: str, status: str, reason: str, message: str) -> dict:
     return {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": now}
 
 
+def verdict(digest: str, policies: list[str], verified: bool = True, reason: str = "Verified") -> dict:
+    """The status fields the controller writes for a verdict (``status.verification``, the data
+    nodes act on, and the ``Verified`` condition that tells people)."""
+    from accelnode.oci.refusal import Verdict
+
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"verification": Verdict(digest, tuple(policies), verified, reason, now).to_status(),
+            "conditions": [condition("Verified", "True" if verified else "False", reason, f"by the test: {reason}")]}
+
+
 def pinned_cache(objects, name: str, image: str, namespace: str | None = None, **spec) -> None:
     """A cache whose spec.image is a tag and whose status pins the digest (a resolved cache)."""
     make_cache(objects, name, repo_of(image) + ":latest", namespace, **spec)
