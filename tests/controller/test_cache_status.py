@@ -24,7 +24,7 @@ def cache(image=IMAGE, *, status=None, annotations=None, generation=1):
 
 
 def resolved_status(image, digest):
-    return {"resolvedDigest": digest,
+    return {"resolvedDigest": digest, "resolvedImage": image,
             "conditions": [{"type": "Resolved", "status": "True", "reason": "Resolved",
                             "message": cs.pinned_message(image, digest), "lastTransitionTime": EARLIER}]}
 
@@ -52,8 +52,11 @@ def test_the_recorded_pin_is_kept_while_the_image_is_the_same():
 
 def test_a_changed_image_is_resolved_again():
     assert cs.known_pin(cache("quay.io/gkm/cache:v2", status=resolved_status(IMAGE, D1))) is None
-    # a digest recorded without our condition (another writer) is not trusted either
+    # a digest recorded without the image it was pinned for is not trusted either, nor is a
+    # message: the Resolved condition's text says nothing the controller reads
     assert cs.known_pin(cache(status={"resolvedDigest": D1})) is None
+    assert cs.known_pin(cache("quay.io/gkm/cache:v2", status={
+        **resolved_status(IMAGE, D1), "conditions": resolved_status("quay.io/gkm/cache:v2", D1)["conditions"]})) is None
 
 
 def test_the_admission_annotation_pins_a_cache_without_status():
