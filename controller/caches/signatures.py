@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from accelnode.log import kv
 from accelnode.oci import signatures as sg
 from accelnode.oci.errors import AuthError, ImageError, RegistryUnavailable, quoted
-from accelnode.oci.refusal import (FORMATS, POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION,  # noqa: F401 (the names
-                                   SIGNATURE_FORMAT_LABEL, Scope, Verdict, covering, requirement)  # callers know)
+from accelnode.oci.refusal import (FORMATS, POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION,  # noqa: F401 (re-exported)
+                                   SIGNATURE_FORMAT_LABEL, Scope, Verdict, covering, requirement)
 from accelnode.oci.registry import RegistryOptions
 
 from controller.caches.pinning import Pin

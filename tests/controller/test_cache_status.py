@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from accelnode.oci import errors
+from accelnode.oci.refusal import Verdict
 from controller.caches import status as cs
 from controller.caches.reconciler import Mentions, trim_node
 from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
@@ -155,8 +156,10 @@ def test_status_keeps_what_others_wrote_and_puts_the_summary_first():
     obj = cache(status={"pvcStatus": {"ns": {"pvcName": "c"}}, "conditions": [verified]})
     pin = Pin(IMAGE, D1, None)
     v = ("True", "Verified", "ok")
-    st = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW, verified=v)
-    assert st["resolvedDigest"] == D1
+    data = Verdict(D1, ("p@1",), True, "Verified", EARLIER)
+    st = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW, verified=v,
+                         verification=data)
+    assert st["resolvedDigest"] == D1 and st["resolvedImage"] == IMAGE and Verdict.of(st) == data
     assert st["pvcStatus"] == {"ns": {"pvcName": "c"}}
     assert [c["type"] for c in st["conditions"]] == ["Ready", "Resolved", "Verified"]
     assert st["conditions"][0]["reason"] == "Running" and st["conditions"][0]["status"] == "True"
@@ -166,11 +169,15 @@ def test_status_keeps_what_others_wrote_and_puts_the_summary_first():
 
     # the same world a moment later: exactly the same status (no write)
     again = cs.cache_status({**obj, "status": st}, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"),
-                            "2030-01-01T00:05:00Z", verified=v)
+                            "2030-01-01T00:05:00Z", verified=v, verification=data)
     assert again == st
-    # no signature needed any more (label removed, policy gone): the controller's Verified goes
+    # a verdict never outlives its digest: a new pin drops it, whatever is passed along
+    rolled = cs.cache_status({**obj, "status": st}, Pin(IMAGE, D2, None), ("Resolved", cs.pinned_message(IMAGE, D2)),
+                             only("n1"), NOW, verified=("Unknown", "RegistryUnavailable", "x"), verification=data)
+    assert "verification" not in rolled and rolled["resolvedDigest"] == D2
+    # no signature needed any more (label removed, policy gone): the controller's Verified goes, and the data
     plain = cs.cache_status({**obj, "status": st}, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW)
-    assert [c["type"] for c in plain["conditions"]] == ["Ready", "Resolved"]
+    assert [c["type"] for c in plain["conditions"]] == ["Ready", "Resolved"] and "verification" not in plain
     # a refused signature: Ready=False, Unverified, the reason in the STATUS message
     refused = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW,
                               verified=("False", "WrongKey", "not ours"))

@@ -231,9 +231,9 @@ def test_unknown_cache_is_not_found_and_a_deleted_one_too(by_name, objects, name
 def test_failed_verification_is_a_failed_precondition(by_name, objects, namespaces, images):
     a, _ = namespaces
     make_cache(objects, "unsigned", repo_of(images.tpu) + ":latest", a)
-    write_status(objects, "unsigned", {"resolvedDigest": digest_of(images.tpu), "conditions": [
-        condition("Verified", "False", "SignatureMissing", "no signature by a trusted key"),
-        condition("Resolved", "True", "Resolved", "pinned")]}, a)
+    refused = verdict(digest_of(images.tpu), [], False, "SignatureMissing")
+    write_status(objects, "unsigned", {"resolvedDigest": digest_of(images.tpu), **refused, "conditions": [
+        *refused["conditions"], condition("Resolved", "True", "Resolved", "pinned")]}, a)
     vol = by_name.volume("", pod_namespace=a, cache="unsigned", cache_namespace=a)
     assert publish_until(by_name, vol, Code.FAILED_PRECONDITION) == Code.FAILED_PRECONDITION
     err = error_of(by_name.node_stub().NodePublishVolume, vol.publish_request())
