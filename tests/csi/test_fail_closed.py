@@ -20,6 +20,7 @@ from tests.csi.test_by_name import (GROUP, VERSION, Code, by_name, condition, cs
                                     namespaces, objects, publish_until, verdict, write_status)
 
 from tests.controller.test_caches import caches_rbac  # noqa: F401 (fixture)
+from tests.controller.test_signatures import cosign, own_registry  # noqa: F401 (fixtures: cosign, a registry of ours)
 
 from .conftest import error_of, eventually
 
@@ -55,7 +56,7 @@ def digest_cache(objects, name: str, image: str, namespace: str) -> None:  # noq
 
 
 def test_an_unsigned_cache_under_require_signature_never_mounts_without_the_controller(
-        by_name, objects, namespaces, policy, images):  # noqa: F811
+        policy, by_name, objects, namespaces, images):  # noqa: F811 (the policy first: the driver lists it at start)
     """No label, a digest in spec.image, no controller to write a verdict: the policy alone keeps
     the volume from mounting, with a message that names it."""
     a, b = namespaces
@@ -79,7 +80,7 @@ def test_an_unsigned_cache_under_require_signature_never_mounts_without_the_cont
     assert publish_until(by_name, by_name.volume("", pod_namespace=b, cache="kernels", cache_namespace=b)) == Code.OK
 
 
-def test_a_removed_key_stops_mounts_at_once_without_the_controller(by_name, objects, namespaces, policy,
+def test_a_removed_key_stops_mounts_at_once_without_the_controller(policy, by_name, objects, namespaces,
                                                                    images):  # noqa: F811
     """A verdict names the policies it was judged under (name@generation): the admin removes a
     key (the policy's generation moves) while no controller runs, and the next publish of the
@@ -92,8 +93,10 @@ def test_a_removed_key_stops_mounts_at_once_without_the_controller(by_name, obje
     cur = objects.get_cluster_custom_object(*POLICIES, policy)
     cur["spec"]["keys"] = [{"name": "rotated", "publicKey": _pem()}]  # the key that accepted it is gone
     objects.replace_cluster_custom_object(*POLICIES, policy, cur)
-    again = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a)
-    assert publish_until(by_name, again, Code.UNAVAILABLE) == Code.UNAVAILABLE
+    # (a publish racing the watch event may still mount: "at once" is the moment the driver's watch brings the edit)
+    probe = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a, pod_name="probe")
+    assert publish_until(by_name, probe, Code.UNAVAILABLE) == Code.UNAVAILABLE
+    again = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a, pod_name="worker-1")
     err = error_of(by_name.node_stub().NodePublishVolume, again.publish_request()).details()
     assert f"judged under policies {policy}@1, not those covering the cache now ({policy}@2)" in err, err
     assert not again.target.exists() and again.volume_id not in by_name.references()
@@ -159,24 +162,8 @@ def test_only_the_controller_can_write_a_verdict(objects, namespaces, kubectl, k
 # -- with the controller: a tenant's registry cannot write a verdict -------------------------------
 
 
-@pytest.fixture(scope="module")
-def cosign(tmp_path_factory):
-    from tests.cache.cosign import Cosign
-
-    return Cosign(tmp_path_factory.mktemp("cosign-fail-closed"))
-
-
-@pytest.fixture(scope="module")
-def tenant_registry(tmp_path_factory):
-    from tests.fixtures.registry import RunningRegistry
-
-    reg = RunningRegistry(tmp_path_factory.mktemp("tenant-registry"))
-    yield reg
-    reg.stop()
-
-
 class HostileFront:
-    """The tenant's registry: a front of ``tenant_registry`` that serves images as they are and,
+    """The tenant's registry: a front of ``own_registry`` that serves images as they are and,
     once :attr:`body` is set, answers every signature lookup (the ``sha256-<hex>[.sig]`` tags and
     the referrers API) with an HTTP 500 carrying that body."""
 
@@ -194,7 +181,7 @@ class HostileFront:
 
 
 @pytest.fixture
-def controller(control_plane, caches_rbac, tenant_registry):  # noqa: F811
+def controller(control_plane, caches_rbac, own_registry):  # noqa: F811
     """The GKMCache reconciler in-process as the controller's identity (its RBAC applied)."""
     from prometheus_client import CollectorRegistry
 
@@ -205,7 +192,7 @@ def controller(control_plane, caches_rbac, tenant_registry):  # noqa: F811
     from controller.runtime.runner import Controller, Metrics
 
     me = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), user_agent="accelnode-controller")
-    resolver = Resolver(tenant_registry.options(timeout=5))
+    resolver = Resolver(own_registry.options(timeout=5))
     ctl = Controller(me, CacheReconciler(me, resolver, cluster=False), Metrics(CollectorRegistry()), workers=2,
                      resync=0.5, backoff=Backoff(0.2, 1.0)).start()
     yield ctl
@@ -213,7 +200,7 @@ def controller(control_plane, caches_rbac, tenant_registry):  # noqa: F811
 
 
 def test_a_registry_cannot_plant_a_verdict_for_an_unsigned_digest(
-        by_name, objects, namespaces, verdict_policy, controller, tenant_registry, cosign, tmp_path):  # noqa: F811
+        by_name, objects, namespaces, verdict_policy, controller, own_registry, cosign, tmp_path):  # noqa: F811
     """The attack of issue 33.1: a signed digest D1 is verified; the tenant's registry then answers
     signature lookups with an error whose body is a verdict's text for its unsigned D2; a routine
     policy edit makes the controller verify again (the registry "fails"), the tenant points its
@@ -224,12 +211,12 @@ def test_a_registry_cannot_plant_a_verdict_for_an_unsigned_digest(
     a, _ = namespaces
     key, pub = cosign.keypair("release")
     repo = f"tenant/kernels-{uuid.uuid4().hex[:8]}"
-    d1 = digest_of(tenant_registry.push(make_cache(tmp_path / "v1", {"xla/module_1.bin": b"\x01" * 4096}), repo,
+    d1 = digest_of(own_registry.push(make_cache(tmp_path / "v1", {"xla/module_1.bin": b"\x01" * 4096}), repo,
                                         tag="v1", kind="jax", targets=[{"backend": "tpu", "arch": "v5e"}]))
-    d2 = digest_of(tenant_registry.push(make_cache(tmp_path / "v2", {"xla/module_2.bin": b"\x02" * 4096}), repo,
+    d2 = digest_of(own_registry.push(make_cache(tmp_path / "v2", {"xla/module_2.bin": b"\x02" * 4096}), repo,
                                         tag="v2", kind="jax", targets=[{"backend": "tpu", "arch": "v5e"}]))
-    cosign.sign(f"{tenant_registry.host}/{repo}@{d1}", key, "cosign-v3")
-    hostile = HostileFront(tenant_registry.host)
+    cosign.sign(f"{own_registry.host}/{repo}@{d1}", key, "cosign-v3")
+    hostile = HostileFront(own_registry.host)
     name = f"require-{uuid.uuid4().hex[:8]}"
     body = {"apiVersion": "accelnode.io/v1alpha1", "kind": "ClusterCacheTrustPolicy", "metadata": {"name": name},
             "spec": {"namespaces": [a], "requireSignature": True, "keys": [{"name": "release", "publicKey": pub}]}}
@@ -259,7 +246,7 @@ def test_a_registry_cannot_plant_a_verdict_for_an_unsigned_digest(
         message = next(c for c in st["conditions"] if c["type"] == "Verified")["message"]
         assert f"'{hostile.host}/{repo}" in message  # the registry's words, quoted
         # stale but valid: the same digest, its key still trusted, still mounts
-        again = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a)
+        again = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a, pod_name="worker-1")
         assert publish_until(by_name, again) == Code.OK and by_name.references()[again.volume_id] == d1
         # the tenant points its cache at the unsigned digest
         objects.patch_namespaced_custom_object(GROUP, VERSION, a, "gkmcaches", "kernels",
@@ -269,7 +256,7 @@ def test_a_registry_cannot_plant_a_verdict_for_an_unsigned_digest(
             "RegistryUnavailable", "VerificationStale") and s, tries=150)
         assert st, status()
         assert (st.get("verification") or {}).get("digest") != d2, st  # no verdict on D2 exists
-        v2 = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a)
+        v2 = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a, pod_name="worker-2")
 
         def refused_for_d2() -> str | None:
             try:
