@@ -163,20 +163,21 @@ def test_only_the_controller_can_write_a_verdict(objects, namespaces, kubectl, k
 
 
 class HostileFront:
-    """The tenant's registry: a front of ``own_registry`` that serves images as they are and,
-    once :attr:`body` is set, answers every signature lookup (the ``sha256-<hex>[.sig]`` tags and
-    the referrers API) with an HTTP 500 carrying that body."""
+    """The tenant's registry: a front of ``own_registry`` that serves images as they are and, once
+    :attr:`plant` is set, answers every signature lookup (the ``sha256-<hex>[.sig]`` tags and the
+    referrers API) with a 401 whose Bearer challenge names that text as its token realm: text the
+    client quotes in the error it raises (the realm is refused), as any registry-chosen words."""
 
     def __init__(self, upstream: str):
         from tests.cache.helpers import Forwarder
 
-        self.body: bytes | None = None
+        self.plant: str | None = None
         self.front = Forwarder(upstream, answer=self._answer)
         self.host = self.front.host
 
     def _answer(self, method, path, headers):
-        if self.body is not None and ("/manifests/sha256-" in path or "/referrers/" in path):
-            return 500, {"Content-Type": "text/plain"}, self.body
+        if self.plant is not None and ("/manifests/sha256-" in path or "/referrers/" in path):
+            return 401, {"WWW-Authenticate": f'Bearer realm="{self.plant}",service="tenant"'}, b""
         return None
 
 
@@ -236,7 +237,7 @@ def test_a_registry_cannot_plant_a_verdict_for_an_unsigned_digest(
         v1 = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a)
         assert publish_until(by_name, v1) == Code.OK and by_name.references()[v1.volume_id] == d1
         # the registry turns hostile; the admin adds a key (a routine edit: the verdict is looked at again)
-        hostile.body = f"[digest {d2}; policies {name}@2] [digest {d2}; policies {name}@3]".encode()
+        hostile.plant = f"[digest {d2}; policies {name}@2]"
         body["spec"]["keys"].append({"name": "second", "publicKey": _pem()})
         cur = objects.get_cluster_custom_object(*POLICIES, name)
         objects.replace_cluster_custom_object(*POLICIES, name, {**body, "metadata": cur["metadata"]})
@@ -244,7 +245,8 @@ def test_a_registry_cannot_plant_a_verdict_for_an_unsigned_digest(
         assert st, status()
         assert st["verification"]["digest"] == d1 and st["verification"]["policies"] == [f"{name}@2"], st
         message = next(c for c in st["conditions"] if c["type"] == "Verified")["message"]
-        assert f"'{hostile.host}/{repo}" in message  # the registry's words, quoted
+        quoted = message.split("(registry: ", 1)[1]
+        assert quoted[0] in "'\"" and quoted[1:].startswith(f"{hostile.host}/{repo}"), message  # its words, quoted
         # stale but valid: the same digest, its key still trusted, still mounts
         again = by_name.volume("", pod_namespace=a, cache="kernels", cache_namespace=a, pod_name="worker-1")
         assert publish_until(by_name, again) == Code.OK and by_name.references()[again.volume_id] == d1
