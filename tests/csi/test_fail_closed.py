@@ -109,8 +109,9 @@ def _status_patch(kubectl, identity: str, namespace: str, status: dict, *as_user
 
 def test_only_the_controller_can_write_a_verdict(objects, namespaces, kubectl, kube_api, verdict_policy,  # noqa: F811
                                                  images):
-    """A namespace admin holding gkmcaches/status forges Verified=True (and a pin): the API server
-    refuses both; the controller's identity writes them."""
+    """A namespace admin holding gkmcaches/status forges a verdict (status.verification, the
+    Verified condition) or a pin (resolvedDigest, resolvedImage): the API server refuses each; the
+    controller's identity writes them."""
     a, _ = namespaces
     digest_cache(objects, "kernels", images.tpu, a)
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
@@ -140,6 +141,8 @@ def test_only_the_controller_can_write_a_verdict(objects, namespaces, kubectl, k
     assert data.returncode != 0 and "status.verification is written only by the accelnode controller" in data.stderr
     pin = _status_patch(kubectl, "admin", a, {"resolvedDigest": "sha256:" + "1" * 64}, "--as=mallory")
     assert pin.returncode != 0 and "status.resolvedDigest is written only by the accelnode controller" in pin.stderr
+    image = _status_patch(kubectl, "admin", a, {"resolvedImage": images.tpu}, "--as=mallory")
+    assert image.returncode != 0 and "status.resolvedImage is written only" in image.stderr, image
     got = objects.get_namespaced_custom_object(GROUP, VERSION, a, "gkmcaches", "kernels")
     assert not (got.get("status") or {}).get("conditions") and not (got.get("status") or {}).get("resolvedDigest")
     # mallory may still write what is not a verdict (nothing else in status is trusted by nodes)
