@@ -84,10 +84,14 @@ class TrustedKey:
         return cls(name, key)
 
     @property
+    def der(self) -> bytes:
+        """Its SubjectPublicKeyInfo, DER."""
+        return self.key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    @property
     def hint(self) -> str:
         """The key hint cosign v3 writes into a bundle: base64(SHA-256(SubjectPublicKeyInfo DER))."""
-        der = self.key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-        return base64.b64encode(hashlib.sha256(der).digest()).decode()
+        return base64.b64encode(hashlib.sha256(self.der).digest()).decode()
 
     def verifies(self, signature: bytes, message: bytes) -> bool:
         k = self.key
@@ -491,16 +495,14 @@ def fingerprint(keys: list[TrustedKey]) -> str:
     """A short stable name of a key set (for caching verdicts)."""
     h = hashlib.sha256()
     for k in sorted(keys, key=lambda k: k.name):
-        h.update(k.name.encode() + b"\0" + k.key.public_bytes(serialization.Encoding.DER,
-                                                               serialization.PublicFormat.SubjectPublicKeyInfo))
+        h.update(k.name.encode() + b"\0" + k.der)
     return h.hexdigest()[:16]
 
 
 def key_fingerprint(key: TrustedKey) -> str:
     """A trusted key's material, as a verdict records its signer: SHA-256 of its
     SubjectPublicKeyInfo (hex), whatever name the policy gives it."""
-    return "sha256:" + hashlib.sha256(key.key.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)).hexdigest()
+    return "sha256:" + hashlib.sha256(key.der).hexdigest()
 
 
 def keyless_fingerprint(ident: Identity, trust: KeylessTrust) -> str:
