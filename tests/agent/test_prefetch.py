@@ -32,7 +32,7 @@ def test_prefetch_annotation_pulls_only_what_fits(cluster, node_factory, images)
     gpu = cluster.cache(f"gpu-{node.name}", images.gpu, annotations={"accelnode.io/prefetch": "true"})
     tpu = cluster.cache(f"tpu-{node.name}", images.shared, annotations={"accelnode.io/prefetch": "true"})
     assert entry_in("Extracted", cluster, node.name, None, tpu["metadata"]["name"], digest_of(images.shared))
-    outcome = eventually(lambda: node.reporter.prefetcher.outcome(images.gpu))
+    outcome = eventually(lambda: node.reporter.prefetcher.outcome(("", gpu["metadata"]["name"]), images.gpu))
     assert outcome is not None and not outcome.fits and outcome.failed is None
     assert node.store.installed(digest_of(images.gpu)) is None, "an image for other accelerators was pulled"
     assert gpu["metadata"]["name"] not in cluster.node_status(node.name)["caches"]

@@ -43,7 +43,7 @@ def test_refused_or_unverified_caches_are_never_prefetched(cluster, node_factory
     assert entry_in("Extracted", cluster, node.name, ns, "marker", digest_of(images.shared))
     assert node.store.installed(digest_of(refused)) is None, "a refused signature was pulled"
     assert node.store.installed(digest_of(unverdicted)) is None, "a cache without a verdict was pulled"
-    assert node.reporter.prefetcher.outcome(refused) is None
+    assert node.reporter.prefetcher.outcome((ns, "refused"), refused) is None
     # the controller accepts the signature: now it is pulled
     _verified(cluster, ns, "refused", "True", "Verified")
     assert eventually(lambda: node.store.installed(digest_of(refused)) is not None), "not pulled once verified"

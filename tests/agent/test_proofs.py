@@ -97,6 +97,9 @@ def pull_through(auth_registry, tmp_path_factory):
     def with_credentials(handler, path):
         del handler.headers["Authorization"]
         handler.headers["Authorization"] = basic
+        accepts = handler.headers.get_all("Accept") or []  # the front forwards one value per name
+        del handler.headers["Accept"]
+        handler.headers["Accept"] = ", ".join(accepts)
         return False
 
     front = Forwarder(auth_registry.host, serve=with_credentials)
@@ -126,7 +129,8 @@ def test_a_pull_through_cache_as_the_server_proves_nothing(auth_registry, pull_t
     assert f"go to mirror {pull_through.host}" in stolen.message
     assert f"--mirror-enforces-access {pull_through.host}" in stolen.message
     assert agent.store.installed(digest) is None, "a tenant's refused pull was installed"
-    assert agent.ensure(image, 30).state == core.READY  # the node's own request (prefetch, operator)
+    own = agent.ensure(image, 30)
+    assert own.state == core.READY, own  # the node's own request (prefetch, operator)
     again = agent.ensure(image, 30, cache=("team-b", "stolen"))
     assert (again.state, again.failure) == (core.FAILED, core.DENIED), "installed bytes were handed out"
     trusted = _agent(tmp_path / "2", options, access_mirrors=[pull_through.host])

@@ -26,7 +26,7 @@ def test_agent_identity_cannot_write_outside_its_role(control_plane, cluster, no
     ns = kube_namespace
     node = node_factory().start()
     cluster.cache("kernels", images.tpu, namespace=ns)
-    node.ensure(images.tpu)
+    node.ensure(images.tpu, (ns, "kernels"))
     assert entry_in("Extracted", cluster, node.name, ns, "kernels", digest_of(images.tpu))  # its own writes work
 
     agent = Client(Config.from_kubeconfig(control_plane.kubeconfig("agent")))
