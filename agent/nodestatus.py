@@ -45,6 +45,7 @@ class Cache:
     prefetch: bool
     workload_namespaces: tuple[str, ...]
     refused: str | None = None  # why it must not be pulled (signature refused or not verified yet)
+    resolved: str | None = None  # status.resolvedDigest: the controller's pin (only it may write it)
 
     @classmethod
     def from_object(cls, obj: dict) -> "Cache":
@@ -56,7 +57,7 @@ class Cache:
                    dict(tmpl.get("nodeSelector") or {}),
                    (md.get("annotations") or {}).get(PREFETCH_ANNOTATION, "").lower() == "true",
                    tuple(spec.get("workloadNamespaces") or ()),
-                   _refused(md.get("labels") or {}, st.get("conditions") or []))
+                   _refused(md.get("labels") or {}, st.get("conditions") or []), st.get("resolvedDigest") or None)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -70,6 +71,19 @@ class Cache:
             return Reference.parse(self.image).pinned(self.digest)
         except Exception:  # an image the CRD let through but we cannot parse: nothing to pull
             return None
+
+    def prefetchable(self) -> str | None:
+        """What the node may pull for this cache before any pod asks: ``registry/repo@digest``
+        of the controller's pin (``status.resolvedDigest``), and only while a digest that
+        ``spec.image`` names agrees with it; None otherwise (a tag the controller has not
+        resolved, a digest it has not pinned and checked, a pin that lags the spec)."""
+        try:
+            named = Reference.parse(self.image).digest
+        except Exception:  # an image the CRD let through but we cannot parse: nothing to pull
+            return None
+        if not self.resolved or (named and named != self.resolved):
+            return None
+        return self.pinned()
 
     def admits(self, pod_namespace: str) -> bool:
         """Whether a pod of that namespace may use this cache (and so counts as its user)."""

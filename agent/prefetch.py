@@ -32,6 +32,10 @@ class Prefetcher:
     for them, so a cache's status shows only what its own credentials brought
     (docs/agent-status.md). Two caches naming one image are two prefetches (one download).
 
+    Only the controller's pin is pulled (:meth:`Cache.prefetchable`), never a tag nor a digest
+    only ``spec.image`` names, and only for caches the signature rule admits (the reporter
+    leaves out those :func:`accelnode.oci.refusal.pull_refusal` refuses).
+
     A cache wanted by node selector is pulled as is (a misfit then shows as Error). One wanted
     only through the prefetch annotation is first inspected (manifests and config, no layers)
     and pulled only if it fits this node's accelerators. A failed pull is retried after
@@ -60,7 +64,7 @@ class Prefetcher:
         now = time.monotonic()
         with self._lock:
             for c in caches:
-                image = c.pinned()
+                image = c.prefetchable()
                 item = (c.key, image)
                 if image is None or item in self._queued:
                     continue
@@ -72,7 +76,7 @@ class Prefetcher:
                         continue
                 self._queued.add(item)
                 self._queue.put((item, not c.node_selector))
-            current = {(c.key, c.pinned()) for c in caches}
+            current = {(c.key, c.prefetchable()) for c in caches}
             for item in [i for i in self._outcomes if i not in current and i not in self._queued]:
                 del self._outcomes[item]  # bounded by the caches wanted now
 
@@ -83,7 +87,7 @@ class Prefetcher:
 
     def fits(self, cache: Cache) -> bool:
         """Known to fit (a node-selector cache is taken to fit until its pull says otherwise)."""
-        done = self.outcome(cache.key, cache.pinned())
+        done = self.outcome(cache.key, cache.prefetchable())
         return done.fits if done is not None else bool(cache.node_selector)
 
     def failed(self) -> dict[tuple, tuple[str, str]]:

@@ -174,7 +174,7 @@ class Reporter:
             self._written = self._read_back()
         caches = [Cache.from_object(o) for r in (self.caches, self.cluster_caches) for o in r.snapshot()]
         node = next(iter(self.node_obj.snapshot()), {}).get("metadata", {})
-        want = [c for c in caches if c.digest and c.refused is None and wanted(c, node.get("labels", {}))]
+        want = [c for c in caches if c.prefetchable() and c.refused is None and wanted(c, node.get("labels", {}))]
         local = self.view()
         # the proof of each cache whose digest the node has or is pulling (reads pull secrets: at
         # most every 30 s per namespace, accelnode/kube/pullsecrets.py)

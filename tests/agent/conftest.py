@@ -85,7 +85,9 @@ class Cluster:
         return name
 
     def cache(self, name: str, image: str, *, namespace: str | None = None, annotations=None, node_selector=None,
-              workload_namespaces=None) -> dict:
+              workload_namespaces=None, pin: bool = True) -> dict:
+        """Create a cache; ``pin``: and pin a digest-pinned image as the controller would
+        (``status.resolvedDigest``: only what the controller pinned is prefetched)."""
         spec = {"image": image}
         if node_selector:
             spec["podTemplate"] = {"spec": {"nodeSelector": node_selector}}
@@ -94,12 +96,26 @@ class Cluster:
         body = {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache" if namespace else "ClusterGKMCache",
                 "metadata": {"name": name, "annotations": annotations or {}}, "spec": spec}
         if namespace:
-            return self.objs.create_namespaced_custom_object(*GKM, namespace, "gkmcaches", body=body)
-        self.cluster_caches.append(name)
-        return self.objs.create_cluster_custom_object(*GKM, "clustergkmcaches", body=body)
+            obj = self.objs.create_namespaced_custom_object(*GKM, namespace, "gkmcaches", body=body)
+        else:
+            self.cluster_caches.append(name)
+            obj = self.objs.create_cluster_custom_object(*GKM, "clustergkmcaches", body=body)
+        if pin and "@" in image:
+            self.pin(namespace, name, image.rsplit("@", 1)[1])
+        return obj
+
+    def pin(self, namespace: str | None, name: str, digest: str) -> None:
+        """What the controller writes once it has resolved (and checked) a cache's image."""
+        body = {"status": {"resolvedDigest": digest}}
+        if namespace:
+            self.objs.patch_namespaced_custom_object_status(*GKM, namespace, "gkmcaches", name, body=body)
+        else:
+            self.objs.patch_cluster_custom_object_status(*GKM, "clustergkmcaches", name, body=body)
 
     def set_image(self, namespace: str, name: str, image: str) -> None:
         self.objs.patch_namespaced_custom_object(*GKM, namespace, "gkmcaches", name, body={"spec": {"image": image}})
+        if "@" in image:
+            self.pin(namespace, name, image.rsplit("@", 1)[1])
 
     def node_status(self, node: str, namespace: str | None = None) -> dict | None:
         """status of the node's GKMCacheNode in ``namespace`` (ClusterGKMCacheNode when None)."""

@@ -498,3 +498,16 @@ def test_a_volume_naming_the_cache_proves_it_and_a_prefetch_failure_is_its_own()
     assert out["team-b"]["caches"] == {"b": {D2: {"state": "Error", "message": "denied (pulled with no credentials)",
                                                   "lastUpdated": NOW}}}
     assert statuses([cache("a", "team-a")], local(inst(), proven=()), proofs={}) == statuses([], local())
+
+
+@pytest.mark.parametrize("image, resolved, expected", [
+    (f"{REPO}@{D1}", None, None),  # a digest only spec.image names: the controller has not pinned it
+    (f"{REPO}:v1", None, None),  # a tag
+    (f"{REPO}:v1", D1, f"{REPO}@{D1}"),
+    (f"{REPO}@{D1}", D1, f"{REPO}@{D1}"),
+    (f"{REPO}@{D2}", D1, None),  # the pin lags the spec
+])
+def test_only_the_controllers_pin_is_prefetchable(image, resolved, expected):
+    obj = {"metadata": {"namespace": "ns", "name": "c1"}, "spec": {"image": image},
+           "status": {"resolvedDigest": resolved} if resolved else {}}
+    assert Cache.from_object(obj).prefetchable() == expected

@@ -38,6 +38,7 @@ def test_refused_or_unverified_caches_are_never_prefetched(cluster, node_factory
             "metadata": {"name": "labelled", "labels": {"gkm.io/signature-format": "cosign-v3"}},
             "spec": {"image": unverdicted, "podTemplate": {"spec": {"nodeSelector": SELECT}}}}
     cluster.objs.create_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", body=body)
+    cluster.pin(ns, "labelled", digest_of(unverdicted))  # pinned: only the signature rule holds it back
     # a third cache, pulled: by then the reporter has judged all three
     cluster.cache("marker", images.shared, namespace=ns, node_selector=SELECT)
     assert entry_in("Extracted", cluster, node.name, ns, "marker", digest_of(images.shared))
