@@ -23,10 +23,10 @@ def _secret(auth_registry) -> dict:
 
 def test_a_tenant_sees_nothing_of_another_tenants_digest(cluster, node_factory, auth_registry, lending, tmp_path):
     """Attack: tenant A's private cache is installed on the node (A's pull secret). Tenant B names
-    the same digest in a cache of its own, one the node is meant to prefetch and one it is not,
+    the same digest in caches of its own, one the node is meant to prefetch and one it is not,
     and names a digest A's pull failed on. B's node object shows B's own refusal for the first
-    (B's credentials, prefetched as B's cache), nothing for the others: neither A's install and
-    size (it showed Extracted with A's volumeSize) nor A's error (it showed A's message)."""
+    two (B's credentials: the prefetch as B's cache), nothing for the third: neither A's install
+    and size (it showed Extracted with A's volumeSize) nor A's error (it showed A's message)."""
     team_a = lending(_secret(auth_registry), ["creds"])
     team_b = lending({}, [], lend=False)
     private = auth_registry.push(make_cache(tmp_path / "a", {"xla/a.bin": b"\x05" * 3000}), f"tenants/{team_a}",
@@ -50,8 +50,10 @@ def test_a_tenant_sees_nothing_of_another_tenants_digest(cluster, node_factory, 
     assert "no credentials" in mine["message"] and "volumeSize" not in mine, mine
     settle(node)
     status = cluster.node_status(node.name, team_b)
-    assert set(status["caches"]) == {"prefetched"}, status
-    assert entry(cluster, node.name, team_b, "named", d) is None
+    # "named" asks the same repository and digest with the same credentials: B's own refusal too
+    assert set(status["caches"]) == {"prefetched", "named"}, status
+    named = status["caches"]["named"][d]
+    assert (named["state"], named["message"]) == ("Error", mine["message"]) and "volumeSize" not in named, named
     assert status["counts"]["nodeNotInUseCnt"] == 0 and status["counts"]["nodeErrorCnt"] == 1
     # A's own entries are as they were
     assert eventually(lambda: entry(cluster, node.name, team_a, "kernels", d)["state"] == "Extracted")
