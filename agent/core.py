@@ -30,6 +30,7 @@ from accelnode.hw.accelerators import Accelerator
 from accelnode.log import kv
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci import errors
+from accelnode.oci.manifest import inspect
 from accelnode.oci.reference import Reference
 
 from . import fit
@@ -197,6 +198,15 @@ class Agent:
             else:
                 answer = Answer(PULLING, digest=key, message=f"{image}: {self._progress(pull)}")
         return self._answer(answer)
+
+    def inspect(self, image: str, cache: tuple[str, str] | None) -> dict:
+        """What ``image`` is (manifests and config, no layers: :func:`accelnode.oci.manifest.inspect`),
+        asked with the credentials a request naming ``cache`` gets, and never, for a tenant,
+        through a mirror as the server whose answers prove nothing (the store says which)."""
+        creds = self.credentials.choose(cache)
+        if creds.prove:
+            self.store.check_server(image, creds.options)
+        return inspect(image, creds.options, self.store.limits)
 
     def proof_of(self, image: str, cache: tuple[str, str] | None) -> tuple | None:
         """The (registry, repository, digest, credentials key) a request for the digest-pinned

@@ -20,7 +20,6 @@ from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path, is_conflict, is_not_found
 from accelnode.kube.reflector import Reflector
 from accelnode.log import kv
-from accelnode.oci.manifest import inspect
 
 from . import core
 from .nodestatus import (CLUSTER, FAILED, GROUP, HOSTNAME_LABEL, PULLING, QUEUED_PULL, VERSION, Cache, Local,
@@ -353,6 +352,6 @@ def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: f
     config = Config.load(kubeconfig)
     return Reporter(Client(config), node, agent.accelerators, lambda: local_view(agent),
                     lambda cache, image: agent.ensure_until_done(image, pull_timeout, cache=cache), resync=resync,
-                    inspect=lambda cache, image: inspect(image, agent.credentials.choose(cache).options),
+                    inspect=lambda cache, image: agent.inspect(image, cache),
                     collect=agent.collect, health=health, prefetch_bound=pull_timeout + 2 * GRACE_DEFAULT,
                     proof_of=agent.proof_of)

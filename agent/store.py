@@ -202,6 +202,11 @@ class CacheStore:
         mirror the operator said enforces the registry's access (--mirror-enforces-access)."""
         return server.is_registry or server.netloc in self.access_mirrors
 
+    def check_server(self, image: str, options: RegistryOptions) -> None:
+        """:meth:`_check_prover` for a tenant's request about ``image`` that is not a pull (the
+        prefetcher's look at an image's manifests)."""
+        self._check_prover(Registry(Reference.parse(image).host, options), image)
+
     def _check_prover(self, reg: Registry, image: str) -> None:
         """AuthError, before any request, when ``reg``'s server is a mirror whose answers prove
         nothing about a tenant (a pull-through cache serves anyone who reaches it)."""

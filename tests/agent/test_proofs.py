@@ -14,6 +14,7 @@ import shutil
 import pytest
 from prometheus_client import CollectorRegistry
 
+from accelnode.oci.errors import AuthError
 from accelnode.oci.registry import RegistryOptions
 from agent import core
 from agent.store import CacheStore
@@ -129,9 +130,34 @@ def test_a_pull_through_cache_as_the_server_proves_nothing(auth_registry, pull_t
     assert f"go to mirror {pull_through.host}" in stolen.message
     assert f"--mirror-enforces-access {pull_through.host}" in stolen.message
     assert agent.store.installed(digest) is None, "a tenant's refused pull was installed"
+    with pytest.raises(AuthError, match="--mirror-enforces-access"):  # the prefetcher's look at it, too
+        agent.inspect(image, ("team-b", "stolen"))
+    assert agent.inspect(image, None)["manifests"][0]["digest"] == digest
     own = agent.ensure(image, 30)
     assert own.state == core.READY, own  # the node's own request (prefetch, operator)
     again = agent.ensure(image, 30, cache=("team-b", "stolen"))
     assert (again.state, again.failure) == (core.FAILED, core.DENIED), "installed bytes were handed out"
     trusted = _agent(tmp_path / "2", options, access_mirrors=[pull_through.host])
     assert trusted.ensure(image, 30, cache=("team-b", "stolen")).state == core.READY
+
+
+def test_the_mirror_flag_takes_endpoints_only(tmp_path):
+    """--mirror-enforces-access (and ACCELNODE_MIRROR_ENFORCES_ACCESS) names a mirror as the server
+    entry writes it, HOST[:PORT]; anything else is a usage error naming the flag or variable,
+    before the agent starts."""
+    import os
+    import subprocess
+
+    from accelnode import exitcodes
+    from tests.conftest import accelnode_cmd
+
+    argv = accelnode_cmd() + ["agent", "--store", str(tmp_path / "s"), "--socket", str(tmp_path / "a.sock")]
+    proc = subprocess.run(argv + ["--mirror-enforces-access", "https://mirror.local"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == exitcodes.USAGE, proc.stderr
+    assert "argument --mirror-enforces-access:" in proc.stderr and "without a scheme" in proc.stderr
+    env = dict(os.environ, ACCELNODE_MIRROR_ENFORCES_ACCESS="mirror.local:5000,mirror.local/v2")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == exitcodes.USAGE and "ACCELNODE_MIRROR_ENFORCES_ACCESS" in proc.stderr, proc.stderr
+    assert not (tmp_path / "s").exists()
+    assert CacheStore(tmp_path / "t", access_mirrors=["Mirror.Local:5000"]).access_mirrors == {"mirror.local:5000"}
