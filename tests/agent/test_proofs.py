@@ -19,6 +19,7 @@ from accelnode.oci.registry import RegistryOptions
 from agent import core
 from agent.store import CacheStore
 from tests.cache.helpers import Forwarder
+from tests.cache.test_hosts_toml import certs_d
 from tests.conftest import require
 from tests.fixtures.registry import RunningRegistry, _start
 
@@ -110,18 +111,23 @@ def pull_through(auth_registry, tmp_path_factory):
     front.close()
 
 
-def test_a_pull_through_cache_as_the_server_proves_nothing(auth_registry, pull_through, tmp_path):
+@pytest.mark.parametrize("how", ["--registry-mirror", "hosts.toml server"])
+def test_a_pull_through_cache_as_the_server_proves_nothing(auth_registry, pull_through, tmp_path, how):
     """Attack: the registry is private (htpasswd); the operator sends its requests to a
-    pull-through cache (``--registry-mirror``), which holds credentials for it and answers
-    anyone. A tenant with no credentials for the registry names a private digest under the
-    registry's name: it is refused, naming the flag that would lend the mirror's word (it was
-    pulled and handed out). The node's own pulls go through the mirror as before, and the
-    operator's --mirror-enforces-access makes the mirror's answers count."""
+    pull-through cache (``--registry-mirror``, or a hosts.toml ``server``), which holds
+    credentials for it and answers anyone. A tenant with no credentials for the registry names a
+    private digest under the registry's name: it is refused, naming the flag that would lend the
+    mirror's word (it was pulled and handed out). The node's own pulls go through the mirror as
+    before, and the operator's --mirror-enforces-access makes the mirror's answers count."""
     private = auth_registry.push(make_cache(tmp_path / "p", {"xla/p.bin": b"\x04" * 100}), "proofs/private",
                                  kind="jax")
     digest = private.rsplit("@", 1)[1]
     image = f"quay.io/proofs/private@{digest}"
-    options = RegistryOptions(plain_http=True, timeout=30, mirrors={"quay.io": pull_through.host})
+    if how == "--registry-mirror":
+        options = RegistryOptions(plain_http=True, timeout=30, mirrors={"quay.io": pull_through.host})
+    else:
+        hosts = certs_d(tmp_path / "certs.d", {"quay.io": f'server = "http://{pull_through.host}"\n'})
+        options = RegistryOptions(plain_http=True, timeout=30, hosts_dir=hosts)
     agent = _agent(tmp_path / "1", options)
     direct = agent.ensure(private, 30, cache=("team-b", "direct"))  # the registry itself says no
     assert (direct.state, direct.failure) == (core.FAILED, core.DENIED), direct
