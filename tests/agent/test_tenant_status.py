@@ -57,3 +57,19 @@ def test_a_tenant_sees_nothing_of_another_tenants_digest(cluster, node_factory, 
     assert status["counts"]["nodeNotInUseCnt"] == 0 and status["counts"]["nodeErrorCnt"] == 1
     # A's own entries are as they were
     assert eventually(lambda: entry(cluster, node.name, team_a, "kernels", d)["state"] == "Extracted")
+
+
+def test_a_tenants_private_cache_is_prefetched_with_its_own_pull_secret(cluster, node_factory, auth_registry,
+                                                                         lending, tmp_path):
+    """The prefetch is the cache's own request: a private image the namespace's pull secret
+    reads (the node's own credentials do not) is on the node, proved for that cache, before any
+    pod asks (it was pulled with the node's credentials, and failed)."""
+    team = lending(_secret(auth_registry), ["creds"])
+    private = auth_registry.push(make_cache(tmp_path / "p", {"xla/p.bin": b"\x06" * 2000}), f"tenants/{team}",
+                                 tag="prefetch", kind="jax", targets=[{"backend": "tpu", "arch": "v5e"}])
+    label = {"tenant-prefetch": uuid.uuid4().hex[:8]}
+    node = node_factory(labels=label, pull_secrets=True).start()
+    cluster.cache("private", private, namespace=team, node_selector=label)
+    e = entry_in("Extracted", cluster, node.name, team, "private", digest_of(private))
+    assert e is not None and e["volumeSize"] == 2000, cluster.node_status(node.name, team)
+    assert node.store.installed(digest_of(private)) is not None
