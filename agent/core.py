@@ -29,6 +29,7 @@ from accelnode.hw.accelerators import Accelerator
 from accelnode.log import kv
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci import errors
+from accelnode.oci.manifest import inspect
 from accelnode.oci.reference import DIGEST_PINNED, Reference
 
 from . import fit
@@ -94,6 +95,7 @@ class CacheInfo:
     compatible: bool = False
     targets: tuple = ()  # INSTALLED: the image's targets
     queued: bool = False  # PULLING: waiting for a free pull slot
+    proof: tuple = ()  # PULLING and FAILED: the (registry, repository, digest, credentials key) pulled for
 
 
 @dataclass
@@ -180,7 +182,7 @@ class Agent:
         except errors.InvalidReference as e:
             return self._answer(Answer(FAILED, failure=INVALID_REFERENCE, message=str(e)))
         key = ref.digest
-        proof = (ref.host, ref.repository, key, creds.key)
+        proof = self._proof(ref, creds)
         answer = None
         if not creds.prove or self._proven(proof):
             answer = self._ready.get(key)
@@ -194,6 +196,33 @@ class Agent:
             else:
                 answer = Answer(PULLING, digest=key, message=f"{image}: {self._progress(pull)}")
         return self._answer(answer)
+
+    def inspect(self, image: str, cache: tuple[str, str] | None) -> dict:
+        """What ``image`` is (manifests and config, no layers: :func:`accelnode.oci.manifest.inspect`),
+        asked with the credentials a request naming ``cache`` gets, and never, for a tenant,
+        through a mirror as the server whose answers prove nothing (the store says which)."""
+        creds = self.credentials.choose(cache)
+        if creds.prove:
+            self.store.check_server(image, creds.options)
+        return inspect(image, creds.options, self.store.limits)
+
+    def proof_of(self, image: str, cache: tuple[str, str] | None) -> tuple | None:
+        """The (registry, repository, digest, credentials key) a request for the digest-pinned
+        ``image`` naming ``cache`` is proved under; None when its credentials cannot be chosen now."""
+        try:
+            return self._proof(Reference.parse(image), self.credentials.choose(cache))
+        except (PullSecretError, errors.InvalidReference):
+            return None
+
+    @staticmethod
+    def _proof(ref: Reference, creds: Credentials) -> tuple:
+        return (ref.host, ref.repository, ref.digest, creds.key)
+
+    def proven(self) -> set[tuple]:
+        """Every proof the agent holds (some repository served its digest to those credentials
+        since the agent started): what a cache's status may report as its own."""
+        with self._lock:
+            return set(self._proofs)
 
     def _progress(self, pull: Pull) -> str:
         """How a pull not done is going: running for how long, or its place in the queue."""
@@ -307,7 +336,8 @@ class Agent:
         else:
             answer = self._judge(inst)
             self._ready[key] = answer
-            self._prove(proof)
+            if creds.prove:  # the node's own pull asked no repository's word (mirrors may have answered)
+                self._prove(proof)
         result = answer.state.lower()
         self.metrics.pulls.labels(result).inc()
         self.metrics.pull_seconds.observe(time.monotonic() - pull.started)
@@ -336,12 +366,14 @@ class Agent:
         if removed:
             self.on_change()
 
-    def ensure_until_done(self, image: str, timeout: float) -> tuple[bool, str]:
-        """Ensure ``image`` and wait for its pull to end (at most ``timeout`` seconds): (installed
-        and fits, why not). What the prefetcher asks."""
+    def ensure_until_done(self, image: str, timeout: float, *,
+                          cache: tuple[str, str] | None = None) -> tuple[bool, str]:
+        """Ensure ``image`` for ``cache`` (its credentials and proof, as :meth:`ensure`) and wait
+        for its pull to end (at most ``timeout`` seconds): (installed and fits, why not). What
+        the prefetcher asks."""
         deadline = time.monotonic() + timeout
         while True:
-            answer = self.ensure(image, 30)
+            answer = self.ensure(image, 30, cache=cache)
             if answer.state != PULLING:
                 return answer.state == READY, answer.message
             if time.monotonic() > deadline:
@@ -416,7 +448,7 @@ class Agent:
         # wins) rather than vanishing from this answer
         with self._lock:
             held = list(self._refs.values())
-            pulls = [(proof[2], pull, pull.done.is_set()) for proof, pull in self._pulls.items()]
+            pulls = [(proof, pull, pull.done.is_set()) for proof, pull in self._pulls.items()]
         refs: dict[str, list] = {}
         for meta in held:
             refs.setdefault(meta.get("digest"), []).append(meta)
@@ -424,13 +456,13 @@ class Agent:
                          size_bytes=inst.size_bytes, references=tuple(refs.get(inst.digest, ())),
                          compatible=fit.check(inst.targets, self.accelerators) is None, targets=tuple(inst.targets))
                for inst in self.store.list()]
-        for key, pull, done in pulls:
+        for proof, pull, done in pulls:
             if not done:
                 queued = pull.started is None
-                out.append(CacheInfo(pull.image, key, PULLING, queued=queued,
-                                     message=self._progress(pull) if queued else ""))
+                out.append(CacheInfo(pull.image, proof[2], PULLING, queued=queued,
+                                     message=self._progress(pull) if queued else "", proof=proof))
             elif pull.answer.state == FAILED:
-                out.append(CacheInfo(pull.image, key, FAILED, message=pull.answer.message))
+                out.append(CacheInfo(pull.image, proof[2], FAILED, message=pull.answer.message, proof=proof))
         return out
 
 

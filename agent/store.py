@@ -35,8 +35,10 @@ from accelnode.log import kv
 
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci.errors import AuthError, HostileContent, ImageNotFound, IntegrityError, NoMatchingManifest
+from accelnode.oci.hosts import Host
 from accelnode.oci.limits import Limits
 from accelnode.oci.manifest import check_index, get_manifest, read_config
+from accelnode.oci.mirrors import ACCESS_FLAG, check_endpoint
 from accelnode.oci.reference import DIGEST, Reference, check_digest
 from accelnode.oci.registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Registry, RegistryOptions
 
@@ -70,8 +72,11 @@ class Capacity:
 
 class CacheStore:
     def __init__(self, root, *, registry: RegistryOptions | None = None, limits: Limits | None = None,
-                 capacity: Capacity | None = None):
+                 capacity: Capacity | None = None, access_mirrors=()):
         self.root = Path(root)
+        # mirror endpoints (HOST[:PORT]) the operator says enforce their registry's access: as
+        # the server, their answers prove what a tenant may have (--mirror-enforces-access)
+        self.access_mirrors = frozenset(check_endpoint(m) for m in access_mirrors)
         self.options = registry or RegistryOptions()
         self.limits = limits or Limits()
         self.capacity = capacity or Capacity()
@@ -119,26 +124,39 @@ class CacheStore:
         """Pull, verify and install ``image`` unless its manifest digest is installed already.
 
         ``options`` replaces the store's registry options for this pull (whoever asked: a
-        tenant's pull secrets, none, the node's). Content already installed is then handed out
-        only once the repository ``image`` names has served the digest's manifest with those
-        options (:meth:`_granted`), so no one gets what other credentials fetched, nor content by
-        naming its digest under a repository that does not hold it."""
+        tenant's pull secrets, none, the node's). Content is then handed out only once the
+        repository ``image`` names has served every manifest of the chain that led to it (the
+        index and the manifest chosen from it) with those options (:meth:`_granted`), so no one
+        gets what other credentials fetched, nor content by naming its digest, or an index
+        listing it, under a repository that does not hold it."""
         ref = Reference.parse(image)
         own = options is not None
         if ref.digest:
             found = self._installed_offline(ref.digest, image, accelerators)
             if found is not None:
-                return self._granted(found, ref, options, asked=False) if own else found
+                return self._granted(found, ref, options, [ref.digest], set()) if own else found
         options = options or self.options
         reg = Registry(ref.host, options, Deadline(options.timeout))
-        body, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits)
+        served: set[str] = set()  # manifests the named repository's server answered in this pull
+
+        def fetch(digest: str | None = None):
+            got = get_manifest(reg, ref, image, self.limits, digest)
+            if own and reg.manifests_from_server and self._proves(reg.last):
+                served.add(got[3])
+            return got
+
+        if own:
+            self._check_prover(reg, image)
+        body, manifest, media_type, digest = fetch()
+        chain = [digest]
         if media_type in INDEX_TYPES:
             desc = self._choose(manifest, image, accelerators)  # a refused index is not kept
             self._save_index(digest, body)
             found = self._use(desc["digest"])
             if found is not None:
-                return self._granted(found, ref, options, asked=reg.manifests_from_server) if own else found
-            _, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits, desc["digest"])
+                return self._granted(found, ref, options, chain, served) if own else found
+            _, manifest, media_type, digest = fetch(desc["digest"])
+            chain.append(digest)
         if media_type not in MANIFEST_TYPES:
             raise HostileContent(f"unsupported manifest media type {media_type!r}", image)
         found = self._use(digest)
@@ -147,35 +165,58 @@ class CacheStore:
                 found = self._use(digest)  # another thread or process may have installed it meanwhile
                 if found is None:
                     found = self._install(reg, ref, image, digest, manifest, progress)
-                    if not own or reg.manifests_from_server:
-                        return found
-        return self._granted(found, ref, options, asked=reg.manifests_from_server) if own else found
+        return self._granted(found, ref, options, chain, served) if own else found
 
-    def _granted(self, found: Installed, ref: Reference, options: RegistryOptions, *, asked: bool) -> Installed:
-        """``found`` for a pull with options of its own, once ``ref``'s repository has served the
-        digest's manifest with them (``asked``: it just has) and, when the content was installed
-        from another registry, that one has too: anyone may put a copy of a private manifest (not
-        of its blobs) in a registry of theirs and name it. Within one registry a repository holds
-        a manifest only with its blobs, so the named repository's answer is proof enough."""
-        digest = ref.digest or found.digest
-        if not asked:
-            self._holds(ref, digest, options, str(ref), f"{ref.host}/{ref.repository}")
+    def _granted(self, found: Installed, ref: Reference, options: RegistryOptions, chain: list[str],
+                 served: set[str]) -> Installed:
+        """``found`` for a pull with options of its own, once ``ref``'s repository has served,
+        with them, every manifest of ``chain`` (the digest named, and the manifest an index led
+        to: ``found``) (``served``: those its server just answered) and, when the content was
+        installed from another registry, that one has served ``found``'s manifest too: anyone may
+        put a copy of a private manifest (not of its blobs) in a registry of theirs and name it,
+        or list it in an index of theirs. Within one registry a repository serves a manifest
+        only with its blobs, so the named repository's answer is proof enough."""
+        for digest in dict.fromkeys([*chain, found.digest]):
+            if digest not in served:
+                self._holds(ref, digest, options, str(ref), f"{ref.host}/{ref.repository}")
         origin = Reference.parse(found.image)
         if origin.host != ref.host:  # never named to this caller: it may not know that repository
-            self._holds(origin, digest, options, str(ref), "the registry this node installed it from")
+            self._holds(origin, found.digest, options, str(ref), "the registry this node installed it from")
         return found
 
     def _holds(self, repo: Reference, digest: str, options: RegistryOptions, image: str, what: str) -> None:
         """Raise AuthError unless ``repo``'s repository serves manifest ``digest`` with ``options``
-        (a GET, its body checked against the digest). Neither its absence nor a refusal is told
-        apart in the message: both say only that this pull may not have it."""
+        (a GET of the server alone, its body checked against the digest). Neither its absence nor
+        a refusal is told apart in the message: both say only that this pull may not have it."""
         reg = Registry(repo.host, options, Deadline(options.timeout), only_server=True)
+        self._check_prover(reg, image)
         try:
             get_manifest(reg, Reference(repo.host, repo.repository, digest=digest), image, self.limits)
         except (AuthError, ImageNotFound):
             raise AuthError(f"{what} does not serve {digest} to this pull "
                             f"({'anonymous' if options.anonymous else 'with its credentials'}); content installed "
                             "on this node is handed out only to a pull its repository serves", image) from None
+
+    def _proves(self, server: Host) -> bool:
+        """Whether ``server``'s answers say who may have a digest: the registry itself, or a
+        mirror the operator said enforces the registry's access (--mirror-enforces-access)."""
+        return server.is_registry or server.netloc in self.access_mirrors
+
+    def check_server(self, image: str, options: RegistryOptions) -> None:
+        """:meth:`_check_prover` for a tenant's request about ``image`` that is not a pull (the
+        prefetcher's look at an image's manifests)."""
+        self._check_prover(Registry(Reference.parse(image).host, options), image)
+
+    def _check_prover(self, reg: Registry, image: str) -> None:
+        """AuthError, before any request, when ``reg``'s server is a mirror whose answers prove
+        nothing about a tenant (a pull-through cache serves anyone who reaches it)."""
+        server = reg.last
+        if not self._proves(server):
+            raise AuthError(f"the requests of registry {reg.host} go to mirror {server.netloc} as their server "
+                            f"({server.source}), and a mirror's answer does not prove that this pull may have the "
+                            "image (a pull-through cache serves anyone who reaches it): nothing is pulled or handed "
+                            "out with a tenant's credentials through it. If that mirror enforces the registry's own "
+                            f"access control, the operator says so with {ACCESS_FLAG} {server.netloc}", image)
 
     def _installed_offline(self, digest: str, image: str, accelerators) -> Installed | None:
         found = self._use(digest)

@@ -42,12 +42,13 @@ def test_refused_or_unverified_caches_are_never_prefetched(cluster, node_factory
             "metadata": {"name": "labelled", "labels": {"gkm.io/signature-format": "cosign-v3"}},
             "spec": {"image": unverdicted, "podTemplate": {"spec": {"nodeSelector": SELECT}}}}
     cluster.objs.create_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", body=body)
+    cluster.pin(ns, "labelled", digest_of(unverdicted))  # pinned: only the signature rule holds it back
     # a third cache, pulled: by then the reporter has judged all three
     cluster.cache("marker", images.shared, namespace=ns, node_selector=SELECT)
     assert entry_in("Extracted", cluster, node.name, ns, "marker", digest_of(images.shared))
     assert node.store.installed(digest_of(refused)) is None, "a refused signature was pulled"
     assert node.store.installed(digest_of(unverdicted)) is None, "a cache without a verdict was pulled"
-    assert node.reporter.prefetcher.outcome(refused) is None
+    assert node.reporter.prefetcher.outcome((ns, "refused"), refused) is None
     # the controller accepts the signature: now it is pulled
     _verified(cluster, ns, "refused", refused, "True", "Verified")
     assert eventually(lambda: node.store.installed(digest_of(refused)) is not None), "not pulled once verified"
