@@ -36,8 +36,10 @@ def test_refused_or_unverified_caches_are_never_prefetched(cluster, node_factory
     ns = kube_namespace
     refused, unverdicted = own_image(registry, tmp_path, "refused"), own_image(registry, tmp_path, "unverdicted")
     node = node_factory().start()
-    cluster.cache("refused", refused, namespace=ns, node_selector=SELECT)
+    # pinned only once refused: a pin without a verdict on an unlabelled cache no policy covers is prefetched
+    cluster.cache("refused", refused, namespace=ns, node_selector=SELECT, pin=False)
     _verified(cluster, ns, "refused", refused, "False", "WrongKey")
+    cluster.pin(ns, "refused", digest_of(refused))
     body = {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache",
             "metadata": {"name": "labelled", "labels": {"gkm.io/signature-format": "cosign-v3"}},
             "spec": {"image": unverdicted, "podTemplate": {"spec": {"nodeSelector": SELECT}}}}
