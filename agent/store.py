@@ -23,7 +23,6 @@ import os
 import shutil
 import stat
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from accelnode import atomic
 from accelnode.log import kv
 
 from accelnode.oci import cacheformat as fmt
@@ -45,6 +45,7 @@ from .extract import Budget, Entry, Layer, Refused, check_symlinks, extract_laye
 
 log = logging.getLogger("accelnode.agent.store")
 _libc = ctypes.CDLL(None, use_errno=True)
+STALE_WRITE_SECONDS = 600.0  # a temporary file this old is no live write's (start-up sweep)
 
 
 @dataclass(frozen=True)
@@ -226,14 +227,15 @@ class CacheStore:
                 raise HostileContent("not a kernel-cache image: no cache.<kind>.image/summary label and no "
                                      "single io.<kind>.cache/ tree", image)
             size = sum(e.size for e in base.entries.values() if e.type == "file")
-            _write(stage / "files.json", json.dumps({p: e.as_json() for p, e in sorted(base.entries.items())}))
+            atomic.write(stage / "files.json", json.dumps({p: e.as_json() for p, e in sorted(base.entries.items())}),
+                         durable=False)  # the whole stage is flushed at once below
             meta = {"digest": digest, "image": image, "kind": kind, "targets": targets, "size_bytes": size,
                     "labels": labels, "layers": [d["digest"] for d in layers], "installed_at": time.time()}
-            _write(stage / "meta.json", json.dumps(meta, indent=1))
+            atomic.write(stage / "meta.json", json.dumps(meta, indent=1), durable=False)
             shutil.rmtree(stage / "layers")
             _sync_tree(stage)
             os.rename(stage, self._dir(digest))
-            _fsync_dir(self.root / "caches")
+            atomic.fsync_dir(self.root / "caches")
         except BaseException as e:
             shutil.rmtree(stage, ignore_errors=True)
             if isinstance(e, OSError):
@@ -336,27 +338,58 @@ class CacheStore:
         return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
     def make_room(self, need: int, image: str) -> None:
-        """Before a pull of ``need`` bytes: collect down to the low watermark if the pull would
-        pass the high one, then refuse with :class:`NoSpace` unless it fits with the headroom."""
-        self.collect_to_watermark(need)
+        """Before a pull of ``need`` bytes (what the image declares, which nothing checked): refuse
+        with :class:`NoSpace` before anything is collected when the store cannot hold it (beyond
+        --max-image-size, or beyond its file system's free space plus what collection may remove,
+        keeping the headroom); else collect only what makes the room (down to the low watermark
+        when the pull passes the high one), and refuse if it still does not fit."""
         headroom = self.capacity.headroom_bytes
-        _, _, free = self.usage()
-        if need + headroom > free:
-            collected = ("unreferenced caches were collected first" if self.capacity.high_percent is not None
-                         else "watermark collection is off")
+        if need > self.limits.max_bytes:
+            raise NoSpace(f"the image declares {_mib(need)}, beyond the {_mib(self.limits.max_bytes)} this store "
+                          "takes of one image (--max-image-size); nothing was collected", image)
+        _, total, free = self.usage()
+        collectable = self._collectable() if self.capacity.high_percent is not None else 0
+        if need + headroom > free + collectable:
+            how = (f"collecting every unreferenced cache idle for --gc-min-idle would free {_mib(collectable)} "
+                   "more, so nothing was collected" if self.capacity.high_percent is not None
+                   else "watermark collection is off")
             raise NoSpace(f"no space left on device for this image: it declares {_mib(need)} and the store's file "
-                          f"system ({self.root}) has {_mib(free)} free, keeping {_mib(headroom)} spare "
-                          f"(--pull-headroom); {collected}", image)
+                          f"system ({self.root}, {_mib(total)}) has {_mib(free)} free, keeping {_mib(headroom)} "
+                          f"spare (--pull-headroom); {how}", image)
+        self.collect_to_watermark(need, at_least=need + headroom - free)
+        _, _, free = self.usage()
+        if need + headroom > free:  # a cache was referenced or used meanwhile, or others wrote
+            raise NoSpace(f"no space left on device for this image: it declares {_mib(need)} and the store's file "
+                          f"system ({self.root}) has {_mib(free)} free after collection, keeping {_mib(headroom)} "
+                          "spare (--pull-headroom)", image)
 
-    def collect_to_watermark(self, need: int = 0) -> list[Installed]:
+    def _collectable(self) -> int:
+        """Bytes a collection could remove now: unreferenced caches idle for --gc-min-idle."""
+        referenced = {r["digest"] for r in self.references().values()}
+        recent = time.time() - self.capacity.min_idle_seconds
+        total = 0
+        for inst in self.list():
+            if inst.digest in referenced:
+                continue
+            try:
+                if self._dir(inst.digest).stat().st_mtime > recent and self.capacity.min_idle_seconds:
+                    continue
+            except FileNotFoundError:
+                continue
+            total += inst.size_bytes
+        return total
+
+    def collect_to_watermark(self, need: int = 0, *, at_least: int = 0) -> list[Installed]:
         """When usage plus ``need`` bytes passes the high watermark, remove unreferenced caches,
-        least recently used first, until it is under the low watermark (or nothing removable is
-        left). The caches removed; :attr:`on_collect` hears of every run."""
+        least recently used first, until it is under the low watermark, and at least ``at_least``
+        bytes (or nothing removable is left). The caches removed; :attr:`on_collect` hears of
+        every run."""
         cap = self.capacity
         used, total, _ = self.usage()
-        if cap.high_percent is None or not total or (used + need) * 100 <= cap.high_percent * total:
+        passed = total and (used + need) * 100 > (cap.high_percent or 0) * total
+        if cap.high_percent is None or not total or (not passed and at_least <= 0):
             return []
-        excess = used + need - cap.low_percent * total / 100
+        excess = max(used + need - cap.low_percent * total / 100 if passed else 0, at_least)
         cached = sum(i.size_bytes for i in self.list())
         removed = self._collect(max(0, int(cached - excess)), None, idle=cap.min_idle_seconds)
         log.info("watermark collection", extra=kv(used=used, total=total, need=need, removed=len(removed),
@@ -366,11 +399,32 @@ class CacheStore:
 
     def _full(self, e: OSError, need: int, image: str) -> Exception:
         """A failed install's OSError, in plain words when the disk filled up."""
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not _is_full(e):
             return e
         return NoSpace(f"no space left on device in the store's file system ({self.root}) while unpacking "
                        f"(the image declares {_mib(need)}, which under-states it or others wrote meanwhile); "
                        "nothing of it was kept", image)
+
+    def no_space(self, e: Exception, what: str) -> Exception:
+        """``e`` as :class:`NoSpace` naming the store's file system when the file system (or a
+        quota) is full; any other error as it is. A full disk is bad input, never a crash."""
+        if not _is_full(e):
+            return e
+        return NoSpace(f"no space left on device in the store's file system ({self.root}): {e.strerror}; "
+                       "nothing was changed", what)
+
+    def with_identity(self, ident: tuple[int, int]) -> Installed | None:
+        """The installed cache whose content directory has ``ident`` (st_dev, st_ino), or None:
+        one stat per installed cache, no file read."""
+        for d in (self.root / "caches").iterdir():
+            digest = d.name.replace("-", ":", 1)
+            try:
+                st = os.stat(d / "content", follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if (st.st_dev, st.st_ino) == tuple(ident) and DIGEST.match(digest):
+                return self.installed(digest)
+        return None
 
     # -- references ----------------------------------------------------------------------------
 
@@ -384,8 +438,7 @@ class CacheStore:
         with self._store_lock():
             if self._use(digest) is None:
                 raise ImageNotFound("not installed in the store", digest)
-            _write(self._ref_path(holder), json.dumps({"holder": holder, "digest": digest, "meta": meta}), sync=True)
-            _fsync_dir(self.root / "refs")
+            atomic.write(self._ref_path(holder), json.dumps({"holder": holder, "digest": digest, "meta": meta}))
 
     def release(self, holder: str) -> None:
         with self._store_lock():
@@ -395,7 +448,7 @@ class CacheStore:
                 path.unlink()
             except FileNotFoundError:
                 return
-            _fsync_dir(self.root / "refs")
+            atomic.fsync_dir(self.root / "refs")
             self._use(digest)  # used until now: the last to go among the unreferenced
 
     def references(self) -> dict[str, dict]:
@@ -463,7 +516,7 @@ class CacheStore:
                     with self._digest_lock(inst.digest, inst.digest, None):
                         trash.append(Path(tempfile.mkdtemp(prefix="trash.", dir=self.root / "tmp")))
                         os.rename(self._dir(inst.digest), trash[-1] / "c")
-                        _fsync_dir(self.root / "caches")
+                        atomic.fsync_dir(self.root / "caches")
                 except Busy:
                     continue
                 total -= inst.size_bytes
@@ -510,6 +563,13 @@ class CacheStore:
                     log.info("removed leftovers of an interrupted pull", extra=kv(path=str(p)))
             except Busy:
                 pass  # a pull in another process is using it
+        # a write killed half-way: references are written under the store lock only, indexes
+        # under none (so only a temporary far older than one write is a leftover)
+        with self._store_lock():
+            stale = atomic.sweep(self.root / "refs")
+        stale += atomic.sweep(self.root / "indexes", min_age=STALE_WRITE_SECONDS)
+        for p in stale:
+            log.info("removed the temporary file of an interrupted write", extra=kv(path=str(p)))
 
     def _index_path(self, digest: str) -> Path:
         return self.root / "indexes" / (digest.replace(":", "-", 1) + ".json")
@@ -517,7 +577,7 @@ class CacheStore:
     def _save_index(self, digest: str, body: bytes) -> None:
         path = self._index_path(digest)
         if not path.exists():
-            _write(path, body)
+            atomic.write(path, body, durable=False)
 
     def mark_used(self, digest: str) -> bool:
         """Record a use of an installed cache now (its last use, for LRU); False if it is gone."""
@@ -541,7 +601,13 @@ def declared_size(layers: list[dict], kind: str | None, labels: dict) -> int:
     at a full disk)."""
     label = labels.get(fmt.label(kind, "cache-size-bytes"), "") if kind else ""
     compressed = sum(d["size"] for d in layers)
-    return max(compressed, int(label)) if isinstance(label, str) and label.isdigit() else compressed
+    if not (isinstance(label, str) and label.isascii() and label.isdigit()):
+        return compressed
+    return max(compressed, int(label) if len(label) <= 20 else 10 ** 20)  # more than any disk either way
+
+
+def _is_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _mib(n: int) -> str:
@@ -579,25 +645,6 @@ def _remove_any(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def _write(path: Path, data, sync: bool = False) -> None:
-    """Write a file atomically (temp file + rename), optionally flushed to disk first."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sync_tree(path: Path) -> None:
