@@ -170,3 +170,29 @@ def test_pulls_beyond_the_cap_queue_in_order_and_answer_pulling(registry, tmp_pa
     finally:
         channel.close()
         assert daemon.stop() == 0, daemon.log()
+
+
+def test_a_declared_size_beyond_the_store_evicts_nothing(registry, tmpfs, tmp_path):
+    """The attack (issue 33, 3): an image whose cache-size-bytes label says 10^18, or 8x the
+    store's file system. On main the pull first collected every idle cache of the node (other
+    tenants' too), then was refused, again on every retry."""
+    store = CacheStore(tmpfs / "store", registry=registry.options(), capacity=Capacity(0, 85, 70))
+    agent, metrics = agent_on(store)
+    idle = [registry.push(triton_tree(tmp_path / n, nbytes=2 * MiB, seed=n.encode()), f"capacity/idle-{n}")
+            for n in ("a", "b", "c")]
+    for image in idle:
+        assert agent.ensure(image, 60).state == core.READY
+    before = {i.digest for i in store.list()}
+    _, total, _ = store.usage()
+    for declared in (10 ** 18, 8 * total):
+        labels = {"cache.triton.image/summary": '{"targets": []}',
+                  "cache.triton.image/cache-size-bytes": str(declared)}
+        liar = registry.push_raw("capacity/declares-too-much", str(declared), config={"config": {"Labels": labels}},
+                                 layers=[(GZ, tar(("io.triton.cache/k/kernel.bin", "file", b"\1" * 1000)))])
+        for _ in range(2):  # a retry changes nothing either
+            answer = agent.ensure(liar, 60)
+            assert {i.digest for i in store.list()} == before, answer
+            assert answer.state == core.FAILED and answer.failure == core.NO_SPACE, answer
+            assert "nothing was collected" in answer.message, answer.message
+    assert metrics.get_sample_value("accelnode_agent_gc_runs_total") in (None, 0.0)
+    assert leftovers(tmpfs / "store") == sorted(os.listdir(tmpfs / "store" / "caches"))  # no staging left
