@@ -5,45 +5,27 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import time
 
 import pytest
 
 from accelnode import atomic
-from tests.conftest import require_root
+from tests.conftest import fill
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    require_root()
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(mnt)], check=True)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
-def test_a_write_on_a_full_file_system_fails_and_leaves_nothing(small_fs):
-    target = small_fs / "ref.json"
+def test_a_write_on_a_full_file_system_fails_and_leaves_nothing(tmpfs):
+    target = tmpfs / "ref.json"
     atomic.write(target, b"old")
-    fd = os.open(small_fs / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        with pytest.raises(OSError) as full:
-            while True:
-                os.write(fd, b"\0" * 4096)
-    finally:
-        os.close(fd)
-    assert full.value.errno == errno.ENOSPC
+    fill(tmpfs)
     for durable in (True, False):
         with pytest.raises(OSError) as e:
             atomic.write(target, b"new" * 4096, durable=durable)
         assert e.value.errno == errno.ENOSPC
-        assert sorted(os.listdir(small_fs)) == ["filler", "ref.json"]  # no temporary file
+        assert sorted(os.listdir(tmpfs)) == ["filler", "ref.json"]  # no temporary file
         assert target.read_bytes() == b"old"  # the old content, whole
-    os.unlink(small_fs / "filler")
+    os.unlink(tmpfs / "filler")
     atomic.write(target, b"new", mode=0o600)
-    assert target.read_bytes() == b"new" and sorted(os.listdir(small_fs)) == ["ref.json"]
+    assert target.read_bytes() == b"new" and sorted(os.listdir(tmpfs)) == ["ref.json"]
 
 
 def test_sweep_removes_only_leftovers_of_writes(tmp_path):

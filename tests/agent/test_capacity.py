@@ -6,9 +6,7 @@ system for the free-space check, a disk that fills up mid-extraction, and waterm
 from __future__ import annotations
 
 import os
-import subprocess
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from accelnode.hw.accelerators import Accelerator
@@ -17,20 +15,9 @@ from agent.store import CacheStore, Capacity
 from tests.agent.conftest import eventually
 from tests.cache.helpers import GZ, tar
 from tests.cache.test_store import _layer_digests, triton_tree
-from tests.conftest import http_get, require_root
+from tests.conftest import http_get
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A 16 MiB tmpfs: a disk that really fills up."""
-    require_root()
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0755", "tmpfs", str(mnt)], check=True)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def agent_on(store: CacheStore, **kw) -> tuple[core.Agent, CollectorRegistry]:

@@ -4,7 +4,6 @@ status of its own, never a crash or a leftover file."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import subprocess
@@ -16,6 +15,8 @@ from accelnode import grpcutil
 from csi_driver import mounts
 from csi_driver.api import agent as agent_api
 from csi_driver.api import agent_grpc
+
+from tests.conftest import fill
 
 from .conftest import error_of
 
@@ -63,20 +64,6 @@ def test_unpublish_works_after_5000_failed_pulls(running_node, images, registry)
     failed = [c for c in agent.ListCaches(agent_api.ListCachesRequest(), timeout=60).caches
               if c.state == agent_api.CacheInfo.FAILED]
     assert 0 < len(failed) <= 128 and all(repo in c.image for c in failed)
-
-
-def fill(directory) -> None:
-    """Write into ``directory`` until its file system is full (to its last page)."""
-    fd = os.open(os.path.join(directory, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for chunk in (1 << 20, 4096):
-            try:
-                while True:
-                    os.write(fd, b"\0" * chunk)
-            except OSError as e:
-                assert e.errno == errno.ENOSPC, e
-    finally:
-        os.close(fd)
 
 
 def test_publish_on_a_full_store_file_system_is_resource_exhausted(node, images):
