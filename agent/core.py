@@ -162,8 +162,9 @@ class Agent:
         # it runs or waits (at most max_pulls + MAX_QUEUED)
         self._pulls: dict[tuple, Pull] = {}
         self._queue: collections.deque[tuple[tuple, Pull]] = collections.deque()  # waiting for a slot, FIFO
-        # proof -> its latest failed pull and when it ended: the MAX_FAILED latest, each for FAILED_TTL
-        self._failed: collections.OrderedDict[tuple, tuple[Pull, float]] = collections.OrderedDict()
+        # proof -> (image, message, when) of its latest failed pull: the MAX_FAILED latest, each for
+        # FAILED_TTL (not the pull: its credentials are not kept)
+        self._failed: collections.OrderedDict[tuple, tuple[str, str, float]] = collections.OrderedDict()
         self._running = 0  # pull threads (each runs queued pulls until the queue is empty)
         # (registry, repository, digest, credentials key) -> when that repository last served the
         # digest's manifest to those credentials
@@ -343,7 +344,7 @@ class Agent:
                 del self._pulls[proof]
             self._failed.pop(proof, None)
             if answer.state == FAILED:
-                self._failed[proof] = (pull, time.monotonic())
+                self._failed[proof] = (pull.image, answer.message, time.monotonic())
             self._expire_failed()
         pull.done.set()
         self.on_change()
@@ -351,7 +352,7 @@ class Agent:
     def _expire_failed(self) -> None:
         """Forget failed pulls beyond MAX_FAILED (oldest first) or older than FAILED_TTL (under the lock)."""
         now = time.monotonic()
-        while self._failed and (len(self._failed) > MAX_FAILED or now - next(iter(self._failed.values()))[1] > FAILED_TTL):
+        while self._failed and (len(self._failed) > MAX_FAILED or now - next(iter(self._failed.values()))[2] > FAILED_TTL):
             self._failed.popitem(last=False)
 
     # -- disk ----------------------------------------------------------------------------
@@ -467,8 +468,8 @@ class Agent:
         with self._lock:
             held = list(self._refs.values())
             self._expire_failed()
-            pulls = [(proof[2], pull, False) for proof, pull in self._pulls.items()]
-            pulls += [(proof[2], pull, True) for proof, (pull, _) in reversed(self._failed.items())]
+            pulls = [(proof[2], pull) for proof, pull in self._pulls.items()]
+            failed = [(proof[2], image, message) for proof, (image, message, _) in reversed(self._failed.items())]
         refs: dict[str, list] = {}
         for meta in held:
             refs.setdefault(meta.get("digest"), []).append(meta)
@@ -476,13 +477,10 @@ class Agent:
                          size_bytes=inst.size_bytes, references=tuple(refs.get(inst.digest, ())),
                          compatible=fit.check(inst.targets, self.accelerators) is None, targets=tuple(inst.targets))
                for inst in self.store.list()]
-        for key, pull, done in pulls:
-            if not done:
-                queued = pull.started is None
-                out.append(CacheInfo(pull.image, key, PULLING, queued=queued,
-                                     message=self._progress(pull) if queued else ""))
-            else:
-                out.append(CacheInfo(pull.image, key, FAILED, message=pull.answer.message))
+        for key, pull in pulls:
+            queued = pull.started is None
+            out.append(CacheInfo(pull.image, key, PULLING, queued=queued, message=self._progress(pull) if queued else ""))
+        out += [CacheInfo(image, key, FAILED, message=message) for key, image, message in failed]
         return out
 
     def at_targets(self, target_paths: list[str], shown: tuple[int, int] | None = None):
