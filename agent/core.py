@@ -47,7 +47,10 @@ MAX_QUEUED = 256  # pulls waiting for a slot; a pull beyond is refused RESOURCE_
 MAX_FAILED = 128  # failed pulls remembered for ListCaches and the node's status, latest first
 FAILED_TTL = 3600.0  # seconds a failed pull is remembered
 MAX_MESSAGE = 1024  # characters of a failure's message kept
-MAX_REFERENCES = 4096  # volumes holding caches on this node (kubelet runs at most a few hundred pods)
+MAX_REFERENCES = 1024  # volumes holding caches on this node (kubelet runs at most a few hundred pods)
+# the longest value of each field a reference keeps: the CSI spec's volume id, a kubelet target
+# path, Kubernetes' names (DNS label for a namespace, DNS subdomain for a name) and UIDs
+REFERENCE_FIELDS = {"volume_id": 128, "target_path": 512, "namespace": 63, "name": 253, "uid": 36}
 MAX_TARGET_PATHS = 4  # target paths one GetTarget may name
 
 # Answer.state
@@ -396,10 +399,12 @@ class Agent:
         _require(volume_id=volume_id, digest=digest, target_path=target_path)
         meta = {"volume_id": volume_id, "target_path": target_path, "namespace": pod.get("namespace", ""),
                 "name": pod.get("name", ""), "uid": pod.get("uid", "")}
+        _bounded(meta, "")
         if cache is not None:
             if not cache[1]:
                 raise Refused("INVALID_ARGUMENT", "cache.name is required when cache is set")
             meta["cache"] = {"namespace": cache[0], "name": cache[1]}
+            _bounded(meta["cache"], "cache.")
         key = holder(volume_id, target_path)
         with self._lock:
             refusal = _refusal(list(self._refs.values()), meta, digest, exclusive)
@@ -515,6 +520,15 @@ def _require(**fields: str) -> None:
     for name, value in fields.items():
         if not value:
             raise Refused("INVALID_ARGUMENT", f"{name} is required")
+
+
+def _bounded(fields: dict, prefix: str) -> None:
+    """INVALID_ARGUMENT for a field longer than any real one (REFERENCE_FIELDS, in UTF-8 bytes):
+    references are kept, and listed."""
+    for name, value in fields.items():
+        most = REFERENCE_FIELDS.get(name)
+        if most is not None and len(value.encode()) > most:
+            raise Refused("INVALID_ARGUMENT", f"{prefix}{name} is {len(value.encode())} bytes long, more than {most}")
 
 
 def _refusal(held: list[dict], want: dict, digest: str, exclusive: bool) -> Refused | None:

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import secrets
 import stat
 import tempfile
 import time
@@ -46,6 +47,7 @@ from .extract import Budget, Entry, Layer, Refused, check_symlinks, extract_laye
 log = logging.getLogger("accelnode.agent.store")
 _libc = ctypes.CDLL(None, use_errno=True)
 STALE_WRITE_SECONDS = 600.0  # a temporary file this old is no live write's (start-up sweep)
+MAX_CACHES = 2048  # caches one store holds: ListCaches and the node's status stay bounded
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,17 @@ class CacheStore:
             raise NoSpace(f"the image declares {_mib(need)}, beyond the {_mib(self.limits.max_bytes)} this store "
                           "takes of one image (--max-image-size); nothing was collected", image)
         _, total, free = self.usage()
-        collectable = self._collectable() if self.capacity.high_percent is not None else 0
+        caches, removable = self._removable(idle=self.capacity.min_idle_seconds)
+        if self.capacity.high_percent is None:
+            removable = []
+        if len(caches) >= MAX_CACHES:
+            if len(caches) - len(removable) >= MAX_CACHES:
+                why = ("watermark collection is off" if self.capacity.high_percent is None
+                       else "too few of them may be collected (unreferenced and idle for --gc-min-idle)")
+                raise NoSpace(f"the store holds {len(caches)} caches, the most it keeps ({MAX_CACHES}), and {why}; "
+                              "nothing was collected", image)
+            self.on_collect(self._collect(None, None, self.capacity.min_idle_seconds, max_count=MAX_CACHES - 1))
+        collectable = sum(i.size_bytes for i in removable)
         if need + headroom > free + collectable:
             how = (f"collecting every unreferenced cache idle for --gc-min-idle would free {_mib(collectable)} "
                    "more, so nothing was collected" if self.capacity.high_percent is not None
@@ -363,21 +375,6 @@ class CacheStore:
                           f"system ({self.root}) has {_mib(free)} free after collection, keeping {_mib(headroom)} "
                           "spare (--pull-headroom)", image)
 
-    def _collectable(self) -> int:
-        """Bytes a collection could remove now: unreferenced caches idle for --gc-min-idle."""
-        referenced = {r["digest"] for r in self.references().values()}
-        recent = time.time() - self.capacity.min_idle_seconds
-        total = 0
-        for inst in self.list():
-            if inst.digest in referenced:
-                continue
-            try:
-                if self._dir(inst.digest).stat().st_mtime > recent and self.capacity.min_idle_seconds:
-                    continue
-            except FileNotFoundError:
-                continue
-            total += inst.size_bytes
-        return total
 
     def collect_to_watermark(self, need: int = 0, *, at_least: int = 0) -> list[Installed]:
         """When usage plus ``need`` bytes passes the high watermark, remove unreferenced caches,
@@ -497,29 +494,44 @@ class CacheStore:
         digests. A cache being pulled is skipped. Returns digests removed."""
         return [i.digest for i in self._collect(max_bytes, only)]
 
-    def _collect(self, max_bytes: int | None, only: set[str] | None, idle: float = 0.0) -> list[Installed]:
-        """:meth:`gc`'s work; ``idle``: skip caches used less than that many seconds ago (a cache
+    def _removable(self, only: set[str] | None = None, idle: float = 0.0) -> tuple[list[Installed], list[Installed]]:
+        """(every installed cache (of ``only``), those a collection may remove, least recently
+        used first): unreferenced, and with ``idle`` not used within that many seconds (a cache
         just handed out is about to be referenced by the volume that asked for it)."""
+        referenced = {r["digest"] for r in self.references().values()}
+        caches = [i for i in self.list() if only is None or i.digest in only]
+        used = {}
+        for i in caches:
+            try:
+                used[i.digest] = self._dir(i.digest).stat().st_mtime
+            except FileNotFoundError:  # removed meanwhile by another process
+                continue
+        recent = time.time() - idle
+        return caches, sorted((i for i in caches if i.digest in used and i.digest not in referenced
+                               and not (idle and used[i.digest] > recent)), key=lambda i: used[i.digest])
+
+    def _collect(self, max_bytes: int | None, only: set[str] | None, idle: float = 0.0, *,
+                 max_count: int | None = None) -> list[Installed]:
+        """:meth:`gc`'s work, down to ``max_bytes`` and ``max_count`` caches (None: no bound);
+        ``idle`` as in :meth:`_removable`."""
         removed, trash = [], []
         with self._store_lock():
-            referenced = {r["digest"] for r in self.references().values()}
-            caches = [i for i in self.list() if only is None or i.digest in only]
-            total = sum(i.size_bytes for i in caches)
-            used = {i.digest: self._dir(i.digest).stat().st_mtime for i in caches}
-            recent = time.time() - idle
-            for inst in sorted(caches, key=lambda i: used[i.digest]):
-                if max_bytes is not None and total <= max_bytes:
+            caches, removable = self._removable(only, idle)
+            total, count = sum(i.size_bytes for i in caches), len(caches)
+            for inst in removable:
+                if (max_bytes is None or total <= max_bytes) and (max_count is None or count <= max_count) \
+                        and (max_bytes is not None or max_count is not None):
                     break
-                if inst.digest in referenced or (idle and used[inst.digest] > recent):
-                    continue
                 try:
                     with self._digest_lock(inst.digest, inst.digest, None):
-                        trash.append(Path(tempfile.mkdtemp(prefix="trash.", dir=self.root / "tmp")))
-                        os.rename(self._dir(inst.digest), trash[-1] / "c")
+                        # a rename needs no new block: a collection works on a full file system too
+                        trash.append(self.root / "tmp" / f"trash.{secrets.token_hex(8)}")
+                        os.rename(self._dir(inst.digest), trash[-1])
                         atomic.fsync_dir(self.root / "caches")
                 except Busy:
                     continue
                 total -= inst.size_bytes
+                count -= 1
                 removed.append(inst)
                 log.info("cache removed", extra=kv(digest=inst.digest, bytes=inst.size_bytes))
         for t in trash:  # the slow part, outside the store lock (leftovers go at the next start)

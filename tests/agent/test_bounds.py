@@ -6,6 +6,7 @@ them; the 5,000-pull attack over the real sockets is in tests/csi/test_node_stat
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 
@@ -82,3 +83,43 @@ def test_references_are_bounded(registry, tmp_path, monkeypatch):
     agent.acquire("vol-2", target(2), digest, pod)
     held, shown = agent.at_targets([target(2), target(0)])
     assert [(m["volume_id"], inst.digest) for m, inst in held] == [("vol-2", digest)] and shown is None
+
+
+def test_installed_caches_are_bounded_in_number(registry, tmp_path, monkeypatch):
+    """ListCaches lists every installed cache: their number is bounded too. The least recently
+    used idle one makes room; when none may go, the pull is refused and nothing is collected."""
+    from agent import store as store_module
+    from agent.store import Capacity
+
+    monkeypatch.setattr(store_module, "MAX_CACHES", 2)
+    store = CacheStore(tmp_path / "store", registry=registry.options(), capacity=Capacity(0, 99, 98))
+    agent, metrics = agent_on(store)
+    images = [registry.push(triton_tree(tmp_path / n, seed=n.encode()), f"bounds/count-{n}") for n in "abcd"]
+    digests = [agent.ensure(i, 60).digest for i in images[:2]]
+    os.utime(store._dir(digests[0]), (1, 1))  # a: the least recently used
+    assert agent.ensure(images[2], 60).state == core.READY
+    assert {i.digest for i in store.list()} == {digests[1], images[2].rsplit("@", 1)[1]}
+    assert metrics.get_sample_value("accelnode_agent_gc_removed_total") == 1
+
+    for i, inst in enumerate(store.list()):
+        agent.acquire(f"vol-{i}", f"/var/lib/kubelet/pods/p{i}/volumes/kubernetes.io~csi/c/mount", inst.digest,
+                      {"namespace": "ns", "name": f"p{i}", "uid": f"u{i}"})
+    before = {i.digest for i in store.list()}
+    answer = agent.ensure(images[3], 60)
+    assert answer.failure == core.NO_SPACE and "the store holds 2 caches, the most it keeps (2)" in answer.message
+    assert {i.digest for i in store.list()} == before
+
+
+def test_reference_fields_longer_than_any_real_one_are_refused(registry, tmp_path):
+    image = registry.push(triton_tree(tmp_path / "c"), "bounds/fields")
+    agent, _ = agent_on(CacheStore(tmp_path / "store", registry=registry.options()))
+    digest = agent.ensure(image, 60).digest
+    target = "/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/c/mount"
+    for kw, field in ((dict(volume_id="v" * 129), "volume_id"), (dict(pod={"name": "é" * 127}), "name"),
+                      (dict(cache=("ns", "c" * 254)), "cache.name"), (dict(target_path="/" + "t" * 512), "target_path")):
+        args = {"volume_id": "vol", "target_path": target, "digest": digest, "pod": {"uid": "u"}} | kw
+        with pytest.raises(core.Refused) as refused:
+            agent.acquire(args.pop("volume_id"), args.pop("target_path"), args.pop("digest"), args.pop("pod"), **args)
+        assert refused.value.code == "INVALID_ARGUMENT" and refused.value.message.startswith(f"{field} is "), \
+            refused.value.message
+    assert agent.at_targets([target]) == ([], None) and agent.store.references() == {}
