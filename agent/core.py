@@ -48,9 +48,10 @@ MAX_FAILED = 128  # failed pulls remembered for ListCaches and the node's status
 FAILED_TTL = 3600.0  # seconds a failed pull is remembered
 MAX_MESSAGE = 1024  # characters of a failure's message kept
 MAX_REFERENCES = 1024  # volumes holding caches on this node (kubelet runs at most a few hundred pods)
-# the longest value of each field a reference keeps: the CSI spec's volume id, a kubelet target
-# path, Kubernetes' names (DNS label for a namespace, DNS subdomain for a name) and UIDs
-REFERENCE_FIELDS = {"volume_id": 128, "target_path": 512, "namespace": 63, "name": 253, "uid": 36}
+# the longest value of each field a reference keeps: a volume id (the controller's PV handles
+# reach 390 bytes), a kubelet target path, Kubernetes' names (DNS label for a namespace, DNS
+# subdomain for a name) and UIDs
+REFERENCE_FIELDS = {"volume_id": 512, "target_path": 512, "namespace": 63, "name": 253, "uid": 36}
 MAX_TARGET_PATHS = 4  # target paths one GetTarget may name
 
 # Answer.state

@@ -115,7 +115,7 @@ def test_reference_fields_longer_than_any_real_one_are_refused(registry, tmp_pat
     agent, _ = agent_on(CacheStore(tmp_path / "store", registry=registry.options()))
     digest = agent.ensure(image, 60).digest
     target = "/var/lib/kubelet/pods/p/volumes/kubernetes.io~csi/c/mount"
-    for kw, field in ((dict(volume_id="v" * 129), "volume_id"), (dict(pod={"name": "é" * 127}), "name"),
+    for kw, field in ((dict(volume_id="v" * 513), "volume_id"), (dict(pod={"name": "é" * 127}), "name"),
                       (dict(cache=("ns", "c" * 254)), "cache.name"), (dict(target_path="/" + "t" * 512), "target_path")):
         args = {"volume_id": "vol", "target_path": target, "digest": digest, "pod": {"uid": "u"}} | kw
         with pytest.raises(core.Refused) as refused:
