@@ -296,6 +296,8 @@ class ServingCerts:
         self.dir = Path(directory or tempfile.mkdtemp(prefix="accelnode-webhook-tls-"))
         self.dir.chmod(0o700)
         self.cert_file, self.key_file = str(self.dir / "tls.crt"), str(self.dir / "tls.key")
+        for name in ("tls.crt", "tls.key"):  # a write killed half-way (a key among them) goes
+            atomic.sweep(self.dir, prefix=name)
         self.installed = threading.Event()
         self.serial: int | None = None  # of the serving certificate installed
         self.writes = 0  # creates and updates this replica made
