@@ -21,9 +21,9 @@ import json
 import logging
 import os
 import shutil
+import secrets
 import stat
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from accelnode import atomic
 from accelnode.log import kv
 
 from accelnode.oci import cacheformat as fmt
@@ -47,6 +48,8 @@ from .extract import Budget, Entry, Layer, Refused, check_symlinks, extract_laye
 
 log = logging.getLogger("accelnode.agent.store")
 _libc = ctypes.CDLL(None, use_errno=True)
+STALE_WRITE_SECONDS = 600.0  # a temporary file this old is no live write's (start-up sweep)
+MAX_CACHES = 2048  # caches one store holds: ListCaches and the node's status stay bounded
 
 
 @dataclass(frozen=True)
@@ -267,14 +270,15 @@ class CacheStore:
                 raise HostileContent("not a kernel-cache image: no cache.<kind>.image/summary label and no "
                                      "single io.<kind>.cache/ tree", image)
             size = sum(e.size for e in base.entries.values() if e.type == "file")
-            _write(stage / "files.json", json.dumps({p: e.as_json() for p, e in sorted(base.entries.items())}))
+            atomic.write(stage / "files.json", json.dumps({p: e.as_json() for p, e in sorted(base.entries.items())}),
+                         durable=False)  # the whole stage is flushed at once below
             meta = {"digest": digest, "image": image, "kind": kind, "targets": targets, "size_bytes": size,
                     "labels": labels, "layers": [d["digest"] for d in layers], "installed_at": time.time()}
-            _write(stage / "meta.json", json.dumps(meta, indent=1))
+            atomic.write(stage / "meta.json", json.dumps(meta, indent=1), durable=False)
             shutil.rmtree(stage / "layers")
             _sync_tree(stage)
             os.rename(stage, self._dir(digest))
-            _fsync_dir(self.root / "caches")
+            atomic.fsync_dir(self.root / "caches")
         except BaseException as e:
             shutil.rmtree(stage, ignore_errors=True)
             if isinstance(e, OSError):
@@ -377,27 +381,53 @@ class CacheStore:
         return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
     def make_room(self, need: int, image: str) -> None:
-        """Before a pull of ``need`` bytes: collect down to the low watermark if the pull would
-        pass the high one, then refuse with :class:`NoSpace` unless it fits with the headroom."""
-        self.collect_to_watermark(need)
+        """Before a pull of ``need`` bytes (what the image declares, which nothing checked): refuse
+        with :class:`NoSpace` before anything is collected when the store cannot hold it (beyond
+        --max-image-size, or beyond its file system's free space plus what collection may remove,
+        keeping the headroom); else collect only what makes the room (down to the low watermark
+        when the pull passes the high one), and refuse if it still does not fit."""
         headroom = self.capacity.headroom_bytes
-        _, _, free = self.usage()
-        if need + headroom > free:
-            collected = ("unreferenced caches were collected first" if self.capacity.high_percent is not None
-                         else "watermark collection is off")
+        if need > self.limits.max_bytes:
+            raise NoSpace(f"the image declares {_mib(need)}, beyond the {_mib(self.limits.max_bytes)} this store "
+                          "takes of one image (--max-image-size); nothing was collected", image)
+        _, total, free = self.usage()
+        caches, removable = self._removable(idle=self.capacity.min_idle_seconds)
+        if self.capacity.high_percent is None:
+            removable = []
+        if len(caches) >= MAX_CACHES:
+            if len(caches) - len(removable) >= MAX_CACHES:
+                why = ("watermark collection is off" if self.capacity.high_percent is None
+                       else "too few of them may be collected (unreferenced and idle for --gc-min-idle)")
+                raise NoSpace(f"the store holds {len(caches)} caches, the most it keeps ({MAX_CACHES}), and {why}; "
+                              "nothing was collected", image)
+            self.on_collect(self._collect(None, None, self.capacity.min_idle_seconds, max_count=MAX_CACHES - 1))
+        collectable = sum(i.size_bytes for i in removable)
+        if need + headroom > free + collectable:
+            how = (f"collecting every unreferenced cache idle for --gc-min-idle would free {_mib(collectable)} "
+                   "more, so nothing was collected" if self.capacity.high_percent is not None
+                   else "watermark collection is off")
             raise NoSpace(f"no space left on device for this image: it declares {_mib(need)} and the store's file "
-                          f"system ({self.root}) has {_mib(free)} free, keeping {_mib(headroom)} spare "
-                          f"(--pull-headroom); {collected}", image)
+                          f"system ({self.root}, {_mib(total)}) has {_mib(free)} free, keeping {_mib(headroom)} "
+                          f"spare (--pull-headroom); {how}", image)
+        self.collect_to_watermark(need, at_least=need + headroom - free)
+        _, _, free = self.usage()
+        if need + headroom > free:  # a cache was referenced or used meanwhile, or others wrote
+            raise NoSpace(f"no space left on device for this image: it declares {_mib(need)} and the store's file "
+                          f"system ({self.root}) has {_mib(free)} free after collection, keeping {_mib(headroom)} "
+                          "spare (--pull-headroom)", image)
 
-    def collect_to_watermark(self, need: int = 0) -> list[Installed]:
+
+    def collect_to_watermark(self, need: int = 0, *, at_least: int = 0) -> list[Installed]:
         """When usage plus ``need`` bytes passes the high watermark, remove unreferenced caches,
-        least recently used first, until it is under the low watermark (or nothing removable is
-        left). The caches removed; :attr:`on_collect` hears of every run."""
+        least recently used first, until it is under the low watermark, and at least ``at_least``
+        bytes (or nothing removable is left). The caches removed; :attr:`on_collect` hears of
+        every run."""
         cap = self.capacity
         used, total, _ = self.usage()
-        if cap.high_percent is None or not total or (used + need) * 100 <= cap.high_percent * total:
+        passed = total and (used + need) * 100 > (cap.high_percent or 0) * total
+        if cap.high_percent is None or not total or (not passed and at_least <= 0):
             return []
-        excess = used + need - cap.low_percent * total / 100
+        excess = max(used + need - cap.low_percent * total / 100 if passed else 0, at_least)
         cached = sum(i.size_bytes for i in self.list())
         removed = self._collect(max(0, int(cached - excess)), None, idle=cap.min_idle_seconds)
         log.info("watermark collection", extra=kv(used=used, total=total, need=need, removed=len(removed),
@@ -407,11 +437,32 @@ class CacheStore:
 
     def _full(self, e: OSError, need: int, image: str) -> Exception:
         """A failed install's OSError, in plain words when the disk filled up."""
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not _is_full(e):
             return e
         return NoSpace(f"no space left on device in the store's file system ({self.root}) while unpacking "
                        f"(the image declares {_mib(need)}, which under-states it or others wrote meanwhile); "
                        "nothing of it was kept", image)
+
+    def no_space(self, e: Exception, what: str) -> Exception:
+        """``e`` as :class:`NoSpace` naming the store's file system when the file system (or a
+        quota) is full; any other error as it is. A full disk is bad input, never a crash."""
+        if not _is_full(e):
+            return e
+        return NoSpace(f"no space left on device in the store's file system ({self.root}): {e.strerror}; "
+                       "nothing was changed", what)
+
+    def with_identity(self, ident: tuple[int, int]) -> Installed | None:
+        """The installed cache whose content directory has ``ident`` (st_dev, st_ino), or None:
+        one stat per installed cache, no file read."""
+        for d in (self.root / "caches").iterdir():
+            digest = d.name.replace("-", ":", 1)
+            try:
+                st = os.stat(d / "content", follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if (st.st_dev, st.st_ino) == tuple(ident) and DIGEST.match(digest):
+                return self.installed(digest)
+        return None
 
     # -- references ----------------------------------------------------------------------------
 
@@ -425,8 +476,7 @@ class CacheStore:
         with self._store_lock():
             if self._use(digest) is None:
                 raise ImageNotFound("not installed in the store", digest)
-            _write(self._ref_path(holder), json.dumps({"holder": holder, "digest": digest, "meta": meta}), sync=True)
-            _fsync_dir(self.root / "refs")
+            atomic.write(self._ref_path(holder), json.dumps({"holder": holder, "digest": digest, "meta": meta}))
 
     def release(self, holder: str) -> None:
         with self._store_lock():
@@ -436,7 +486,7 @@ class CacheStore:
                 path.unlink()
             except FileNotFoundError:
                 return
-            _fsync_dir(self.root / "refs")
+            atomic.fsync_dir(self.root / "refs")
             self._use(digest)  # used until now: the last to go among the unreferenced
 
     def references(self) -> dict[str, dict]:
@@ -485,29 +535,44 @@ class CacheStore:
         digests. A cache being pulled is skipped. Returns digests removed."""
         return [i.digest for i in self._collect(max_bytes, only)]
 
-    def _collect(self, max_bytes: int | None, only: set[str] | None, idle: float = 0.0) -> list[Installed]:
-        """:meth:`gc`'s work; ``idle``: skip caches used less than that many seconds ago (a cache
+    def _removable(self, only: set[str] | None = None, idle: float = 0.0) -> tuple[list[Installed], list[Installed]]:
+        """(every installed cache (of ``only``), those a collection may remove, least recently
+        used first): unreferenced, and with ``idle`` not used within that many seconds (a cache
         just handed out is about to be referenced by the volume that asked for it)."""
+        referenced = {r["digest"] for r in self.references().values()}
+        caches = [i for i in self.list() if only is None or i.digest in only]
+        used = {}
+        for i in caches:
+            try:
+                used[i.digest] = self._dir(i.digest).stat().st_mtime
+            except FileNotFoundError:  # removed meanwhile by another process
+                continue
+        recent = time.time() - idle
+        return caches, sorted((i for i in caches if i.digest in used and i.digest not in referenced
+                               and not (idle and used[i.digest] > recent)), key=lambda i: used[i.digest])
+
+    def _collect(self, max_bytes: int | None, only: set[str] | None, idle: float = 0.0, *,
+                 max_count: int | None = None) -> list[Installed]:
+        """:meth:`gc`'s work, down to ``max_bytes`` and ``max_count`` caches (None: no bound);
+        ``idle`` as in :meth:`_removable`."""
         removed, trash = [], []
         with self._store_lock():
-            referenced = {r["digest"] for r in self.references().values()}
-            caches = [i for i in self.list() if only is None or i.digest in only]
-            total = sum(i.size_bytes for i in caches)
-            used = {i.digest: self._dir(i.digest).stat().st_mtime for i in caches}
-            recent = time.time() - idle
-            for inst in sorted(caches, key=lambda i: used[i.digest]):
-                if max_bytes is not None and total <= max_bytes:
+            caches, removable = self._removable(only, idle)
+            total, count = sum(i.size_bytes for i in caches), len(caches)
+            for inst in removable:
+                if (max_bytes is None or total <= max_bytes) and (max_count is None or count <= max_count) \
+                        and (max_bytes is not None or max_count is not None):
                     break
-                if inst.digest in referenced or (idle and used[inst.digest] > recent):
-                    continue
                 try:
                     with self._digest_lock(inst.digest, inst.digest, None):
-                        trash.append(Path(tempfile.mkdtemp(prefix="trash.", dir=self.root / "tmp")))
-                        os.rename(self._dir(inst.digest), trash[-1] / "c")
-                        _fsync_dir(self.root / "caches")
+                        # a rename needs no new block: a collection works on a full file system too
+                        trash.append(self.root / "tmp" / f"trash.{secrets.token_hex(8)}")
+                        os.rename(self._dir(inst.digest), trash[-1])
+                        atomic.fsync_dir(self.root / "caches")
                 except Busy:
                     continue
                 total -= inst.size_bytes
+                count -= 1
                 removed.append(inst)
                 log.info("cache removed", extra=kv(digest=inst.digest, bytes=inst.size_bytes))
         for t in trash:  # the slow part, outside the store lock (leftovers go at the next start)
@@ -551,6 +616,13 @@ class CacheStore:
                     log.info("removed leftovers of an interrupted pull", extra=kv(path=str(p)))
             except Busy:
                 pass  # a pull in another process is using it
+        # a write killed half-way: references are written under the store lock only, indexes
+        # under none (so only a temporary far older than one write is a leftover)
+        with self._store_lock():
+            stale = atomic.sweep(self.root / "refs")
+        stale += atomic.sweep(self.root / "indexes", min_age=STALE_WRITE_SECONDS)
+        for p in stale:
+            log.info("removed the temporary file of an interrupted write", extra=kv(path=str(p)))
 
     def _index_path(self, digest: str) -> Path:
         return self.root / "indexes" / (digest.replace(":", "-", 1) + ".json")
@@ -558,7 +630,7 @@ class CacheStore:
     def _save_index(self, digest: str, body: bytes) -> None:
         path = self._index_path(digest)
         if not path.exists():
-            _write(path, body)
+            atomic.write(path, body, durable=False)
 
     def mark_used(self, digest: str) -> bool:
         """Record a use of an installed cache now (its last use, for LRU); False if it is gone."""
@@ -582,7 +654,13 @@ def declared_size(layers: list[dict], kind: str | None, labels: dict) -> int:
     at a full disk)."""
     label = labels.get(fmt.label(kind, "cache-size-bytes"), "") if kind else ""
     compressed = sum(d["size"] for d in layers)
-    return max(compressed, int(label)) if isinstance(label, str) and label.isdigit() else compressed
+    if not (isinstance(label, str) and label.isascii() and label.isdigit()):
+        return compressed
+    return max(compressed, int(label) if len(label) <= 20 else 10 ** 20)  # more than any disk either way
+
+
+def _is_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _mib(n: int) -> str:
@@ -620,25 +698,6 @@ def _remove_any(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def _write(path: Path, data, sync: bool = False) -> None:
-    """Write a file atomically (temp file + rename), optionally flushed to disk first."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sync_tree(path: Path) -> None:
