@@ -9,6 +9,7 @@ from accelnode import cli as acli
 from accelnode import exitcodes
 
 from accelnode.oci.flags import add_registry_flags, registry_options
+from accelnode.oci.mirrors import ACCESS_FLAG, check_endpoint
 
 
 def register(sub) -> None:
@@ -27,6 +28,13 @@ def register(sub) -> None:
                    help="where a GKMCache's pull secrets come from: the API server (default; --kubeconfig, or with "
                         "--node-name the pod's service account), or nowhere (every GKMCache is pulled anonymously, "
                         "as when the agent has no API server)")
+    t.add_argument(ACCESS_FLAG, dest="access_mirrors", action="append", type=_endpoint, metavar="HOST[:PORT]",
+                   help="a mirror that, as the server of a registry (--registry-mirror, a hosts.toml server), enforces "
+                        "that registry's own access control with the credentials each request carries: its answers "
+                        "then prove what a tenant's pull may have. Without it, a tenant's pull (a GKMCache, a "
+                        "ClusterGKMCache, an image a pod named) through a mirror as the server is refused: a "
+                        "pull-through cache serves anyone who reaches it (repeatable; the environment variable "
+                        "takes a comma-separated list)")
     p.add_argument("--sysfs-root", default="/sys", help="sysfs to read accelerators from (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="device directory (default: %(default)s)")
     p.add_argument("--accelerator", action="append", metavar="BACKEND/ARCH[:COUNT]",
@@ -84,6 +92,13 @@ def _at_least_one(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
     return int(text)
+
+
+def _endpoint(text: str) -> str:
+    try:
+        return check_endpoint(text.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _percent(text: str) -> float:
@@ -157,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     store = CacheStore(args.store, registry=options,
                        limits=Limits(max_bytes=args.max_image_size, max_files=args.max_image_files),
                        capacity=Capacity(args.pull_headroom, high, args.gc_low_percent,
-                                         args.gc_min_idle))
+                                         args.gc_min_idle), access_mirrors=args.access_mirrors or ())
     registry = CollectorRegistry()
     agent = core.Agent(store, found, core.Metrics(registry),
                        max_pulls=args.max_pulls, credentials=_credentials(args, options))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,16 +29,29 @@ from accelnode.hw.accelerators import Accelerator
 from accelnode.log import kv
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci import errors
-from accelnode.oci.reference import Reference
+from accelnode.oci.manifest import inspect
+from accelnode.oci.reference import DIGEST_PINNED, Reference
 
 from . import fit
 from .credentials import Chooser, Credentials, PullSecretError
+from .errors import NoSpace
 
 log = logging.getLogger("accelnode.agent")
 
-DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
 PROOF_TTL = 300.0  # seconds a repository's answer for (digest, credentials) is taken as still true
 MAX_PROOFS = 16384
+# Bounds of what requests leave in memory (docs/agent-store.md, Bounds): whatever callers ask,
+# ListCaches stays far below gRPC's 4 MiB message cap.
+MAX_QUEUED = 256  # pulls waiting for a slot; a pull beyond is refused RESOURCE_EXHAUSTED
+MAX_FAILED = 128  # failed pulls remembered for ListCaches and the node's status, latest first
+FAILED_TTL = 3600.0  # seconds a failed pull is remembered
+MAX_MESSAGE = 1024  # characters of a failure's message kept
+MAX_REFERENCES = 1024  # volumes holding caches on this node (kubelet runs at most a few hundred pods)
+# the longest value of each field a reference keeps: a volume id (the controller's PV handles
+# reach 390 bytes), a kubelet target path, Kubernetes' names (DNS label for a namespace, DNS
+# subdomain for a name) and UIDs
+REFERENCE_FIELDS = {"volume_id": 512, "target_path": 512, "namespace": 63, "name": 253, "uid": 36}
+MAX_TARGET_PATHS = 4  # target paths one GetTarget may name
 
 # Answer.state
 READY, PULLING, FAILED, INCOMPATIBLE = "READY", "PULLING", "FAILED", "INCOMPATIBLE"
@@ -48,6 +60,7 @@ NOT_FOUND, REGISTRY_UNAVAILABLE, DENIED, INVALID_REFERENCE, BAD_CONTENT, INTERNA
     "NOT_FOUND", "REGISTRY_UNAVAILABLE", "DENIED", "INVALID_REFERENCE", "BAD_CONTENT", "INTERNAL")
 # CacheInfo.state
 INSTALLED = "INSTALLED"
+NO_SPACE = "NO_SPACE"  # Answer.failure: the store's file system cannot hold it
 
 FAILURES = [
     (errors.ImageNotFound, NOT_FOUND),
@@ -55,6 +68,7 @@ FAILURES = [
     (errors.AuthError, DENIED),
     (errors.InvalidReference, INVALID_REFERENCE),
     ((errors.IntegrityError, errors.HostileContent), BAD_CONTENT),
+    (NoSpace, NO_SPACE),
 ]
 
 
@@ -96,6 +110,7 @@ class CacheInfo:
     compatible: bool = False
     targets: tuple = ()  # INSTALLED: the image's targets
     queued: bool = False  # PULLING: waiting for a free pull slot
+    proof: tuple = ()  # PULLING and FAILED: the (registry, repository, digest, credentials key) pulled for
 
 
 @dataclass
@@ -144,10 +159,16 @@ class Agent:
         self.metrics = metrics
         self._targets = [a.target() for a in accelerators if a.arch]
         self._lock = threading.Lock()
-        self._ready: dict[str, Answer] = {}  # reference digest -> READY/INCOMPATIBLE answer
-        # (registry, repository, reference digest, credentials key): a "proof" -> its latest pull
+        # reference digest -> READY/INCOMPATIBLE answer, for installed caches only (at most one
+        # per installed cache: forgotten when collected)
+        self._ready: dict[str, Answer] = {}
+        # (registry, repository, reference digest, credentials key): a "proof" -> its pull while
+        # it runs or waits (at most max_pulls + MAX_QUEUED)
         self._pulls: dict[tuple, Pull] = {}
         self._queue: collections.deque[tuple[tuple, Pull]] = collections.deque()  # waiting for a slot, FIFO
+        # proof -> (image, message, when) of its latest failed pull: the MAX_FAILED latest, each for
+        # FAILED_TTL (not the pull: its credentials are not kept)
+        self._failed: collections.OrderedDict[tuple, tuple[str, str, float]] = collections.OrderedDict()
         self._running = 0  # pull threads (each runs queued pulls until the queue is empty)
         # (registry, repository, digest, credentials key) -> when that repository last served the
         # digest's manifest to those credentials
@@ -182,13 +203,13 @@ class Agent:
         except errors.InvalidReference as e:
             return self._answer(Answer(FAILED, failure=INVALID_REFERENCE, message=str(e)))
         key = ref.digest
-        proof = (ref.host, ref.repository, key, creds.key)
+        proof = self._proof(ref, creds)
         answer = None
         if not creds.prove or self._proven(proof):
             answer = self._ready.get(key)
             # a hand-out is a use (LRU collection); gone (collected) means asking the store again
             if answer is None or (answer.path and not self.store.mark_used(answer.digest)):
-                answer = self._from_store(key)
+                answer = self._from_store(key)  # None: collected meanwhile, by another process too
         if answer is None:
             pull = self._pull(proof, image, creds)
             if pull.done.wait(max(0.0, wait_seconds)):
@@ -196,6 +217,33 @@ class Agent:
             else:
                 answer = Answer(PULLING, digest=key, message=f"{image}: {self._progress(pull)}")
         return self._answer(answer)
+
+    def inspect(self, image: str, cache: tuple[str, str] | None) -> dict:
+        """What ``image`` is (manifests and config, no layers: :func:`accelnode.oci.manifest.inspect`),
+        asked with the credentials a request naming ``cache`` gets, and never, for a tenant,
+        through a mirror as the server whose answers prove nothing (the store says which)."""
+        creds = self.credentials.choose(cache)
+        if creds.prove:
+            self.store.check_server(image, creds.options)
+        return inspect(image, creds.options, self.store.limits)
+
+    def proof_of(self, image: str, cache: tuple[str, str] | None) -> tuple | None:
+        """The (registry, repository, digest, credentials key) a request for the digest-pinned
+        ``image`` naming ``cache`` is proved under; None when its credentials cannot be chosen now."""
+        try:
+            return self._proof(Reference.parse(image), self.credentials.choose(cache))
+        except (PullSecretError, errors.InvalidReference):
+            return None
+
+    @staticmethod
+    def _proof(ref: Reference, creds: Credentials) -> tuple:
+        return (ref.host, ref.repository, ref.digest, creds.key)
+
+    def proven(self) -> set[tuple]:
+        """Every proof the agent holds (some repository served its digest to those credentials
+        since the agent started): what a cache's status may report as its own."""
+        with self._lock:
+            return set(self._proofs)
 
     def _progress(self, pull: Pull) -> str:
         """How a pull not done is going: running for how long, or its place in the queue."""
@@ -212,6 +260,7 @@ class Agent:
     def _from_store(self, key: str) -> Answer | None:
         inst = self.store.installed(key)
         if inst is None:
+            self._ready.pop(key, None)
             return None
         answer = self._judge(inst)
         self._ready[key] = answer
@@ -243,6 +292,9 @@ class Agent:
         with self._lock:
             pull = self._pulls.get(proof)
             if pull is None or pull.done.is_set():
+                if self._running >= self.max_pulls and len(self._queue) >= MAX_QUEUED:
+                    raise Refused("RESOURCE_EXHAUSTED", f"{image}: {len(self._queue)} pulls are waiting for one of "
+                                                        f"{self.max_pulls} pull slots already; retry later")
                 pull = self._pulls[proof] = Pull(image, creds)
                 if self._running < self.max_pulls:
                     self._running += 1
@@ -305,11 +357,13 @@ class Agent:
         except errors.AuthError as e:
             answer = Answer(FAILED, digest=key, failure=DENIED, message=f"{e} (pulled with {creds.whose})")
         except Exception as e:  # every failure is reported to the callers, none kills the agent
-            answer = Answer(FAILED, digest=key, failure=_failure(e), message=str(e))
+            e = self.store.no_space(e, pull.image)
+            answer = Answer(FAILED, digest=key, failure=_failure(e), message=str(e)[:MAX_MESSAGE])
         else:
             answer = self._judge(inst)
             self._ready[key] = answer
-            self._prove(proof)
+            if creds.prove:  # the node's own pull asked no repository's word (mirrors may have answered)
+                self._prove(proof)
         result = answer.state.lower()
         self.metrics.pulls.labels(result).inc()
         self.metrics.pull_seconds.observe(time.monotonic() - pull.started)
@@ -317,8 +371,21 @@ class Agent:
                 extra=kv(image=pull.image, credentials=creds.key, result=result, message=answer.message,
                          seconds=round(time.monotonic() - pull.started, 3)))
         pull.answer = answer
+        with self._lock:
+            if self._pulls.get(proof) is pull:
+                del self._pulls[proof]
+            self._failed.pop(proof, None)
+            if answer.state == FAILED:
+                self._failed[proof] = (pull.image, answer.message, time.monotonic())
+            self._expire_failed()
         pull.done.set()
         self.on_change()
+
+    def _expire_failed(self) -> None:
+        """Forget failed pulls beyond MAX_FAILED (oldest first) or older than FAILED_TTL (under the lock)."""
+        now = time.monotonic()
+        while self._failed and (len(self._failed) > MAX_FAILED or now - next(iter(self._failed.values()))[2] > FAILED_TTL):
+            self._failed.popitem(last=False)
 
     # -- disk ----------------------------------------------------------------------------
 
@@ -338,12 +405,17 @@ class Agent:
         if removed:
             self.on_change()
 
-    def ensure_until_done(self, image: str, timeout: float) -> tuple[bool, str]:
-        """Ensure ``image`` and wait for its pull to end (at most ``timeout`` seconds): (installed
-        and fits, why not). What the prefetcher asks."""
+    def ensure_until_done(self, image: str, timeout: float, *,
+                          cache: tuple[str, str] | None = None) -> tuple[bool, str]:
+        """Ensure ``image`` for ``cache`` (its credentials and proof, as :meth:`ensure`) and wait
+        for its pull to end (at most ``timeout`` seconds): (installed and fits, why not). What
+        the prefetcher asks."""
         deadline = time.monotonic() + timeout
         while True:
-            answer = self.ensure(image, 30)
+            try:
+                answer = self.ensure(image, 30, cache=cache)
+            except Refused as e:
+                return False, e.message
             if answer.state != PULLING:
                 return answer.state == READY, answer.message
             if time.monotonic() > deadline:
@@ -358,10 +430,12 @@ class Agent:
         _require(volume_id=volume_id, digest=digest, target_path=target_path)
         meta = {"volume_id": volume_id, "target_path": target_path, "namespace": pod.get("namespace", ""),
                 "name": pod.get("name", ""), "uid": pod.get("uid", "")}
+        _bounded(meta, "")
         if cache is not None:
             if not cache[1]:
                 raise Refused("INVALID_ARGUMENT", "cache.name is required when cache is set")
             meta["cache"] = {"namespace": cache[0], "name": cache[1]}
+            _bounded(meta["cache"], "cache.")
         key = holder(volume_id, target_path)
         with self._lock:
             refusal = _refusal(list(self._refs.values()), meta, digest, exclusive)
@@ -369,12 +443,17 @@ class Agent:
                 raise refusal
             if key in self._refs:
                 return
+            if len(self._refs) >= MAX_REFERENCES:
+                raise Refused("RESOURCE_EXHAUSTED", f"this node holds {len(self._refs)} volume references, the most "
+                                                    "it keeps; unpublish volumes first")
             try:
                 self.store.acquire(digest, key, meta)
             except errors.InvalidReference as e:
                 raise Refused("INVALID_ARGUMENT", str(e)) from None
             except errors.ImageNotFound:
                 raise Refused("NOT_FOUND", f"{digest} is not installed on this node") from None
+            except (NoSpace, OSError) as e:
+                raise self._refused(e, digest) from None
             self._refs[key] = dict(meta, digest=digest)
             self.metrics.references.set(len(self._refs))
         log.info("reference acquired", extra=kv(volume_id=volume_id, target=target_path, digest=digest,
@@ -388,7 +467,10 @@ class Agent:
         with self._lock:
             held = key in self._refs
             if held:
-                self.store.release(key)
+                try:
+                    self.store.release(key)
+                except (NoSpace, OSError) as e:
+                    raise self._refused(e, key) from None
                 del self._refs[key]
                 self.metrics.references.set(len(self._refs))
         if held:
@@ -403,7 +485,10 @@ class Agent:
         if not digests:
             return []
         with self._lock:
-            removed = self.store.gc(only=set(digests))
+            try:
+                removed = self.store.gc(only=set(digests))
+            except (NoSpace, OSError) as e:
+                raise self._refused(e, ", ".join(sorted(digests))) from None
             for d in removed:
                 self._ready.pop(d, None)
         if removed:
@@ -418,7 +503,9 @@ class Agent:
         # wins) rather than vanishing from this answer
         with self._lock:
             held = list(self._refs.values())
-            pulls = [(proof[2], pull, pull.done.is_set()) for proof, pull in self._pulls.items()]
+            self._expire_failed()
+            pulls = list(self._pulls.items())
+            failed = [(proof, image, message) for proof, (image, message, _) in reversed(self._failed.items())]
         refs: dict[str, list] = {}
         for meta in held:
             refs.setdefault(meta.get("digest"), []).append(meta)
@@ -426,14 +513,34 @@ class Agent:
                          size_bytes=inst.size_bytes, references=tuple(refs.get(inst.digest, ())),
                          compatible=fit.check(inst.targets, self.accelerators) is None, targets=tuple(inst.targets))
                for inst in self.store.list()]
-        for key, pull, done in pulls:
-            if not done:
-                queued = pull.started is None
-                out.append(CacheInfo(pull.image, key, PULLING, queued=queued,
-                                     message=self._progress(pull) if queued else ""))
-            elif pull.answer.state == FAILED:
-                out.append(CacheInfo(pull.image, key, FAILED, message=pull.answer.message))
+        for proof, pull in pulls:
+            queued = pull.started is None
+            out.append(CacheInfo(pull.image, proof[2], PULLING, queued=queued,
+                                 message=self._progress(pull) if queued else "", proof=proof))
+        out += [CacheInfo(image, proof[2], FAILED, message=message, proof=proof) for proof, image, message in failed]
         return out
+
+    def at_targets(self, target_paths: list[str], shown: tuple[int, int] | None = None):
+        """What unpublish and volume stats ask, in one bounded answer: the references held at
+        these target paths, each with the installed cache it holds (None once gone), and the
+        installed cache whose directory has the identity ``shown`` (st_dev, st_ino) of a mount's
+        root (None when none, or not asked)."""
+        if len(target_paths) > MAX_TARGET_PATHS:
+            raise Refused("INVALID_ARGUMENT", f"at most {MAX_TARGET_PATHS} target paths, not {len(target_paths)}")
+        wanted = set(target_paths)
+        with self._lock:
+            held = [dict(m) for m in self._refs.values() if m.get("target_path") in wanted]
+        try:
+            return ([(m, self.store.installed(m["digest"])) for m in held],
+                    self.store.with_identity(shown) if shown else None)
+        except (NoSpace, OSError) as e:
+            raise self._refused(e, ", ".join(target_paths)) from None
+
+    def _refused(self, e: Exception, what: str) -> Refused:
+        """A store failure as the status a caller gets: a full file system (or quota) is
+        RESOURCE_EXHAUSTED naming the store's file system, anything else INTERNAL."""
+        e = self.store.no_space(e, what)
+        return Refused("RESOURCE_EXHAUSTED" if isinstance(e, NoSpace) else "INTERNAL", str(e))
 
 
 def holder(volume_id: str, target_path: str) -> str:
@@ -445,6 +552,15 @@ def _require(**fields: str) -> None:
     for name, value in fields.items():
         if not value:
             raise Refused("INVALID_ARGUMENT", f"{name} is required")
+
+
+def _bounded(fields: dict, prefix: str) -> None:
+    """INVALID_ARGUMENT for a field longer than any real one (REFERENCE_FIELDS, in UTF-8 bytes):
+    references are kept, and listed."""
+    for name, value in fields.items():
+        most = REFERENCE_FIELDS.get(name)
+        if most is not None and len(value.encode()) > most:
+            raise Refused("INVALID_ARGUMENT", f"{prefix}{name} is {len(value.encode())} bytes long, more than {most}")
 
 
 def _refusal(held: list[dict], want: dict, digest: str, exclusive: bool) -> Refused | None:

@@ -21,14 +21,15 @@ PREFETCH_ANNOTATION = "accelnode.io/prefetch"  # "true": pull on every node the 
 IN_USE = ("Running", "Outdated", "Deleting")
 CLUSTER = ""  # the namespace key of the ClusterGKMCacheNode
 QUEUED = "queued: waiting for a free pull slot on this node"
+QUEUED_PULL, PULLING, FAILED = "QUEUED", "PULLING", "FAILED"  # Local.pulls states
 
 
 # ---------------------------------------------------------------------------------------------
 # inputs
 
 
-def _refused(labels: dict, conditions: list) -> str | None:
-    refused = pull_refusal(labels, conditions)
+def _refused(labels: dict, status: dict, digest: str | None) -> str | None:
+    refused = pull_refusal(labels, status, digest)
     return None if refused is None else refused[1]
 
 
@@ -44,6 +45,7 @@ class Cache:
     prefetch: bool
     workload_namespaces: tuple[str, ...]
     refused: str | None = None  # why it must not be pulled (signature refused or not verified yet)
+    resolved: str | None = None  # status.resolvedDigest: the controller's pin (only it may write it)
 
     @classmethod
     def from_object(cls, obj: dict) -> "Cache":
@@ -55,7 +57,7 @@ class Cache:
                    dict(tmpl.get("nodeSelector") or {}),
                    (md.get("annotations") or {}).get(PREFETCH_ANNOTATION, "").lower() == "true",
                    tuple(spec.get("workloadNamespaces") or ()),
-                   _refused(md.get("labels") or {}, st.get("conditions") or []))
+                   _refused(md.get("labels") or {}, st, digest), st.get("resolvedDigest") or None)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -70,6 +72,19 @@ class Cache:
         except Exception:  # an image the CRD let through but we cannot parse: nothing to pull
             return None
 
+    def prefetchable(self) -> str | None:
+        """What the node may pull for this cache before any pod asks: ``registry/repo@digest``
+        of the controller's pin (``status.resolvedDigest``), and only while a digest that
+        ``spec.image`` names agrees with it; None otherwise (a tag the controller has not
+        resolved, a digest it has not pinned and checked, a pin that lags the spec)."""
+        try:
+            named = Reference.parse(self.image).digest
+        except Exception:  # an image the CRD let through but we cannot parse: nothing to pull
+            return None
+        if not self.resolved or (named and named != self.resolved):
+            return None
+        return self.pinned()
+
     def admits(self, pod_namespace: str) -> bool:
         """Whether a pod of that namespace may use this cache (and so counts as its user)."""
         if self.namespace:
@@ -79,20 +94,37 @@ class Cache:
 
 @dataclass(frozen=True)
 class Local:
-    """The agent's own view of the node: what is installed, pulling, failed, and who uses what."""
+    """The agent's own view of the node: what is installed, pulling, failed, and who uses what.
+
+    A cache's status shows only what was proved for it (docs/agent-status.md): its proof (the
+    (registry, repository, digest, credentials key) its requests are proved under, see
+    :meth:`agent.core.Agent.proof_of`) among ``proven``, its own pull in ``pulls``, its own
+    prefetch failure in ``failed``; never what another cache's credentials brought or met."""
 
     # manifest digest -> {"image", "size", "targets", "refs": [{"volume_id", "namespace", "name", "uid", "cache"}]}
     # where a ref's "cache" is the (namespace, name) key of the cache its volume names, or None
     # for references taken before the CSI driver said so
     installed: dict
-    pulling: set  # reference digests being pulled (or waiting for a pull slot)
-    failed: dict  # reference digest -> message of the last failed pull or prefetch
-    queued: set = field(default_factory=set)  # those of ``pulling`` waiting for a pull slot
+    pulling: set  # reference digests being pulled (or waiting for a pull slot), whoever asked
+    proven: set = field(default_factory=set)  # proofs the agent holds
+    pulls: dict = field(default_factory=dict)  # proof -> (QUEUED | PULLING | FAILED, message) of its latest pull
+    failed: dict = field(default_factory=dict)  # cache key -> (digest, message) of its last failed prefetch
 
     def manifest_of(self, digest: str) -> str | None:
         """The installed manifest digest for a cache digest (itself, or the manifest an index
         resolved to on this node), or None when it is not installed."""
         return next((m for m, i in self.installed.items() if m == digest or i["image"].endswith("@" + digest)), None)
+
+    def held(self, cache: "Cache", proof: tuple | None) -> str | None:
+        """The installed manifest of ``cache``'s digest when it was proved for that cache: its
+        proof is held, or a volume naming that cache holds it (a publish proved it); else None."""
+        manifest = self.manifest_of(cache.digest) if cache.digest else None
+        if manifest is None:
+            return None
+        if proof is not None and proof in self.proven:
+            return manifest
+        refs = self.installed[manifest].get("refs") or ()
+        return manifest if any(r.get("cache") == cache.key for r in refs) else None
 
 
 def wanted(cache: Cache, node_labels: dict) -> bool:
@@ -125,11 +157,14 @@ def gpus(accelerators) -> list[tuple[object, list[int]]]:
 
 
 def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wanted_keys: set,
-                  history: dict, deleting_pods: set, previous: dict, now: str) -> dict[str, dict]:
+                  history: dict, deleting_pods: set, previous: dict, now: str,
+                  proofs: dict | None = None) -> dict[str, dict]:
     """The status of every node object: namespace (CLUSTER for the ClusterGKMCacheNode) ->
     status. ``history`` (cache key -> status keys reported for it) is updated in place.
     ``previous`` (namespace -> status last written) only lends ``lastUpdated`` to entries whose
-    content did not change, and keeps an emptied object listed (with no caches)."""
+    content did not change, and keeps an emptied object listed (with no caches). ``proofs``:
+    cache key -> the proof its current digest is asked under (:meth:`Local.held`)."""
+    proofs = proofs or {}
     groups = gpus(accelerators)
     gpu_list = [{"gpuType": f"{a.backend}/{a.arch or 'unknown'}", "ids": ids} for a, ids in groups]
     by_key = {c.key: c for c in caches}
@@ -149,7 +184,10 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
         d = cache.digest
         if not d:
             continue  # nothing to report until the controller resolves the tag
-        manifest = local.manifest_of(d)
+        proof = proofs.get(cache.key)
+        manifest = local.held(cache, proof)
+        pull, message = local.pulls.get(proof, (None, ""))
+        failed = local.failed.get(cache.key)
         if manifest is not None:
             inst = local.installed[manifest]
             fits = {i for a, ids in groups if fit.check(inst["targets"], [a]) is None for i in ids}
@@ -163,12 +201,14 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
             if pods:
                 entry["pods"] = pods
             put(cache.key, manifest, entry)
-        elif d in local.queued:  # a stable message: the queue position would cost a write per move
+        elif pull == QUEUED_PULL:  # a stable message: the queue position would cost a write per move
             put(cache.key, d, {"state": "Downloading", "message": QUEUED})
-        elif d in local.pulling:
+        elif pull == PULLING:
             put(cache.key, d, {"state": "Downloading"})
-        elif d in local.failed:
-            put(cache.key, d, {"state": "Error", "message": local.failed[d]})
+        elif pull == FAILED:
+            put(cache.key, d, {"state": "Error", "message": message})
+        elif failed is not None and failed[0] == d:
+            put(cache.key, d, {"state": "Error", "message": failed[1]})
         elif cache.key in wanted_keys:
             put(cache.key, d, {"state": "Pending"})
 

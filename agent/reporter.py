@@ -20,10 +20,10 @@ from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path, is_conflict, is_not_found
 from accelnode.kube.reflector import Reflector
 from accelnode.log import kv
-from accelnode.oci.manifest import inspect
 
 from . import core
-from .nodestatus import CLUSTER, GROUP, HOSTNAME_LABEL, VERSION, Cache, Local, node_statuses, rolled_off, wanted
+from .nodestatus import (CLUSTER, FAILED, GROUP, HOSTNAME_LABEL, PULLING, QUEUED_PULL, VERSION, Cache, Local,
+                         node_statuses, rolled_off, wanted)
 from .prefetch import Prefetcher
 
 log = logging.getLogger("accelnode.agent.status")
@@ -49,19 +49,21 @@ class _Written:
 class Reporter:
     """Keeps this node's GKMCacheNode/ClusterGKMCacheNode objects equal to the node's state.
 
-    ``view()`` returns the agent's :class:`Local` view; ``prefetch(image) -> (ok, message)``
-    pulls one digest-pinned image (blocking) and says whether it is on the node now.
+    ``view()`` returns the agent's :class:`Local` view; ``prefetch(cache key, image) -> (ok,
+    message)`` pulls one digest-pinned image for a cache, with its credentials (blocking), and
+    says whether it is on the node now, proved for that cache; ``proof_of(image, cache key)`` is
+    the proof a cache's requests for that image are asked under (None: unknown now).
     """
 
     CONFLICT_ATTEMPTS = 3
 
     def __init__(self, client: Client, node: str, accelerators, view, prefetch, *, resync: float = 2.0,
                  inspect=None, collect=None, health: Health | None = None, grace: float = GRACE_DEFAULT,
-                 prefetch_bound: float = 600.0 + 2 * GRACE_DEFAULT):
+                 prefetch_bound: float = 600.0 + 2 * GRACE_DEFAULT, proof_of=lambda image, cache: None):
         """``prefetch_bound``: the most seconds one prefetch (inspect and pull) may take before
         the prefetch loop counts as stuck."""
         self.client, self.node, self.accelerators = client, node, list(accelerators)
-        self.view, self.resync = view, resync
+        self.view, self.resync, self._proof_of = view, resync, proof_of
         health = health or Health()
         self.grace = grace
         # one reconcile step (the local view, or one object's write with its conflict retries)
@@ -171,16 +173,21 @@ class Reporter:
             self._written = self._read_back()
         caches = [Cache.from_object(o) for r in (self.caches, self.cluster_caches) for o in r.snapshot()]
         node = next(iter(self.node_obj.snapshot()), {}).get("metadata", {})
-        want = [c for c in caches if c.digest and c.refused is None and wanted(c, node.get("labels", {}))]
+        want = [c for c in caches if c.prefetchable() and c.refused is None and wanted(c, node.get("labels", {}))]
         local = self.view()
-        self.prefetcher.want(want, local)
+        # the proof of each cache whose digest the node has or is pulling (reads pull secrets: at
+        # most every 30 s per namespace, accelnode/kube/pullsecrets.py)
+        near = local.pulling | {proof[2] for proof in local.pulls}
+        proofs = {c.key: self._proof_of(image, c.key) for c in caches if (image := c.pinned()) is not None
+                  and (c.digest in near or local.manifest_of(c.digest) is not None)}
+        self.prefetcher.want(want, {c.key for c in want if local.held(c, proofs.get(c.key)) is not None})
         local.failed.update(self.prefetcher.failed())
         wanted_keys = {c.key for c in want if self.prefetcher.fits(c)}
         deleting = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in self.pods.snapshot()
                     if p["metadata"].get("deletionTimestamp")}
         now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         desired = node_statuses(self.node, self.accelerators, caches, local, wanted_keys, self._history, deleting,
-                                {ns: w.status for ns, w in self._written.items()}, now)
+                                {ns: w.status for ns, w in self._written.items()}, now, proofs)
         self._collect_rolled_off(caches, local)
         for ns, status in sorted(desired.items()):
             w = self._written.get(ns)
@@ -301,6 +308,7 @@ def _trim_cache(obj: dict) -> dict:
     st = obj.get("status") or {}
     return {"metadata": {k: md[k] for k in ("name", "namespace", "annotations", "labels") if k in md},
             "spec": obj.get("spec") or {}, "status": {"resolvedDigest": st.get("resolvedDigest"),
+                                                      "verification": st.get("verification"),
                                                       "conditions": [c for c in st.get("conditions") or ()
                                                                      if isinstance(c, dict) and c.get("type") == "Verified"]}}
 
@@ -321,7 +329,8 @@ def _trim_pod(obj: dict) -> dict:
 
 def local_view(agent: core.Agent) -> Local:
     """The reporter's input from the in-process agent core."""
-    installed, pulling, failed, queued = {}, set(), {}, set()
+    installed, pulling, pulls = {}, set(), {}
+    proven = agent.proven()
     for c in agent.caches():
         if c.state == core.INSTALLED:
             installed[c.digest] = {"image": c.image, "size": c.size_bytes, "targets": list(c.targets),
@@ -331,11 +340,10 @@ def local_view(agent: core.Agent) -> Local:
                                              else None} for m in c.references]}
         elif c.state == core.PULLING:
             pulling.add(c.digest)
-            if c.queued:
-                queued.add(c.digest)
+            pulls[c.proof] = (QUEUED_PULL if c.queued else PULLING, "")
         elif c.state == core.FAILED:
-            failed[c.digest] = c.message
-    return Local(installed, pulling, failed, queued)
+            pulls[c.proof] = (FAILED, c.message)
+    return Local(installed, pulling, proven, pulls)
 
 
 def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: float,
@@ -343,8 +351,8 @@ def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: f
     """A reporter over the in-process agent core, talking to the API server of ``kubeconfig``
     (when None: as kubectl finds it, the pod's service account last). Raises ValueError/OSError on bad configuration."""
     config = Config.load(kubeconfig)
-    options = agent.store.options
     return Reporter(Client(config), node, agent.accelerators, lambda: local_view(agent),
-                    lambda image: agent.ensure_until_done(image, pull_timeout), resync=resync,
-                    inspect=lambda image: inspect(image, options), collect=agent.collect, health=health,
-                    prefetch_bound=pull_timeout + 2 * GRACE_DEFAULT)
+                    lambda cache, image: agent.ensure_until_done(image, pull_timeout, cache=cache), resync=resync,
+                    inspect=lambda cache, image: agent.inspect(image, cache),
+                    collect=agent.collect, health=health, prefetch_bound=pull_timeout + 2 * GRACE_DEFAULT,
+                    proof_of=agent.proof_of)

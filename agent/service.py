@@ -7,13 +7,18 @@ happens here.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+
+from accelnode.log import kv
 
 from .api import agent as pb
 from .api import agent_grpc as pb_grpc
 
 from .core import Agent, Refused
 
+log = logging.getLogger("accelnode.agent")
 Ensure = pb.EnsureCacheResponse
 
 
@@ -44,15 +49,29 @@ class AgentService(pb_grpc.AgentServicer):
         caches = [pb.CacheInfo(image=c.image, digest=c.digest, state=pb.CacheInfo.State.Value(c.state), path=c.path,
                                kind=c.kind, size_bytes=c.size_bytes, message=c.message, compatible=c.compatible,
                                references=[_reference(m) for m in c.references])
-                  for c in self.agent.caches()]
+                  for c in _call(context, self.agent.caches)]
         return pb.ListCachesResponse(caches=caches, accelerators=[str(a) for a in self.agent.accelerators])
+
+    def GetTarget(self, request, context):  # noqa: N802
+        root = request.mount_root if request.HasField("mount_root") else None
+        held, shown = _call(context, self.agent.at_targets, list(request.target_paths),
+                            (root.device, root.inode) if root is not None else None)
+        return pb.GetTargetResponse(
+            held=[pb.HeldCache(reference=_reference(m), digest=m["digest"], path=str(inst.path) if inst else "",
+                               size_bytes=inst.size_bytes if inst else 0) for m, inst in held],
+            shown=str(shown.path) if shown is not None else "")
 
 
 def _call(context, fn, *args, **kw):
+    """``fn``'s answer; a refusal as the status it names, anything unforeseen as INTERNAL with
+    its message (never gRPC's UNKNOWN "Exception calling application")."""
     try:
         return fn(*args, **kw)
     except Refused as e:
         context.abort(grpc.StatusCode[e.code], e.message)
+    except Exception as e:
+        log.exception("request failed", extra=kv(call=getattr(fn, "__name__", "")))
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
 
 def _reference(meta: dict) -> pb.Reference:

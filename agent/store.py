@@ -21,9 +21,9 @@ import json
 import logging
 import os
 import shutil
+import secrets
 import stat
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -31,12 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from accelnode import atomic
 from accelnode.log import kv
 
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci.errors import AuthError, HostileContent, ImageNotFound, IntegrityError, NoMatchingManifest
+from accelnode.oci.hosts import Host
 from accelnode.oci.limits import Limits
 from accelnode.oci.manifest import check_index, get_manifest, read_config
+from accelnode.oci.mirrors import ACCESS_FLAG, check_endpoint
 from accelnode.oci.reference import DIGEST, Reference, check_digest
 from accelnode.oci.registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Registry, RegistryOptions
 
@@ -45,6 +48,8 @@ from .extract import Budget, Entry, Layer, Refused, check_symlinks, extract_laye
 
 log = logging.getLogger("accelnode.agent.store")
 _libc = ctypes.CDLL(None, use_errno=True)
+STALE_WRITE_SECONDS = 600.0  # a temporary file this old is no live write's (start-up sweep)
+MAX_CACHES = 2048  # caches one store holds: ListCaches and the node's status stay bounded
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,11 @@ class Capacity:
 
 class CacheStore:
     def __init__(self, root, *, registry: RegistryOptions | None = None, limits: Limits | None = None,
-                 capacity: Capacity | None = None):
+                 capacity: Capacity | None = None, access_mirrors=()):
         self.root = Path(root)
+        # mirror endpoints (HOST[:PORT]) the operator says enforce their registry's access: as
+        # the server, their answers prove what a tenant may have (--mirror-enforces-access)
+        self.access_mirrors = frozenset(check_endpoint(m) for m in access_mirrors)
         self.options = registry or RegistryOptions()
         self.limits = limits or Limits()
         self.capacity = capacity or Capacity()
@@ -119,26 +127,39 @@ class CacheStore:
         """Pull, verify and install ``image`` unless its manifest digest is installed already.
 
         ``options`` replaces the store's registry options for this pull (whoever asked: a
-        tenant's pull secrets, none, the node's). Content already installed is then handed out
-        only once the repository ``image`` names has served the digest's manifest with those
-        options (:meth:`_granted`), so no one gets what other credentials fetched, nor content by
-        naming its digest under a repository that does not hold it."""
+        tenant's pull secrets, none, the node's). Content is then handed out only once the
+        repository ``image`` names has served every manifest of the chain that led to it (the
+        index and the manifest chosen from it) with those options (:meth:`_granted`), so no one
+        gets what other credentials fetched, nor content by naming its digest, or an index
+        listing it, under a repository that does not hold it."""
         ref = Reference.parse(image)
         own = options is not None
         if ref.digest:
             found = self._installed_offline(ref.digest, image, accelerators)
             if found is not None:
-                return self._granted(found, ref, options, asked=False) if own else found
+                return self._granted(found, ref, options, [ref.digest], set()) if own else found
         options = options or self.options
         reg = Registry(ref.host, options, Deadline(options.timeout))
-        body, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits)
+        served: set[str] = set()  # manifests the named repository's server answered in this pull
+
+        def fetch(digest: str | None = None):
+            got = get_manifest(reg, ref, image, self.limits, digest)
+            if own and reg.manifests_from_server and self._proves(reg.last):
+                served.add(got[3])
+            return got
+
+        if own:
+            self._check_prover(reg, image)
+        body, manifest, media_type, digest = fetch()
+        chain = [digest]
         if media_type in INDEX_TYPES:
             desc = self._choose(manifest, image, accelerators)  # a refused index is not kept
             self._save_index(digest, body)
             found = self._use(desc["digest"])
             if found is not None:
-                return self._granted(found, ref, options, asked=reg.manifests_from_server) if own else found
-            _, manifest, media_type, digest = get_manifest(reg, ref, image, self.limits, desc["digest"])
+                return self._granted(found, ref, options, chain, served) if own else found
+            _, manifest, media_type, digest = fetch(desc["digest"])
+            chain.append(digest)
         if media_type not in MANIFEST_TYPES:
             raise HostileContent(f"unsupported manifest media type {media_type!r}", image)
         found = self._use(digest)
@@ -147,35 +168,58 @@ class CacheStore:
                 found = self._use(digest)  # another thread or process may have installed it meanwhile
                 if found is None:
                     found = self._install(reg, ref, image, digest, manifest, progress)
-                    if not own or reg.manifests_from_server:
-                        return found
-        return self._granted(found, ref, options, asked=reg.manifests_from_server) if own else found
+        return self._granted(found, ref, options, chain, served) if own else found
 
-    def _granted(self, found: Installed, ref: Reference, options: RegistryOptions, *, asked: bool) -> Installed:
-        """``found`` for a pull with options of its own, once ``ref``'s repository has served the
-        digest's manifest with them (``asked``: it just has) and, when the content was installed
-        from another registry, that one has too: anyone may put a copy of a private manifest (not
-        of its blobs) in a registry of theirs and name it. Within one registry a repository holds
-        a manifest only with its blobs, so the named repository's answer is proof enough."""
-        digest = ref.digest or found.digest
-        if not asked:
-            self._holds(ref, digest, options, str(ref), f"{ref.host}/{ref.repository}")
+    def _granted(self, found: Installed, ref: Reference, options: RegistryOptions, chain: list[str],
+                 served: set[str]) -> Installed:
+        """``found`` for a pull with options of its own, once ``ref``'s repository has served,
+        with them, every manifest of ``chain`` (the digest named, and the manifest an index led
+        to: ``found``) (``served``: those its server just answered) and, when the content was
+        installed from another registry, that one has served ``found``'s manifest too: anyone may
+        put a copy of a private manifest (not of its blobs) in a registry of theirs and name it,
+        or list it in an index of theirs. Within one registry a repository serves a manifest
+        only with its blobs, so the named repository's answer is proof enough."""
+        for digest in dict.fromkeys([*chain, found.digest]):
+            if digest not in served:
+                self._holds(ref, digest, options, str(ref), f"{ref.host}/{ref.repository}")
         origin = Reference.parse(found.image)
         if origin.host != ref.host:  # never named to this caller: it may not know that repository
-            self._holds(origin, digest, options, str(ref), "the registry this node installed it from")
+            self._holds(origin, found.digest, options, str(ref), "the registry this node installed it from")
         return found
 
     def _holds(self, repo: Reference, digest: str, options: RegistryOptions, image: str, what: str) -> None:
         """Raise AuthError unless ``repo``'s repository serves manifest ``digest`` with ``options``
-        (a GET, its body checked against the digest). Neither its absence nor a refusal is told
-        apart in the message: both say only that this pull may not have it."""
+        (a GET of the server alone, its body checked against the digest). Neither its absence nor
+        a refusal is told apart in the message: both say only that this pull may not have it."""
         reg = Registry(repo.host, options, Deadline(options.timeout), only_server=True)
+        self._check_prover(reg, image)
         try:
             get_manifest(reg, Reference(repo.host, repo.repository, digest=digest), image, self.limits)
         except (AuthError, ImageNotFound):
             raise AuthError(f"{what} does not serve {digest} to this pull "
                             f"({'anonymous' if options.anonymous else 'with its credentials'}); content installed "
                             "on this node is handed out only to a pull its repository serves", image) from None
+
+    def _proves(self, server: Host) -> bool:
+        """Whether ``server``'s answers say who may have a digest: the registry itself, or a
+        mirror the operator said enforces the registry's access (--mirror-enforces-access)."""
+        return server.is_registry or server.netloc in self.access_mirrors
+
+    def check_server(self, image: str, options: RegistryOptions) -> None:
+        """:meth:`_check_prover` for a tenant's request about ``image`` that is not a pull (the
+        prefetcher's look at an image's manifests)."""
+        self._check_prover(Registry(Reference.parse(image).host, options), image)
+
+    def _check_prover(self, reg: Registry, image: str) -> None:
+        """AuthError, before any request, when ``reg``'s server is a mirror whose answers prove
+        nothing about a tenant (a pull-through cache serves anyone who reaches it)."""
+        server = reg.last
+        if not self._proves(server):
+            raise AuthError(f"the requests of registry {reg.host} go to mirror {server.netloc} as their server "
+                            f"({server.source}), and a mirror's answer does not prove that this pull may have the "
+                            "image (a pull-through cache serves anyone who reaches it): nothing is pulled or handed "
+                            "out with a tenant's credentials through it. If that mirror enforces the registry's own "
+                            f"access control, the operator says so with {ACCESS_FLAG} {server.netloc}", image)
 
     def _installed_offline(self, digest: str, image: str, accelerators) -> Installed | None:
         found = self._use(digest)
@@ -226,14 +270,15 @@ class CacheStore:
                 raise HostileContent("not a kernel-cache image: no cache.<kind>.image/summary label and no "
                                      "single io.<kind>.cache/ tree", image)
             size = sum(e.size for e in base.entries.values() if e.type == "file")
-            _write(stage / "files.json", json.dumps({p: e.as_json() for p, e in sorted(base.entries.items())}))
+            atomic.write(stage / "files.json", json.dumps({p: e.as_json() for p, e in sorted(base.entries.items())}),
+                         durable=False)  # the whole stage is flushed at once below
             meta = {"digest": digest, "image": image, "kind": kind, "targets": targets, "size_bytes": size,
                     "labels": labels, "layers": [d["digest"] for d in layers], "installed_at": time.time()}
-            _write(stage / "meta.json", json.dumps(meta, indent=1))
+            atomic.write(stage / "meta.json", json.dumps(meta, indent=1), durable=False)
             shutil.rmtree(stage / "layers")
             _sync_tree(stage)
             os.rename(stage, self._dir(digest))
-            _fsync_dir(self.root / "caches")
+            atomic.fsync_dir(self.root / "caches")
         except BaseException as e:
             shutil.rmtree(stage, ignore_errors=True)
             if isinstance(e, OSError):
@@ -336,27 +381,53 @@ class CacheStore:
         return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
     def make_room(self, need: int, image: str) -> None:
-        """Before a pull of ``need`` bytes: collect down to the low watermark if the pull would
-        pass the high one, then refuse with :class:`NoSpace` unless it fits with the headroom."""
-        self.collect_to_watermark(need)
+        """Before a pull of ``need`` bytes (what the image declares, which nothing checked): refuse
+        with :class:`NoSpace` before anything is collected when the store cannot hold it (beyond
+        --max-image-size, or beyond its file system's free space plus what collection may remove,
+        keeping the headroom); else collect only what makes the room (down to the low watermark
+        when the pull passes the high one), and refuse if it still does not fit."""
         headroom = self.capacity.headroom_bytes
-        _, _, free = self.usage()
-        if need + headroom > free:
-            collected = ("unreferenced caches were collected first" if self.capacity.high_percent is not None
-                         else "watermark collection is off")
+        if need > self.limits.max_bytes:
+            raise NoSpace(f"the image declares {_mib(need)}, beyond the {_mib(self.limits.max_bytes)} this store "
+                          "takes of one image (--max-image-size); nothing was collected", image)
+        _, total, free = self.usage()
+        caches, removable = self._removable(idle=self.capacity.min_idle_seconds)
+        if self.capacity.high_percent is None:
+            removable = []
+        if len(caches) >= MAX_CACHES:
+            if len(caches) - len(removable) >= MAX_CACHES:
+                why = ("watermark collection is off" if self.capacity.high_percent is None
+                       else "too few of them may be collected (unreferenced and idle for --gc-min-idle)")
+                raise NoSpace(f"the store holds {len(caches)} caches, the most it keeps ({MAX_CACHES}), and {why}; "
+                              "nothing was collected", image)
+            self.on_collect(self._collect(None, None, self.capacity.min_idle_seconds, max_count=MAX_CACHES - 1))
+        collectable = sum(i.size_bytes for i in removable)
+        if need + headroom > free + collectable:
+            how = (f"collecting every unreferenced cache idle for --gc-min-idle would free {_mib(collectable)} "
+                   "more, so nothing was collected" if self.capacity.high_percent is not None
+                   else "watermark collection is off")
             raise NoSpace(f"no space left on device for this image: it declares {_mib(need)} and the store's file "
-                          f"system ({self.root}) has {_mib(free)} free, keeping {_mib(headroom)} spare "
-                          f"(--pull-headroom); {collected}", image)
+                          f"system ({self.root}, {_mib(total)}) has {_mib(free)} free, keeping {_mib(headroom)} "
+                          f"spare (--pull-headroom); {how}", image)
+        self.collect_to_watermark(need, at_least=need + headroom - free)
+        _, _, free = self.usage()
+        if need + headroom > free:  # a cache was referenced or used meanwhile, or others wrote
+            raise NoSpace(f"no space left on device for this image: it declares {_mib(need)} and the store's file "
+                          f"system ({self.root}) has {_mib(free)} free after collection, keeping {_mib(headroom)} "
+                          "spare (--pull-headroom)", image)
 
-    def collect_to_watermark(self, need: int = 0) -> list[Installed]:
+
+    def collect_to_watermark(self, need: int = 0, *, at_least: int = 0) -> list[Installed]:
         """When usage plus ``need`` bytes passes the high watermark, remove unreferenced caches,
-        least recently used first, until it is under the low watermark (or nothing removable is
-        left). The caches removed; :attr:`on_collect` hears of every run."""
+        least recently used first, until it is under the low watermark, and at least ``at_least``
+        bytes (or nothing removable is left). The caches removed; :attr:`on_collect` hears of
+        every run."""
         cap = self.capacity
         used, total, _ = self.usage()
-        if cap.high_percent is None or not total or (used + need) * 100 <= cap.high_percent * total:
+        passed = total and (used + need) * 100 > (cap.high_percent or 0) * total
+        if cap.high_percent is None or not total or (not passed and at_least <= 0):
             return []
-        excess = used + need - cap.low_percent * total / 100
+        excess = max(used + need - cap.low_percent * total / 100 if passed else 0, at_least)
         cached = sum(i.size_bytes for i in self.list())
         removed = self._collect(max(0, int(cached - excess)), None, idle=cap.min_idle_seconds)
         log.info("watermark collection", extra=kv(used=used, total=total, need=need, removed=len(removed),
@@ -366,11 +437,32 @@ class CacheStore:
 
     def _full(self, e: OSError, need: int, image: str) -> Exception:
         """A failed install's OSError, in plain words when the disk filled up."""
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not _is_full(e):
             return e
         return NoSpace(f"no space left on device in the store's file system ({self.root}) while unpacking "
                        f"(the image declares {_mib(need)}, which under-states it or others wrote meanwhile); "
                        "nothing of it was kept", image)
+
+    def no_space(self, e: Exception, what: str) -> Exception:
+        """``e`` as :class:`NoSpace` naming the store's file system when the file system (or a
+        quota) is full; any other error as it is. A full disk is bad input, never a crash."""
+        if not _is_full(e):
+            return e
+        return NoSpace(f"no space left on device in the store's file system ({self.root}): {e.strerror}; "
+                       "nothing was changed", what)
+
+    def with_identity(self, ident: tuple[int, int]) -> Installed | None:
+        """The installed cache whose content directory has ``ident`` (st_dev, st_ino), or None:
+        one stat per installed cache, no file read."""
+        for d in (self.root / "caches").iterdir():
+            digest = d.name.replace("-", ":", 1)
+            try:
+                st = os.stat(d / "content", follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if (st.st_dev, st.st_ino) == tuple(ident) and DIGEST.match(digest):
+                return self.installed(digest)
+        return None
 
     # -- references ----------------------------------------------------------------------------
 
@@ -384,8 +476,7 @@ class CacheStore:
         with self._store_lock():
             if self._use(digest) is None:
                 raise ImageNotFound("not installed in the store", digest)
-            _write(self._ref_path(holder), json.dumps({"holder": holder, "digest": digest, "meta": meta}), sync=True)
-            _fsync_dir(self.root / "refs")
+            atomic.write(self._ref_path(holder), json.dumps({"holder": holder, "digest": digest, "meta": meta}))
 
     def release(self, holder: str) -> None:
         with self._store_lock():
@@ -395,7 +486,7 @@ class CacheStore:
                 path.unlink()
             except FileNotFoundError:
                 return
-            _fsync_dir(self.root / "refs")
+            atomic.fsync_dir(self.root / "refs")
             self._use(digest)  # used until now: the last to go among the unreferenced
 
     def references(self) -> dict[str, dict]:
@@ -444,29 +535,44 @@ class CacheStore:
         digests. A cache being pulled is skipped. Returns digests removed."""
         return [i.digest for i in self._collect(max_bytes, only)]
 
-    def _collect(self, max_bytes: int | None, only: set[str] | None, idle: float = 0.0) -> list[Installed]:
-        """:meth:`gc`'s work; ``idle``: skip caches used less than that many seconds ago (a cache
+    def _removable(self, only: set[str] | None = None, idle: float = 0.0) -> tuple[list[Installed], list[Installed]]:
+        """(every installed cache (of ``only``), those a collection may remove, least recently
+        used first): unreferenced, and with ``idle`` not used within that many seconds (a cache
         just handed out is about to be referenced by the volume that asked for it)."""
+        referenced = {r["digest"] for r in self.references().values()}
+        caches = [i for i in self.list() if only is None or i.digest in only]
+        used = {}
+        for i in caches:
+            try:
+                used[i.digest] = self._dir(i.digest).stat().st_mtime
+            except FileNotFoundError:  # removed meanwhile by another process
+                continue
+        recent = time.time() - idle
+        return caches, sorted((i for i in caches if i.digest in used and i.digest not in referenced
+                               and not (idle and used[i.digest] > recent)), key=lambda i: used[i.digest])
+
+    def _collect(self, max_bytes: int | None, only: set[str] | None, idle: float = 0.0, *,
+                 max_count: int | None = None) -> list[Installed]:
+        """:meth:`gc`'s work, down to ``max_bytes`` and ``max_count`` caches (None: no bound);
+        ``idle`` as in :meth:`_removable`."""
         removed, trash = [], []
         with self._store_lock():
-            referenced = {r["digest"] for r in self.references().values()}
-            caches = [i for i in self.list() if only is None or i.digest in only]
-            total = sum(i.size_bytes for i in caches)
-            used = {i.digest: self._dir(i.digest).stat().st_mtime for i in caches}
-            recent = time.time() - idle
-            for inst in sorted(caches, key=lambda i: used[i.digest]):
-                if max_bytes is not None and total <= max_bytes:
+            caches, removable = self._removable(only, idle)
+            total, count = sum(i.size_bytes for i in caches), len(caches)
+            for inst in removable:
+                if (max_bytes is None or total <= max_bytes) and (max_count is None or count <= max_count) \
+                        and (max_bytes is not None or max_count is not None):
                     break
-                if inst.digest in referenced or (idle and used[inst.digest] > recent):
-                    continue
                 try:
                     with self._digest_lock(inst.digest, inst.digest, None):
-                        trash.append(Path(tempfile.mkdtemp(prefix="trash.", dir=self.root / "tmp")))
-                        os.rename(self._dir(inst.digest), trash[-1] / "c")
-                        _fsync_dir(self.root / "caches")
+                        # a rename needs no new block: a collection works on a full file system too
+                        trash.append(self.root / "tmp" / f"trash.{secrets.token_hex(8)}")
+                        os.rename(self._dir(inst.digest), trash[-1])
+                        atomic.fsync_dir(self.root / "caches")
                 except Busy:
                     continue
                 total -= inst.size_bytes
+                count -= 1
                 removed.append(inst)
                 log.info("cache removed", extra=kv(digest=inst.digest, bytes=inst.size_bytes))
         for t in trash:  # the slow part, outside the store lock (leftovers go at the next start)
@@ -510,6 +616,13 @@ class CacheStore:
                     log.info("removed leftovers of an interrupted pull", extra=kv(path=str(p)))
             except Busy:
                 pass  # a pull in another process is using it
+        # a write killed half-way: references are written under the store lock only, indexes
+        # under none (so only a temporary far older than one write is a leftover)
+        with self._store_lock():
+            stale = atomic.sweep(self.root / "refs")
+        stale += atomic.sweep(self.root / "indexes", min_age=STALE_WRITE_SECONDS)
+        for p in stale:
+            log.info("removed the temporary file of an interrupted write", extra=kv(path=str(p)))
 
     def _index_path(self, digest: str) -> Path:
         return self.root / "indexes" / (digest.replace(":", "-", 1) + ".json")
@@ -517,7 +630,7 @@ class CacheStore:
     def _save_index(self, digest: str, body: bytes) -> None:
         path = self._index_path(digest)
         if not path.exists():
-            _write(path, body)
+            atomic.write(path, body, durable=False)
 
     def mark_used(self, digest: str) -> bool:
         """Record a use of an installed cache now (its last use, for LRU); False if it is gone."""
@@ -541,7 +654,13 @@ def declared_size(layers: list[dict], kind: str | None, labels: dict) -> int:
     at a full disk)."""
     label = labels.get(fmt.label(kind, "cache-size-bytes"), "") if kind else ""
     compressed = sum(d["size"] for d in layers)
-    return max(compressed, int(label)) if isinstance(label, str) and label.isdigit() else compressed
+    if not (isinstance(label, str) and label.isascii() and label.isdigit()):
+        return compressed
+    return max(compressed, int(label) if len(label) <= 20 else 10 ** 20)  # more than any disk either way
+
+
+def _is_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _mib(n: int) -> str:
@@ -579,25 +698,6 @@ def _remove_any(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def _write(path: Path, data, sync: bool = False) -> None:
-    """Write a file atomically (temp file + rename), optionally flushed to disk first."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sync_tree(path: Path) -> None:

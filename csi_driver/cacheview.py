@@ -3,11 +3,13 @@ and of the ClusterCacheTrustPolicy objects, kept current by three watches, so th
 never waits on the API server.
 
 Objects are trimmed to what a publish reads: name, namespace, labels, ``spec.image``,
-``spec.workloadNamespaces``, ``status.resolvedDigest`` and the conditions. A kind is usable once
+``spec.workloadNamespaces``, ``status.resolvedDigest``, ``status.verification`` and the
+conditions; policies to their name, generation and whom they cover. A kind is usable once
 its first list has arrived (:meth:`CacheView.synced`); until then a publish that needs it is
 answered UNAVAILABLE and ``/readyz`` says which kind is missing (the trust policies too: until
 they are listed, the driver cannot tell which caches need a verified signature, so it mounts
-none). A missing CRD, an unreachable
+none; nor once their watch has been broken for longer than ``--trust-policy-max-age``:
+:meth:`CacheView.policies_stale`). A missing CRD, an unreachable
 server or a refused watch are retried by the reflectors with backoff. Each reflector beats a
 heartbeat (``watch GKMCaches``, ``watch ClusterGKMCaches``, ``watch ClusterCacheTrustPolicies``) in the driver's
 :class:`~accelnode.health.Health`: a watch thread that dies or hangs turns ``/healthz``.
@@ -21,27 +23,24 @@ from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.kube.client import Client, custom_path
 from accelnode.kube.reflector import Reflector
 
-from .resolve import CacheRef
+from accelnode.oci.refusal import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, VERIFICATION, trim_policy
+
+from .resolve import POLICY_MAX_AGE, CacheRef
 
 GROUP, VERSION = "gkm.io", "v1alpha1"
-POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL = "accelnode.io", "v1alpha1", "clustercachetrustpolicies"
 
 
 def trim(obj: dict) -> dict:
     """What the driver keeps of a cache object."""
     md, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    kept = {"resolvedDigest": status.get("resolvedDigest"),
+            "conditions": [{k: c.get(k) for k in ("type", "status", "reason", "message")}
+                           for c in status.get("conditions") or [] if isinstance(c, dict)]}
+    if VERIFICATION in status:
+        kept[VERIFICATION] = status[VERIFICATION]
     return {"metadata": {k: md[k] for k in ("name", "namespace", "labels") if k in md},
             "spec": {k: spec[k] for k in ("image", "workloadNamespaces") if k in spec},
-            "status": {"resolvedDigest": status.get("resolvedDigest"),
-                       "conditions": [{k: c.get(k) for k in ("type", "status", "reason", "message")}
-                                      for c in status.get("conditions") or [] if isinstance(c, dict)]}}
-
-
-def trim_policy(obj: dict) -> dict:
-    """What the driver keeps of a trust policy: whom it covers and whether it requires signatures."""
-    md, spec = obj.get("metadata") or {}, obj.get("spec") or {}
-    return {"metadata": {"name": md.get("name")},
-            "spec": {k: spec[k] for k in ("namespaces", "clusterCaches", "requireSignature") if k in spec}}
+            "status": kept}
 
 
 KINDS = (("GKMCaches", "gkmcaches"), ("ClusterGKMCaches", "clustergkmcaches"),
@@ -49,9 +48,13 @@ KINDS = (("GKMCaches", "gkmcaches"), ("ClusterGKMCaches", "clustergkmcaches"),
 
 
 class CacheView:
-    def __init__(self, client: Client, health: Health | None = None, **reflector_options):
-        """``reflector_options`` go to both reflectors (tests: ``watch_seconds``, ``stall_after``)."""
+    def __init__(self, client: Client, health: Health | None = None, *, policy_max_age: float = POLICY_MAX_AGE,
+                 **reflector_options):
+        """``reflector_options`` go to every reflector (tests: ``watch_seconds``, ``stall_after``);
+        ``policy_max_age``: seconds the trust policies' watch may be broken before :meth:`policies`
+        refuses to answer (fail closed)."""
         health = health or Health()
+        self.policy_max_age = policy_max_age
         self.namespaced, self.cluster, self.trust = (
             Reflector(client, path, trim=trimmed, beat=health.heartbeat(f"watch {kind}", GRACE_DEFAULT),
                       **reflector_options)
@@ -75,6 +78,16 @@ class CacheView:
     def policies(self) -> list[dict] | None:
         """The trust policies, None until they have been listed once."""
         return self.trust.snapshot() if self.trust.synced.is_set() else None
+
+    def policies_stale(self) -> str | None:
+        """Why the copy of the trust policies cannot be trusted to be current, or None: its watch
+        has been broken for longer than ``policy_max_age`` (a policy created or edited meanwhile
+        would go unseen)."""
+        age = self.trust.out_of_sync_for()
+        if age is None or age <= self.policy_max_age:
+            return None
+        return (f"the driver's copy of the ClusterCacheTrustPolicies is {age:.0f} s old (their watch has not "
+                f"been in sync for more than --trust-policy-max-age {self.policy_max_age:g} s)")
 
     def ready(self) -> tuple[bool, str]:
         """(both kinds listed, which are not yet): the driver's readiness."""

@@ -102,6 +102,9 @@ def register(sub) -> None:
     p.add_argument("--kubeconfig", metavar="FILE",
                    help="kubeconfig for the API server, where caches are looked up by name (default: as kubectl: "
                         "$KUBECONFIG, ~/.kube/config, else the pod's service account when running in a pod)")
+    p.add_argument("--trust-policy-max-age", type=_seconds, default=resolve.POLICY_MAX_AGE, metavar="SECONDS",
+                   help="how long the watch of ClusterCacheTrustPolicies may be broken before the driver mounts "
+                        "nothing (a policy created or edited meanwhile would go unseen) (default: %(default)s)")
     p.add_argument(resolve.TRUST_FLAG, action="store_true",
                    help="accept the volume attribute csi.gkm.io/image, for clusters without the controller. This "
                         "trusts pod authors: whoever writes a pod may mount any image they name (pulled without "
@@ -180,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         raise exitcodes.CLIError(f"views directory {args.views_dir}: {e}", exitcodes.PREREQUISITE) from None
     health = Health()
     try:
-        view = cacheview.CacheView(Client(config, user_agent="accelnode-csi"), health) if config is not None else None
+        view = (cacheview.CacheView(Client(config, user_agent="accelnode-csi"), health,
+                                    policy_max_age=args.trust_policy_max_age) if config is not None else None)
     except (ValueError, OSError) as e:  # unreadable certificates or keys (ssl.SSLError is an OSError)
         raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
     Path(sock).parent.mkdir(parents=True, exist_ok=True)

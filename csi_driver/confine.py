@@ -14,16 +14,18 @@ Both cost a bounded number of system calls, whatever the number of mounts, cache
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from . import mounts
 
 CSI_PLUGIN_DIR = "kubernetes.io~csi"  # kubelet's escaped name of the CSI volume plugin
 SHAPE = f"<kubelet-dir>/pods/<pod-uid>/volumes/{CSI_PLUGIN_DIR}/<volume-name>/mount"
 # A pod's uid: a UUID; static pods get the hex MD5 kubelet computes for them.
+MAX_KNOWN = 1024  # cache directory identities the driver remembers
 POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}")
 
 
@@ -56,35 +58,36 @@ def target(path: str, kubelet_dir: str) -> str:
 class StoreDirs:
     """The identities (st_dev, st_ino) of the store's cache directories, learnt from the agent.
 
-    Each READY EnsureCache names a cache's path (:meth:`learn`); an identity not known yet asks
-    the agent for every installed cache once (``listing``: after a restart, or for a foreign
-    mount). A known identity is confirmed by one stat of its path, because a collected cache's
-    inode may be reused. The map holds at most the caches installed when it was last refreshed
-    plus those learnt since.
+    Each READY EnsureCache names a cache's path (:meth:`learn`); an identity not known yet is
+    asked of the agent (``lookup``: one answer, the one cache whose directory it is, if any).
+    A known identity is confirmed by one stat of its path, because a collected cache's inode may
+    be reused. The map keeps the :data:`MAX_KNOWN` latest learnt: a forgotten one is asked again.
     """
 
     def __init__(self):
-        self._known: dict[tuple[int, int], str] = {}
+        self._known: collections.OrderedDict[tuple[int, int], str] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def learn(self, path: str) -> None:
         ident = mounts.identity(path)
         with self._lock:
             self._known[ident] = path
+            self._known.move_to_end(ident)
+            while len(self._known) > MAX_KNOWN:
+                self._known.popitem(last=False)
 
-    def cache_at(self, ident: tuple[int, int], listing: Callable[[], Iterable[str]]) -> str | None:
+    def cache_at(self, ident: tuple[int, int], lookup: Callable[[tuple[int, int]], str]) -> str | None:
         """The store path of the cache directory whose identity is ``ident``, or None."""
         path = self._confirmed(ident)
         if path is not None:
             return path
-        known = {}
-        for p in listing():
-            try:
-                known[mounts.identity(p)] = p
-            except FileNotFoundError:  # collected since the listing
-                continue
-        with self._lock:
-            self._known = known
+        path = lookup(ident)
+        if not path:
+            return None
+        try:
+            self.learn(path)
+        except FileNotFoundError:  # collected since the agent answered
+            return None
         return self._confirmed(ident)
 
     def _confirmed(self, ident: tuple[int, int]) -> str | None:

@@ -33,7 +33,7 @@ class IdentityServer(csi_grpc.IdentityServicer):
     def Probe(self, request, context):  # noqa: N802
         """Ready only while the node agent answers: without it nothing can be published."""
         try:
-            self.agent.ListCaches(agent.ListCachesRequest(), timeout=PROBE_TIMEOUT)
+            self.agent.GetTarget(agent.GetTargetRequest(), timeout=PROBE_TIMEOUT)  # the cheapest call
         except grpc.RpcError:
             return csi.ProbeResponse(ready=wrappers_pb2.BoolValue(value=False))
         return csi.ProbeResponse(ready=wrappers_pb2.BoolValue(value=True))

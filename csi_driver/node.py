@@ -40,6 +40,7 @@ FAILURE_CODES = {
     Ensure.REGISTRY_UNAVAILABLE: Code.UNAVAILABLE,
     Ensure.DENIED: Code.UNAUTHENTICATED,
     Ensure.INVALID_REFERENCE: Code.INVALID_ARGUMENT,
+    Ensure.NO_SPACE: Code.RESOURCE_EXHAUSTED,
 }
 MAX_STACKED_UNMOUNTS = 16
 Mode = csi.VolumeCapability.AccessMode
@@ -256,7 +257,7 @@ class NodeServer(csi_grpc.NodeServicer):
                         break
                     if self.views is not None and self.views.ours(where, shown):
                         pass  # our overlay; its tmpfs goes once it is unmounted
-                    elif self.store_dirs.cache_at(shown, lambda: self._cache_paths(context)) is None:
+                    elif self.store_dirs.cache_at(shown, lambda ident: self._shown(context, ident)) is None:
                         context.abort(Code.FAILED_PRECONDITION, f"{target} has a mount that is not a cache of this "
                                                                 f"node's store: {mounts.describe(where)}; leaving it "
                                                                 "there")
@@ -277,8 +278,8 @@ class NodeServer(csi_grpc.NodeServicer):
         """Refuse to take away what another volume holds at this target: the agent's references
         say which volume was published there. A mount that no reference holds (its record lost)
         is taken away as before: nothing else could ever clean it up."""
-        listing = self.agent.call(context, "ListCaches", agent.ListCachesRequest())
-        holders = {r.volume_id for c in listing.caches for r in c.references if r.target_path in (target, where)}
+        held = self._held(context, target, where)
+        holders = {h.reference.volume_id for h in held}
         if holders and vid not in holders:
             context.abort(Code.FAILED_PRECONDITION, f"{target} holds volume {', '.join(sorted(holders))}, not "
                                                     f"{vid}; leaving it mounted")
@@ -289,9 +290,15 @@ class NodeServer(csi_grpc.NodeServicer):
         except confine.OutsideKubelet as e:
             context.abort(Code.INVALID_ARGUMENT, str(e))
 
-    def _cache_paths(self, context) -> list[str]:
-        listing = self.agent.call(context, "ListCaches", agent.ListCachesRequest())
-        return [c.path for c in listing.caches if c.path]
+    def _held(self, context, *targets: str):
+        """The agent's references held at these target paths (one bounded answer)."""
+        paths = list(dict.fromkeys(targets))
+        return self.agent.call(context, "GetTarget", agent.GetTargetRequest(target_paths=paths)).held
+
+    def _shown(self, context, ident: tuple[int, int]) -> str:
+        """The store path of the installed cache whose directory has identity ``ident``, or ""."""
+        return self.agent.call(context, "GetTarget", agent.GetTargetRequest(
+            mount_root=agent.FileIdentity(device=ident[0], inode=ident[1]))).shown
 
     # -- info ----------------------------------------------------------------------------
 
@@ -302,9 +309,7 @@ class NodeServer(csi_grpc.NodeServicer):
         _require(context, path, "volume_path")
         if not os.path.exists(path):
             context.abort(Code.NOT_FOUND, f"volume path {path} does not exist")
-        listing = self.agent.call(context, "ListCaches", agent.ListCachesRequest())
-        cache = next((c for c in listing.caches for r in c.references
-                      if (r.volume_id, r.target_path) == (vid, path)), None)
+        cache = next((h for h in self._held(context, path) if h.reference.volume_id == vid), None)
         if cache is None:
             context.abort(Code.NOT_FOUND, f"volume {vid} is not published at {path} on this node")
         where, rec = self._view_of(path)
@@ -314,7 +319,7 @@ class NodeServer(csi_grpc.NodeServicer):
             problem = f"{path} is no longer a mount point"
         elif not {"ro", "nosuid", "nodev"} <= (options := mounts.options_at(path)):
             problem = f"{path} is mounted {','.join(sorted(options))}, not ro,nosuid,nodev"
-        elif not mounts.same_directory(path, cache.path):
+        elif not cache.path or not mounts.same_directory(path, cache.path):
             problem = f"{path} no longer shows {cache.digest}"
         else:
             problem = ""

@@ -4,7 +4,8 @@ Invariant: the image comes from the cache object, never from the pod. :class:`Ap
 reads the object from a watch-backed view (:mod:`csi_driver.cacheview`), enforces namespace
 rules, waits for the controller's pin and refuses a cache whose signature check failed; where
 the trust policies themselves require a signature, it mounts only a digest the controller's
-``Verified`` condition names (fail closed, controller up or down: docs/security.md). The
+verdict (``status.verification``) accepts under the policies covering it now (fail closed,
+controller up or down, and while its copy of the policies is too old: docs/security.md). The
 ``csi.gkm.io/image`` attribute is honoured only with ``--trust-pod-image-attribute``, and then
 pulled without the node's registry credentials. :class:`VolumeResolver` picks between them per
 volume; the driver depends only on the :class:`Resolver` protocol.
@@ -12,13 +13,12 @@ volume; the driver depends only on the :class:`Resolver` protocol.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Protocol
 
 from accelnode.oci.errors import InvalidReference
 from accelnode.oci.refusal import mount_refusal
-from accelnode.oci.reference import Reference
+from accelnode.oci.reference import DIGEST_PINNED, Reference
 
 CACHE_KEY = "csi.gkm.io/GKMCache"
 NAMESPACE_KEY = "csi.gkm.io/namespace"
@@ -27,8 +27,8 @@ POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
 POD_NAME = "csi.storage.k8s.io/pod.name"
 POD_UID = "csi.storage.k8s.io/pod.uid"
 
-DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
 TRUST_FLAG = "--trust-pod-image-attribute"
+POLICY_MAX_AGE = 300.0  # seconds the trust policies' watch may be broken before nothing mounts (--trust-policy-max-age)
 
 
 class ResolveError(Exception):
@@ -81,6 +81,9 @@ class CacheView(Protocol):
     def policies(self) -> list[dict] | None:
         """The ClusterCacheTrustPolicy objects, None until they have been listed once."""
 
+    def policies_stale(self) -> str | None:
+        """Why the policies above may not be current (their watch broken too long), or None."""
+
 
 class AttributeResolver:
     """The volume's ``csi.gkm.io/image`` attribute is the image; its author is the pod's, so it is
@@ -120,8 +123,13 @@ class ApiResolver:
             raise ResolveError("UNAVAILABLE", f"{cache}: the driver has not read the ClusterCacheTrustPolicies from "
                                               "the API server yet, so it cannot tell whether a signature is "
                                               "required; retry")
-        check_verified(cache, (obj.get("metadata") or {}).get("labels") or {}, status.get("conditions") or [],
-                       image.rsplit("@", 1)[1], policies)
+        stale = self.view.policies_stale()
+        if stale is not None:  # any cache could be covered by a policy it has not seen: none mounts
+            raise ResolveError("UNAVAILABLE", f"{cache}: {stale}, so it cannot tell whether a signature is required "
+                                              "or which policies a verdict must be judged under; retry once it "
+                                              "watches them again")
+        check_verified(cache, (obj.get("metadata") or {}).get("labels") or {}, status, image.rsplit("@", 1)[1],
+                       policies)
         return Image(image)
 
 
@@ -186,12 +194,12 @@ def check_workload_namespaces(cache: CacheRef, pod: Pod, namespaces: list[str]) 
                                                 f"{pod.namespace}/{pod.name} is not")
 
 
-def check_verified(cache: CacheRef, labels: dict, conditions: list[dict], digest: str, policies: list[dict]) -> None:
-    """A cache whose signature check failed (condition ``Verified`` False) is not mounted
+def check_verified(cache: CacheRef, labels: dict, status: dict, digest: str, policies: list[dict]) -> None:
+    """A cache whose verdict on ``digest`` is a refusal (``status.verification``) is not mounted
     (FAILED_PRECONDITION naming the reason); one that needs a signature (its label, or the
-    policies covering its namespace) without a ``Verified`` True naming ``digest`` is
-    UNAVAILABLE (kubelet retries). docs/signatures.md."""
-    refused = mount_refusal(cache.namespace, labels, conditions, digest, policies)
+    policies covering its namespace) without an accepting verdict on ``digest`` under the
+    policies covering it now is UNAVAILABLE (kubelet retries). docs/signatures.md."""
+    refused = mount_refusal(cache.namespace, labels, status, digest, policies)
     if refused is None:
         return
     status, why = refused

@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from accelnode import atomic
 from accelnode.kube.quantity import to_bytes
 from accelnode.log import kv
 
@@ -202,11 +203,10 @@ class Views:
 
     @staticmethod
     def _write(d: str, rec: Record) -> None:
-        tmp = os.path.join(d, RECORD + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"target": rec.target, "digest": rec.digest, "size": rec.size,
-                       "overlay": list(rec.overlay) if rec.overlay else None}, f)
-        os.replace(tmp, os.path.join(d, RECORD))
+        # on the view's own tmpfs: gone at reboot with the view, so not flushed
+        atomic.write(os.path.join(d, RECORD), json.dumps({"target": rec.target, "digest": rec.digest, "size": rec.size,
+                                                          "overlay": list(rec.overlay) if rec.overlay else None}),
+                     durable=False)
 
     def remove(self, target: str) -> bool:
         """Take the view directory of ``target`` away (its tmpfs, then the directory); the caller

@@ -8,8 +8,10 @@ skipping. A developer may set ACCELNODE_ALLOW_SKIP=1 to turn those failures into
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -123,3 +125,29 @@ def health_turned(port: int, what: str, timeout: float = 20.0) -> str:
     code, ready = http_get(port, "/readyz")
     assert code == 503 and what in ready, ready
     return body
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 16 MiB tmpfs: a file system that really fills up."""
+    require_root()
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0755", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def fill(directory) -> None:
+    """Write ``directory``/filler until its file system is full, to its last page."""
+    fd = os.open(os.path.join(directory, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 20, 4096):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+    finally:
+        os.close(fd)

@@ -13,7 +13,8 @@ import pytest
 from accelnode import cli
 from tests.conftest import ROOT, tool
 
-DOCS = ["docs/signatures.md", "docs/device-plugin.md", "docs/tpu-env.md", "docs/dra.md"]
+DOCS = ["docs/signatures.md", "docs/device-plugin.md", "docs/tpu-env.md", "docs/dra.md", "docs/registries.md",
+        "docs/agent-store.md"]
 _SPAN = re.compile(r"`([^`\n]+)`")
 _BLOCK = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 
@@ -68,3 +69,13 @@ def test_cosign_flags_in_the_docs_exist():
         given = [w if "=" in w else w + "=true" for w in words if w.startswith("--")]
         out = subprocess.run([cosign, verb, *given, "--help"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, f"`cosign {' '.join(words)}`: {out.stderr.strip()[-300:]}"
+
+
+def test_every_agent_flag_is_documented():
+    """Each flag of ``accelnode agent`` (its own and the registry flags) is named in a doc page,
+    but for the one every command has (--log-format, said by --help)."""
+    agent = _subparser(cli.build_parser(), "agent")
+    text = "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    missing = sorted(o for a in agent._actions for o in a.option_strings
+                     if o.startswith("--") and o not in ("--help", "--log-format") and f"`{o}" not in text)
+    assert not missing, f"flags of accelnode agent no doc names: {missing}"

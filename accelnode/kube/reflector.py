@@ -98,6 +98,8 @@ class Reflector:
         self._watch_events = 0  # events of the watch in flight
         self.retry_in = 0.0  # the current backoff (0 while all is well)
         self._resp = None
+        self._watching = False  # a watch is open: the copy follows the server
+        self._current_at: float | None = None  # monotonic time the copy was last known current
 
     def snapshot(self) -> list[dict]:
         with self._lock:
@@ -107,6 +109,15 @@ class Reflector:
         """One stored object (``namespace`` None or empty for a cluster-scoped kind)."""
         with self._lock:
             return self._items.get(f"{namespace or ''}/{name}")
+
+    def out_of_sync_for(self) -> float | None:
+        """Seconds since the copy was last known current: 0 while a watch is open (one that hangs
+        silently is dropped by the client's read timeout, ``watch_seconds`` plus slack), None
+        before the first list."""
+        at = self._current_at
+        if at is None:
+            return None
+        return 0.0 if self._watching else max(0.0, time.monotonic() - at)
 
     def interrupt(self) -> None:
         """End the watch in flight (after setting :meth:`run`'s ``stop``, so it returns promptly)."""
@@ -177,6 +188,7 @@ class Reflector:
             old, self._items = self._items, fresh
         self.resource_version = rv
         self.relists += 1
+        self._current_at = time.monotonic()
         self.synced.set()
         if self.on_event is not None:
             for key, obj in fresh.items():
@@ -194,13 +206,15 @@ class Reflector:
         query = dict(self.query, resourceVersion=self.resource_version)
 
         def opened(resp) -> None:
-            self._resp, self.retry_in = resp, 0.0
+            self._resp, self.retry_in, self._watching = resp, 0.0, True
             if stop.is_set():  # stopped while the watch was being opened
                 _shutdown(resp)
 
         try:
             return self._follow(self.client.watch(self.path, query, self.watch_seconds, on_open=opened), stop)
         finally:
+            if self._watching:  # current up to its end
+                self._current_at, self._watching = time.monotonic(), False
             self._resp = None
 
     def _follow(self, events, stop: threading.Event) -> int:

@@ -48,3 +48,14 @@ class IntegrityError(ImageError):
 
 class HostileContent(ImageError):
     """An image tried something forbidden: path escape, device node, bomb, unknown media type..."""
+
+
+MAX_QUOTED = 300  # characters of a peer's text quoted in a status message
+
+
+def quoted(text: str, limit: int = MAX_QUOTED) -> str:
+    """Text a registry (or any peer) supplied, as a status message may carry it: truncated to
+    ``limit`` characters and quoted (``repr``), so that it reads as a quotation and never as
+    words of ours. Nothing parses a message; this keeps them honest for people."""
+    text = str(text)
+    return repr(text[:limit] + ("..." if len(text) > limit else ""))

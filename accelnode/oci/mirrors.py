@@ -15,6 +15,9 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _HOST = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*(?::(?P<port>[0-9]{{1,5}}))?$")
 # Docker Hub's other names: an image reference says docker.io, a config or a mirror flag may not
 _ALIASES = {"index.docker.io": "docker.io", "registry-1.docker.io": "docker.io"}
+# the agent's flag naming the mirrors (as the server of a registry) whose answers prove what a
+# tenant may have: those that enforce the registry's own access control (docs/registries.md)
+ACCESS_FLAG = "--mirror-enforces-access"
 FORMAT = ("HOST=ENDPOINT: a registry host as images name it, and the HOST[:PORT] of its mirror "
           "(e.g. quay.io=10.0.0.5:5000)")
 
@@ -39,6 +42,11 @@ def check_mirror(host: str, endpoint: str) -> tuple[str, str]:
     if not _is_host(host):
         raise ValueError(f"{host!r} is not a registry host as image references name one "
                          "(HOST[:PORT] with a dot or a port, or localhost)")
+    return registry_host(host), check_endpoint(endpoint)
+
+
+def check_endpoint(endpoint: str) -> str:
+    """A mirror endpoint ``HOST[:PORT]`` (no scheme, no path), lower case; ValueError if malformed."""
     if "://" in endpoint:
         raise ValueError(f"mirror endpoint {endpoint!r}: give HOST[:PORT] without a scheme "
                          "(--plain-http chooses HTTP for every registry and mirror)")
@@ -48,7 +56,7 @@ def check_mirror(host: str, endpoint: str) -> tuple[str, str]:
     m = _HOST.match(endpoint)
     if not m or (m["port"] is not None and not 0 < int(m["port"]) < 65536):
         raise ValueError(f"mirror endpoint {endpoint!r} is not HOST[:PORT]")
-    return registry_host(host), endpoint.lower()
+    return endpoint.lower()
 
 
 def check_mirrors(mirrors: Mapping[str, str] | None) -> dict[str, str]:

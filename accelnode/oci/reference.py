@@ -14,6 +14,8 @@ _REF = re.compile(
     r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
 )
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")  # REGISTRY/REPO@sha256:<64 hex>, the form nodes pull
+MAX_NAME = 255  # characters of HOST/REPOSITORY (the distribution reference's NameTotalLengthMax)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class Reference:
         if not m or ("." not in m["host"] and ":" not in m["host"] and m["host"] != "localhost"):
             raise InvalidReference(
                 "not an image reference: expected HOST[:PORT]/REPOSITORY[:TAG][@sha256:HEX]", text)
+        if len(m["host"]) + 1 + len(m["repo"]) > MAX_NAME:
+            raise InvalidReference(f"not an image reference: its name (HOST/REPOSITORY) is longer than {MAX_NAME} "
+                                   "characters", text[:MAX_NAME] + "...")
         return cls(m["host"], m["repo"], m["tag"], m["digest"])
 
     @property

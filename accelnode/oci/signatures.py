@@ -27,13 +27,11 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from .errors import ImageNotFound, IntegrityError, RegistryUnavailable
-from .refusal import SIGNATURE_FORMAT_LABEL, pull_refusal  # noqa: F401 (here too: the names callers know)
+from .errors import ImageNotFound, IntegrityError, RegistryUnavailable, quoted
+from .refusal import FORMATS, SIGNATURE_FORMAT_LABEL, V2, V3, pull_refusal  # noqa: F401 (here too: the names callers know)
 from .reference import Reference, check_digest
 from .registry import Deadline, Registry, RegistryOptions
 
-V2, V3 = "cosign-v2", "cosign-v3"
-FORMATS = (V2, V3)
 SIMPLESIGNING = "application/vnd.dev.cosign.simplesigning.v1+json"
 SIG_ANNOTATION = "dev.cosignproject.cosign/signature"
 CERT_ANNOTATION = "dev.sigstore.cosign/certificate"
@@ -86,10 +84,14 @@ class TrustedKey:
         return cls(name, key)
 
     @property
+    def der(self) -> bytes:
+        """Its SubjectPublicKeyInfo, DER."""
+        return self.key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    @property
     def hint(self) -> str:
         """The key hint cosign v3 writes into a bundle: base64(SHA-256(SubjectPublicKeyInfo DER))."""
-        der = self.key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-        return base64.b64encode(hashlib.sha256(der).digest()).decode()
+        return base64.b64encode(hashlib.sha256(self.der).digest()).decode()
 
     def verifies(self, signature: bytes, message: bytes) -> bool:
         k = self.key
@@ -239,7 +241,8 @@ class Verdict:
     reason: str
     message: str
     format: str | None = None  # the format of the accepted signature
-    key: str | None = None  # the name of the key that verified it
+    key: str | None = None  # the name of the key (or the keyless identity) that verified it
+    fingerprint: str | None = None  # of that key's material (identity and trust roots): :func:`key_fingerprint`
 
 
 @dataclass(frozen=True)
@@ -423,13 +426,15 @@ def _judge_keyless(f: _Found, digest: str, trust: KeylessTrust | None) -> tuple[
     issuer, subjects = _leaf_identity(leaf)
     ident = next((i for i in trust.identities if i.matches(issuer, subjects)), None)
     if ident is None:
-        return WRONG_IDENTITY, (f"{what} by {', '.join(subjects) or 'no subject'} from issuer {issuer or 'none'}; "
+        return WRONG_IDENTITY, (f"{what} by {quoted(', '.join(subjects)) if subjects else 'no subject'} from issuer "
+                                f"{quoted(issuer) if issuer else 'none'}; "
                                 f"the policy trusts {'; '.join(str(i) for i in trust.identities)}")
     if not (f.message and f.signature and TrustedKey(str(ident), leaf.public_key()).verifies(f.signature, f.message)):
         return BAD_SIGNATURE, f"{what} whose payload does not verify under its certificate (altered)"
     if f.names != digest:
         return DIGEST_MISMATCH, f"{what} by {ident} names {f.names or 'no digest'}, not {digest}"
-    return Verdict(True, VERIFIED, f"{digest} signed ({f.format}, keyless) by {ident}", f.format, str(ident))
+    return Verdict(True, VERIFIED, f"{digest} signed ({f.format}, keyless) by {ident}", f.format, str(ident),
+                   keyless_fingerprint(ident, trust))
 
 
 def judge(found: list[_Found], digest: str, keys: list[TrustedKey],
@@ -463,7 +468,8 @@ def judge(found: list[_Found], digest: str, keys: list[TrustedKey],
             worst.append((DIGEST_MISMATCH, f"a {f.format} signature by key {key.name} names "
                                            f"{f.names or 'no digest'}, not {digest}"))
             continue
-        return Verdict(True, VERIFIED, f"{digest} signed ({f.format}) by trusted key {key.name}", f.format, key.name)
+        return Verdict(True, VERIFIED, f"{digest} signed ({f.format}) by trusted key {key.name}", f.format, key.name,
+                       key_fingerprint(key))
     reason, message = min(worst, key=lambda w: _RANK.index(w[0]))
     return Verdict(False, reason, message)
 
@@ -489,6 +495,19 @@ def fingerprint(keys: list[TrustedKey]) -> str:
     """A short stable name of a key set (for caching verdicts)."""
     h = hashlib.sha256()
     for k in sorted(keys, key=lambda k: k.name):
-        h.update(k.name.encode() + b"\0" + k.key.public_bytes(serialization.Encoding.DER,
-                                                               serialization.PublicFormat.SubjectPublicKeyInfo))
+        h.update(k.name.encode() + b"\0" + k.der)
     return h.hexdigest()[:16]
+
+
+def key_fingerprint(key: TrustedKey) -> str:
+    """A trusted key's material, as a verdict records its signer: SHA-256 of its
+    SubjectPublicKeyInfo (hex), whatever name the policy gives it."""
+    return "sha256:" + hashlib.sha256(key.der).hexdigest()
+
+
+def keyless_fingerprint(ident: Identity, trust: KeylessTrust) -> str:
+    """A keyless signer as a verdict records it: the identity with the trust roots it chains to."""
+    h = hashlib.sha256(str(ident).encode() + b"\0")
+    for root in sorted(r.public_bytes(serialization.Encoding.DER) for r in trust.roots):
+        h.update(root)
+    return "sha256:" + h.hexdigest()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x63\x63\x65lnode/pb/agent.proto\x12\x12\x61\x63\x63\x65lnode.agent.v1\"y\n\x12\x45nsureCacheRequest\x12\r\n\x05image\x18\x01 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\x12\x11\n\tanonymous\x18\x03 \x01(\x08\x12+\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x1c.accelnode.agent.v1.CacheRef\"\xed\x03\n\x13\x45nsureCacheResponse\x12<\n\x05state\x18\x01 \x01(\x0e\x32-.accelnode.agent.v1.EnsureCacheResponse.State\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12@\n\x07\x66\x61ilure\x18\x05 \x01(\x0e\x32/.accelnode.agent.v1.EnsureCacheResponse.Failure\x12\x10\n\x08\x65xpected\x18\x06 \x01(\t\x12\r\n\x05\x66ound\x18\x07 \x01(\t\x12\x12\n\nsize_bytes\x18\x08 \x01(\x03\x12\x0c\n\x04kind\x18\t \x01(\t\"T\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\x0b\n\x07PULLING\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x12\x10\n\x0cINCOMPATIBLE\x10\x04\"\x8d\x01\n\x07\x46\x61ilure\x12\x17\n\x13\x46\x41ILURE_UNSPECIFIED\x10\x00\x12\r\n\tNOT_FOUND\x10\x01\x12\x18\n\x14REGISTRY_UNAVAILABLE\x10\x02\x12\n\n\x06\x44\x45NIED\x10\x03\x12\x15\n\x11INVALID_REFERENCE\x10\x04\x12\x0f\n\x0b\x42\x41\x44_CONTENT\x10\x05\x12\x0c\n\x08INTERNAL\x10\x06\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"+\n\x08\x43\x61\x63heRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\xba\x01\n\x17\x41\x63quireReferenceRequest\x12\x11\n\tvolume_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\'\n\x03pod\x18\x03 \x01(\x0b\x32\x1a.accelnode.agent.v1.PodRef\x12\x13\n\x0btarget_path\x18\x04 \x01(\t\x12\x11\n\texclusive\x18\x05 \x01(\x08\x12+\n\x05\x63\x61\x63he\x18\x06 \x01(\x0b\x32\x1c.accelnode.agent.v1.CacheRef\"\x1a\n\x18\x41\x63quireReferenceResponse\"A\n\x17ReleaseReferenceRequest\x12\x11\n\tvolume_id\x18\x01 \x01(\t\x12\x13\n\x0btarget_path\x18\x02 \x01(\t\",\n\x18ReleaseReferenceResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x13\n\x11ListCachesRequest\"\x89\x01\n\tReference\x12\x11\n\tvolume_id\x18\x01 \x01(\t\x12\'\n\x03pod\x18\x02 \x01(\x0b\x32\x1a.accelnode.agent.v1.PodRef\x12\x13\n\x0btarget_path\x18\x03 \x01(\t\x12+\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x1c.accelnode.agent.v1.CacheRef\"\xae\x02\n\tCacheInfo\x12\r\n\x05image\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x32\n\x05state\x18\x03 \x01(\x0e\x32#.accelnode.agent.v1.CacheInfo.State\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x31\n\nreferences\x18\x07 \x03(\x0b\x32\x1d.accelnode.agent.v1.Reference\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x12\n\ncompatible\x18\t \x01(\x08\"F\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\r\n\tINSTALLED\x10\x01\x12\x0b\n\x07PULLING\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\"Y\n\x12ListCachesResponse\x12-\n\x06\x63\x61\x63hes\x18\x01 \x03(\x0b\x32\x1d.accelnode.agent.v1.CacheInfo\x12\x14\n\x0c\x61\x63\x63\x65lerators\x18\x02 \x03(\t2\xaa\x03\n\x05\x41gent\x12`\n\x0b\x45nsureCache\x12&.accelnode.agent.v1.EnsureCacheRequest\x1a\'.accelnode.agent.v1.EnsureCacheResponse\"\x00\x12o\n\x10\x41\x63quireReference\x12+.accelnode.agent.v1.AcquireReferenceRequest\x1a,.accelnode.agent.v1.AcquireReferenceResponse\"\x00\x12o\n\x10ReleaseReference\x12+.accelnode.agent.v1.ReleaseReferenceRequest\x1a,.accelnode.agent.v1.ReleaseReferenceResponse\"\x00\x12]\n\nListCaches\x12%.accelnode.agent.v1.ListCachesRequest\x1a&.accelnode.agent.v1.ListCachesResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x63\x63\x65lnode/pb/agent.proto\x12\x12\x61\x63\x63\x65lnode.agent.v1\"y\n\x12\x45nsureCacheRequest\x12\r\n\x05image\x18\x01 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\x12\x11\n\tanonymous\x18\x03 \x01(\x08\x12+\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x1c.accelnode.agent.v1.CacheRef\"\xfb\x03\n\x13\x45nsureCacheResponse\x12<\n\x05state\x18\x01 \x01(\x0e\x32-.accelnode.agent.v1.EnsureCacheResponse.State\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12@\n\x07\x66\x61ilure\x18\x05 \x01(\x0e\x32/.accelnode.agent.v1.EnsureCacheResponse.Failure\x12\x10\n\x08\x65xpected\x18\x06 \x01(\t\x12\r\n\x05\x66ound\x18\x07 \x01(\t\x12\x12\n\nsize_bytes\x18\x08 \x01(\x03\x12\x0c\n\x04kind\x18\t \x01(\t\"T\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\x0b\n\x07PULLING\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x12\x10\n\x0cINCOMPATIBLE\x10\x04\"\x9b\x01\n\x07\x46\x61ilure\x12\x17\n\x13\x46\x41ILURE_UNSPECIFIED\x10\x00\x12\r\n\tNOT_FOUND\x10\x01\x12\x18\n\x14REGISTRY_UNAVAILABLE\x10\x02\x12\n\n\x06\x44\x45NIED\x10\x03\x12\x15\n\x11INVALID_REFERENCE\x10\x04\x12\x0f\n\x0b\x42\x41\x44_CONTENT\x10\x05\x12\x0c\n\x08INTERNAL\x10\x06\x12\x0c\n\x08NO_SPACE\x10\x07\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"+\n\x08\x43\x61\x63heRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\xba\x01\n\x17\x41\x63quireReferenceRequest\x12\x11\n\tvolume_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\'\n\x03pod\x18\x03 \x01(\x0b\x32\x1a.accelnode.agent.v1.PodRef\x12\x13\n\x0btarget_path\x18\x04 \x01(\t\x12\x11\n\texclusive\x18\x05 \x01(\x08\x12+\n\x05\x63\x61\x63he\x18\x06 \x01(\x0b\x32\x1c.accelnode.agent.v1.CacheRef\"\x1a\n\x18\x41\x63quireReferenceResponse\"A\n\x17ReleaseReferenceRequest\x12\x11\n\tvolume_id\x18\x01 \x01(\t\x12\x13\n\x0btarget_path\x18\x02 \x01(\t\",\n\x18ReleaseReferenceResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x13\n\x11ListCachesRequest\"\x89\x01\n\tReference\x12\x11\n\tvolume_id\x18\x01 \x01(\t\x12\'\n\x03pod\x18\x02 \x01(\x0b\x32\x1a.accelnode.agent.v1.PodRef\x12\x13\n\x0btarget_path\x18\x03 \x01(\t\x12+\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x1c.accelnode.agent.v1.CacheRef\"\xae\x02\n\tCacheInfo\x12\r\n\x05image\x18\x01 \x01(\t\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x32\n\x05state\x18\x03 \x01(\x0e\x32#.accelnode.agent.v1.CacheInfo.State\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x31\n\nreferences\x18\x07 \x03(\x0b\x32\x1d.accelnode.agent.v1.Reference\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x12\n\ncompatible\x18\t \x01(\x08\"F\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\r\n\tINSTALLED\x10\x01\x12\x0b\n\x07PULLING\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\"Y\n\x12ListCachesResponse\x12-\n\x06\x63\x61\x63hes\x18\x01 \x03(\x0b\x32\x1d.accelnode.agent.v1.CacheInfo\x12\x14\n\x0c\x61\x63\x63\x65lerators\x18\x02 \x03(\t\"^\n\x10GetTargetRequest\x12\x14\n\x0ctarget_paths\x18\x01 \x03(\t\x12\x34\n\nmount_root\x18\x02 \x01(\x0b\x32 .accelnode.agent.v1.FileIdentity\"-\n\x0c\x46ileIdentity\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x04\x12\r\n\x05inode\x18\x02 \x01(\x04\"o\n\tHeldCache\x12\x30\n\treference\x18\x01 \x01(\x0b\x32\x1d.accelnode.agent.v1.Reference\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\"O\n\x11GetTargetResponse\x12+\n\x04held\x18\x01 \x03(\x0b\x32\x1d.accelnode.agent.v1.HeldCache\x12\r\n\x05shown\x18\x02 \x01(\t2\x86\x04\n\x05\x41gent\x12`\n\x0b\x45nsureCache\x12&.accelnode.agent.v1.EnsureCacheRequest\x1a\'.accelnode.agent.v1.EnsureCacheResponse\"\x00\x12o\n\x10\x41\x63quireReference\x12+.accelnode.agent.v1.AcquireReferenceRequest\x1a,.accelnode.agent.v1.AcquireReferenceResponse\"\x00\x12o\n\x10ReleaseReference\x12+.accelnode.agent.v1.ReleaseReferenceRequest\x1a,.accelnode.agent.v1.ReleaseReferenceResponse\"\x00\x12]\n\nListCaches\x12%.accelnode.agent.v1.ListCachesRequest\x1a&.accelnode.agent.v1.ListCachesResponse\"\x00\x12Z\n\tGetTarget\x12$.accelnode.agent.v1.GetTargetRequest\x1a%.accelnode.agent.v1.GetTargetResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENSURECACHEREQUEST']._serialized_start=48
   _globals['_ENSURECACHEREQUEST']._serialized_end=169
   _globals['_ENSURECACHERESPONSE']._serialized_start=172
-  _globals['_ENSURECACHERESPONSE']._serialized_end=665
+  _globals['_ENSURECACHERESPONSE']._serialized_end=679
   _globals['_ENSURECACHERESPONSE_STATE']._serialized_start=437
   _globals['_ENSURECACHERESPONSE_STATE']._serialized_end=521
   _globals['_ENSURECACHERESPONSE_FAILURE']._serialized_start=524
-  _globals['_ENSURECACHERESPONSE_FAILURE']._serialized_end=665
-  _globals['_PODREF']._serialized_start=667
-  _globals['_PODREF']._serialized_end=721
-  _globals['_CACHEREF']._serialized_start=723
-  _globals['_CACHEREF']._serialized_end=766
-  _globals['_ACQUIREREFERENCEREQUEST']._serialized_start=769
-  _globals['_ACQUIREREFERENCEREQUEST']._serialized_end=955
-  _globals['_ACQUIREREFERENCERESPONSE']._serialized_start=957
-  _globals['_ACQUIREREFERENCERESPONSE']._serialized_end=983
-  _globals['_RELEASEREFERENCEREQUEST']._serialized_start=985
-  _globals['_RELEASEREFERENCEREQUEST']._serialized_end=1050
-  _globals['_RELEASEREFERENCERESPONSE']._serialized_start=1052
-  _globals['_RELEASEREFERENCERESPONSE']._serialized_end=1096
-  _globals['_LISTCACHESREQUEST']._serialized_start=1098
-  _globals['_LISTCACHESREQUEST']._serialized_end=1117
-  _globals['_REFERENCE']._serialized_start=1120
-  _globals['_REFERENCE']._serialized_end=1257
-  _globals['_CACHEINFO']._serialized_start=1260
-  _globals['_CACHEINFO']._serialized_end=1562
-  _globals['_CACHEINFO_STATE']._serialized_start=1492
-  _globals['_CACHEINFO_STATE']._serialized_end=1562
-  _globals['_LISTCACHESRESPONSE']._serialized_start=1564
-  _globals['_LISTCACHESRESPONSE']._serialized_end=1653
-  _globals['_AGENT']._serialized_start=1656
-  _globals['_AGENT']._serialized_end=2082
+  _globals['_ENSURECACHERESPONSE_FAILURE']._serialized_end=679
+  _globals['_PODREF']._serialized_start=681
+  _globals['_PODREF']._serialized_end=735
+  _globals['_CACHEREF']._serialized_start=737
+  _globals['_CACHEREF']._serialized_end=780
+  _globals['_ACQUIREREFERENCEREQUEST']._serialized_start=783
+  _globals['_ACQUIREREFERENCEREQUEST']._serialized_end=969
+  _globals['_ACQUIREREFERENCERESPONSE']._serialized_start=971
+  _globals['_ACQUIREREFERENCERESPONSE']._serialized_end=997
+  _globals['_RELEASEREFERENCEREQUEST']._serialized_start=999
+  _globals['_RELEASEREFERENCEREQUEST']._serialized_end=1064
+  _globals['_RELEASEREFERENCERESPONSE']._serialized_start=1066
+  _globals['_RELEASEREFERENCERESPONSE']._serialized_end=1110
+  _globals['_LISTCACHESREQUEST']._serialized_start=1112
+  _globals['_LISTCACHESREQUEST']._serialized_end=1131
+  _globals['_REFERENCE']._serialized_start=1134
+  _globals['_REFERENCE']._serialized_end=1271
+  _globals['_CACHEINFO']._serialized_start=1274
+  _globals['_CACHEINFO']._serialized_end=1576
+  _globals['_CACHEINFO_STATE']._serialized_start=1506
+  _globals['_CACHEINFO_STATE']._serialized_end=1576
+  _globals['_LISTCACHESRESPONSE']._serialized_start=1578
+  _globals['_LISTCACHESRESPONSE']._serialized_end=1667
+  _globals['_GETTARGETREQUEST']._serialized_start=1669
+  _globals['_GETTARGETREQUEST']._serialized_end=1763
+  _globals['_FILEIDENTITY']._serialized_start=1765
+  _globals['_FILEIDENTITY']._serialized_end=1810
+  _globals['_HELDCACHE']._serialized_start=1812
+  _globals['_HELDCACHE']._serialized_end=1923
+  _globals['_GETTARGETRESPONSE']._serialized_start=1925
+  _globals['_GETTARGETRESPONSE']._serialized_end=2004
+  _globals['_AGENT']._serialized_start=2007
+  _globals['_AGENT']._serialized_end=2525
 # @@protoc_insertion_point(module_scope)

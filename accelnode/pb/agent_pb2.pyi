@@ -42,6 +42,7 @@ class EnsureCacheResponse(_message.Message):
         INVALID_REFERENCE: _ClassVar[EnsureCacheResponse.Failure]
         BAD_CONTENT: _ClassVar[EnsureCacheResponse.Failure]
         INTERNAL: _ClassVar[EnsureCacheResponse.Failure]
+        NO_SPACE: _ClassVar[EnsureCacheResponse.Failure]
     FAILURE_UNSPECIFIED: EnsureCacheResponse.Failure
     NOT_FOUND: EnsureCacheResponse.Failure
     REGISTRY_UNAVAILABLE: EnsureCacheResponse.Failure
@@ -49,6 +50,7 @@ class EnsureCacheResponse(_message.Message):
     INVALID_REFERENCE: EnsureCacheResponse.Failure
     BAD_CONTENT: EnsureCacheResponse.Failure
     INTERNAL: EnsureCacheResponse.Failure
+    NO_SPACE: EnsureCacheResponse.Failure
     STATE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -176,3 +178,39 @@ class ListCachesResponse(_message.Message):
     caches: _containers.RepeatedCompositeFieldContainer[CacheInfo]
     accelerators: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, caches: _Optional[_Iterable[_Union[CacheInfo, _Mapping]]] = ..., accelerators: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetTargetRequest(_message.Message):
+    __slots__ = ("target_paths", "mount_root")
+    TARGET_PATHS_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_ROOT_FIELD_NUMBER: _ClassVar[int]
+    target_paths: _containers.RepeatedScalarFieldContainer[str]
+    mount_root: FileIdentity
+    def __init__(self, target_paths: _Optional[_Iterable[str]] = ..., mount_root: _Optional[_Union[FileIdentity, _Mapping]] = ...) -> None: ...
+
+class FileIdentity(_message.Message):
+    __slots__ = ("device", "inode")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    inode: int
+    def __init__(self, device: _Optional[int] = ..., inode: _Optional[int] = ...) -> None: ...
+
+class HeldCache(_message.Message):
+    __slots__ = ("reference", "digest", "path", "size_bytes")
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reference: Reference
+    digest: str
+    path: str
+    size_bytes: int
+    def __init__(self, reference: _Optional[_Union[Reference, _Mapping]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class GetTargetResponse(_message.Message):
+    __slots__ = ("held", "shown")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    SHOWN_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedCompositeFieldContainer[HeldCache]
+    shown: str
+    def __init__(self, held: _Optional[_Iterable[_Union[HeldCache, _Mapping]]] = ..., shown: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,11 @@ class AgentStub:
                 request_serializer=accelnode_dot_pb_dot_agent__pb2.ListCachesRequest.SerializeToString,
                 response_deserializer=accelnode_dot_pb_dot_agent__pb2.ListCachesResponse.FromString,
                 _registered_method=True)
+        self.GetTarget = channel.unary_unary(
+                '/accelnode.agent.v1.Agent/GetTarget',
+                request_serializer=accelnode_dot_pb_dot_agent__pb2.GetTargetRequest.SerializeToString,
+                response_deserializer=accelnode_dot_pb_dot_agent__pb2.GetTargetResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -89,7 +94,17 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListCaches(self, request, context):
-        """Installed caches and pulls in progress or failed, with the volumes that use each.
+        """Installed caches and pulls in progress or failed, with the volumes that use each. Bounded:
+        pulls waiting are capped, failed pulls are the latest ones only and expire
+        (docs/agent-store.md, Bounds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTarget(self, request, context):
+        """What one target path holds, and which installed cache a mount's root is: what unpublish
+        and volume stats ask. The answer's size does not grow with what the node holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +132,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.ListCaches,
                     request_deserializer=accelnode_dot_pb_dot_agent__pb2.ListCachesRequest.FromString,
                     response_serializer=accelnode_dot_pb_dot_agent__pb2.ListCachesResponse.SerializeToString,
+            ),
+            'GetTarget': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTarget,
+                    request_deserializer=accelnode_dot_pb_dot_agent__pb2.GetTargetRequest.FromString,
+                    response_serializer=accelnode_dot_pb_dot_agent__pb2.GetTargetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +247,33 @@ class Agent:
             '/accelnode.agent.v1.Agent/ListCaches',
             accelnode_dot_pb_dot_agent__pb2.ListCachesRequest.SerializeToString,
             accelnode_dot_pb_dot_agent__pb2.ListCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTarget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/accelnode.agent.v1.Agent/GetTarget',
+            accelnode_dot_pb_dot_agent__pb2.GetTargetRequest.SerializeToString,
+            accelnode_dot_pb_dot_agent__pb2.GetTargetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,7 +28,6 @@ from accelnode.oci.registry import RegistryOptions
 GROUP, VERSION = "gkm.io", "v1alpha1"
 DIGEST_ANNOTATION = "gkm.io/resolvedDigest"
 SIZE_ANNOTATION = "gkm.io/cache-size-bytes"
-SIGNATURE_FORMAT_LABEL = "gkm.io/signature-format"
 
 
 @dataclass(frozen=True)

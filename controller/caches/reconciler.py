@@ -21,14 +21,14 @@ from datetime import datetime, timezone
 
 from accelnode.kube.client import Client, KubeError, custom_path, is_conflict
 from accelnode.log import kv
-from accelnode.oci.errors import ImageError
+from accelnode.oci.errors import ImageError, quoted
 
 from controller.caches import status as cs
 from controller.caches.pinning import GROUP, VERSION, Pin, Resolver
 from controller.runtime import events
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
 from controller.caches.signatures import (POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, UNAVAILABLE, Outcome, Signer,
-                                         parse_policy, trim_policy)
+                                         parse_policy, requirement, trim_policy)
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
 
 log = logging.getLogger("accelnode.controller")
@@ -166,10 +166,12 @@ class CacheReconciler(Reconciler):
     def _sync(self, key: str, obj: dict) -> Result | None:
         """Pin, verify and count ``obj``; write what changed."""
         pin, resolved = self._pin(key, obj)
-        verified = self._verified(key, obj, pin)
+        now = now_rfc3339()
+        verified = self._verified(key, obj, pin, now)
         agg = cs.aggregate(self._reports(key))
-        status = cs.cache_status(obj, pin, resolved, agg, now_rfc3339(),
-                                 verified=verified and (verified.status, verified.reason, verified.message))
+        status = cs.cache_status(obj, pin, resolved, agg, now,
+                                 verified=verified and (verified.status, verified.reason, verified.message),
+                                 verification=verified.verdict if verified else None)
         annotations = cs.wanted_annotations((obj.get("metadata") or {}).get("annotations") or {}, pin)
         retry = Result(requeue=True) if resolved[0] in cs.RETRYABLE or (verified and verified.retry) else None
         if obj.get("status") == status and ((obj.get("metadata") or {}).get("annotations") or {}) == annotations:
@@ -193,12 +195,11 @@ class CacheReconciler(Reconciler):
             reason = cs.failure(e)
             log.warning("cache image not resolved", extra=kv(reconciler=self.name, key=key, image=image,
                                                              reason=reason, error=str(e)))
-            return None, (reason, str(e))
+            return None, (reason, quoted(e))
         return pin, (cs.REASON_RESOLVED, cs.pinned_message(image, pin.digest))
 
-    def _verified(self, key: str, obj: dict, pin: Pin | None):
-        """The Verified condition's outcome for the pinned digest (None: no signature needed or
-        nothing pinned yet)."""
+    def _verified(self, key: str, obj: dict, pin: Pin | None, now: str) -> Outcome | None:
+        """The verdict on the pinned digest (None: no signature needed or nothing pinned yet)."""
         if pin is None:
             return None
         policies = [parse_policy(p) for p in self.cache.list(self.policies_path)]
@@ -206,10 +207,10 @@ class CacheReconciler(Reconciler):
         try:
             _, options = self.resolver.credentials(ns, pin.image)  # the cache's, as for its pin
         except ImageError as e:
-            if not self.signer.required(obj, ns, policies)[0]:
+            if requirement(ns, (obj.get("metadata") or {}).get("labels") or {}, policies) is None:
                 return None
-            return Outcome("Unknown", UNAVAILABLE, f"signatures of {pin.digest} not read: {e}", retry=True)
-        return self.signer.outcome(key, obj, pin, ns, policies, cs.condition(obj, cs.VERIFIED), options=options)
+            return Outcome("Unknown", UNAVAILABLE, f"signatures of {pin.digest} not read: {quoted(e)}", retry=True)
+        return self.signer.outcome(key, obj, pin, ns, policies, now, options=options)
 
     def _reports(self, key: str) -> dict[str, dict]:
         """Node name -> this cache's entries on that node, from the local copies."""

@@ -17,7 +17,9 @@ import re
 from dataclasses import dataclass
 
 from accelnode.oci import errors
+from accelnode.oci.errors import quoted
 from accelnode.oci.reference import Reference
+from accelnode.oci.refusal import VERIFICATION, Verdict
 
 from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
 
@@ -25,6 +27,7 @@ READY = "Ready"  # the summary condition's type (always first: STATUS reads its 
 RESOLVED = "Resolved"  # the pin condition's type
 VERIFIED = "Verified"  # the signature condition (controller/caches/signatures.py); only when a signature is required
 OURS = (READY, RESOLVED, VERIFIED)  # conditions of other types are kept as they are
+RESOLVED_IMAGE = "resolvedImage"  # the spec.image status.resolvedDigest was pinned for
 
 # Resolved reasons (the shared contract)
 REASON_RESOLVED = "Resolved"
@@ -58,8 +61,9 @@ _DIGEST = re.compile(r"^sha(?:256:[a-f0-9]{64}|512:[a-f0-9]{128})$")
 
 
 def pinned_message(image: str, digest: str) -> str:
-    """The Resolved=True message; it also records which image the digest belongs to, so a
-    changed ``spec.image`` (a roll) is told from an unchanged one after any restart."""
+    """The Resolved=True message, for people (``status.resolvedImage`` records which image the
+    digest belongs to, so a changed ``spec.image`` (a roll) is told from an unchanged one after
+    any restart)."""
     return f"{image} is pinned to {digest}"
 
 
@@ -75,8 +79,8 @@ def annotated_size(annotations: dict) -> int | None:
 def known_pin(obj: dict) -> Pin | None:
     """The pin of a cache that needs no registry, or None when its image must be resolved.
 
-    In order: ``status.resolvedDigest`` when the Resolved condition says it was pinned for this
-    same image; the ``gkm.io/resolvedDigest`` annotation when ``status`` has no digest yet (only
+    In order: ``status.resolvedDigest`` when ``status.resolvedImage`` says it was pinned for this
+    same image (both written by the controller's identity only); the ``gkm.io/resolvedDigest`` annotation when ``status`` has no digest yet (only
     the admission webhook of this process or this reconciler writes it, and a changed image gets
     a fresh one there). Both were answered by the registry; a digest ``spec.image`` names was
     not, so it is pinned only once one of them agrees (docs/security.md). Raises
@@ -93,12 +97,12 @@ def known_pin(obj: dict) -> Pin | None:
 
 
 def _known_pin(obj: dict, image: str, ann: dict, size_for) -> Pin | None:
-    recorded = (obj.get("status") or {}).get("resolvedDigest")
+    status = obj.get("status") or {}
+    recorded = status.get("resolvedDigest")
     if recorded:
-        cond = condition(obj, RESOLVED) or {}
-        if cond.get("status") == "True" and cond.get("message") == pinned_message(image, recorded):
+        if status.get(RESOLVED_IMAGE) == image:  # data only the controller writes; no message is read
             return Pin(image, recorded, size_for(recorded))
-        return None  # pinned for another image (a roll), or by someone else: resolve again
+        return None  # pinned for another image (a roll), or before resolvedImage was recorded: resolve again
     admitted = ann.get(DIGEST_ANNOTATION, "")
     if _DIGEST.match(admitted):
         return Pin(image, admitted, annotated_size(ann))
@@ -205,7 +209,7 @@ def summary(pin: Pin | None, unresolved_message: str, agg: Aggregate) -> tuple[s
         parts.append(f"{_n(c['podOutdatedCnt'], 'pod')} still on an older digest")
     if agg.errors:
         node, msg = agg.errors[0]
-        parts.append(f"{_n(len(agg.errors), 'node')} failed ({node}: {msg})")
+        parts.append(f"{_n(len(agg.errors), 'node')} failed ({node}: {quoted(msg, MAX_MESSAGE)})")  # a registry's words
     message = "; ".join(parts)
     if agg.errors:
         return ERROR, message
@@ -238,10 +242,12 @@ def _condition(old: dict | None, kind: str, status: str, reason: str, message: s
 
 
 def cache_status(obj: dict, pin: Pin | None, resolved: tuple[str, str], agg: Aggregate, now: str, *,
-                 verified: tuple[str, str, str] | None = None) -> dict:
-    """The wanted ``status`` of the cache ``obj``: ``resolvedDigest`` (absent without a pin),
-    ``counts``, ``conditions`` (Ready first, then Resolved, then Verified when ``verified`` (status,
-    reason, message) is given, then any other type as it was) and
+                 verified: tuple[str, str, str] | None = None, verification: Verdict | None = None) -> dict:
+    """The wanted ``status`` of the cache ``obj``: ``resolvedDigest`` and ``resolvedImage``
+    (absent without a pin),
+    ``verification`` (the verdict on that digest, absent without one: it never outlives a change
+    of digest), ``counts``, ``conditions`` (Ready first, then Resolved, then Verified when
+    ``verified`` (status, reason, message) is given, then any other type as it was) and
     ``lastUpdated`` (``now`` when anything else changed, else as it was). Fields written by
     others (``pvcStatus``, ``pvcOwner``) are kept."""
     old = obj.get("status") or {}
@@ -256,9 +262,12 @@ def cache_status(obj: dict, pin: Pin | None, resolved: tuple[str, str], agg: Agg
     others = [c for c in old.get("conditions") or () if c.get("type") not in OURS]
     if verified is not None:
         others.insert(0, _condition(condition(obj, VERIFIED), VERIFIED, *verified, generation, now))
-    status = {k: v for k, v in old.items() if k not in ("resolvedDigest", "counts", "conditions", "lastUpdated")}
+    status = {k: v for k, v in old.items() if k not in ("resolvedDigest", RESOLVED_IMAGE, VERIFICATION, "counts",
+                                                         "conditions", "lastUpdated")}
     if pin is not None:
-        status["resolvedDigest"] = pin.digest
+        status["resolvedDigest"], status[RESOLVED_IMAGE] = pin.digest, pin.image
+        if verification is not None and verification.digest == pin.digest:
+            status[VERIFICATION] = verification.to_status()
     status["counts"] = agg.counts
     status["conditions"] = [ready, res, *others]
     before = {k: v for k, v in old.items() if k != "lastUpdated"}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from prometheus_client import Gauge
 
+from accelnode import atomic
 from accelnode.kube.client import Client, KubeError, Unreachable, is_conflict, is_not_found
 from accelnode.log import kv
 
@@ -296,6 +296,8 @@ class ServingCerts:
         self.dir = Path(directory or tempfile.mkdtemp(prefix="accelnode-webhook-tls-"))
         self.dir.chmod(0o700)
         self.cert_file, self.key_file = str(self.dir / "tls.crt"), str(self.dir / "tls.key")
+        for name in ("tls.crt", "tls.key"):  # a write killed half-way (a key among them) goes
+            atomic.sweep(self.dir, prefix=name)
         self.installed = threading.Event()
         self.serial: int | None = None  # of the serving certificate installed
         self.writes = 0  # creates and updates this replica made
@@ -381,8 +383,8 @@ class ServingCerts:
             return
         # key first: a connection between the two renames fails to load the pair and the server
         # keeps the previous one until the certificate lands (controller/webhooks/server.py)
-        _write_private(Path(self.key_file), pair[1])
-        _write_private(Path(self.cert_file), pair[0])
+        atomic.write(self.key_file, pair[1], mode=0o600, durable=False)
+        atomic.write(self.cert_file, pair[0], mode=0o600, durable=False)
         cert = x509.load_pem_x509_certificate(pair[0])
         self._installed_pair, self.serial, self._expiry = pair, cert.serial_number, expires_at(cert)
         self.installed.set()
@@ -390,9 +392,3 @@ class ServingCerts:
                  extra=kv(serial=format(cert.serial_number, "x"), expires=cert.not_valid_after_utc.isoformat()))
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

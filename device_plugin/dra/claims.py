@@ -22,6 +22,7 @@ claim's problem alone: it is prepared anew from the API server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from accelnode import atomic
 from accelnode.kube.client import Client, KubeError, is_not_found
 from accelnode.log import kv
 
@@ -51,24 +53,6 @@ class ClaimError(Exception):
     """This claim cannot be prepared (the message goes to kubelet, which retries)."""
 
 
-def write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
-    """Readers see the old file or the new one, never a part; ``durable``: on disk before returning."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if not durable:
-        return
-    dirfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
-
-
 class Claims:
     def __init__(self, *, client: Client, driver: str, node: str, cdi_dir: Path, state_dir: Path, dev_root: Path,
                  states: Callable[[], tuple[ChipState, ...]], config: Callable[[], topology.NodeConfig],
@@ -77,8 +61,13 @@ class Claims:
         self.cdi_dir, self.state_dir, self.dev_root = cdi_dir, state_dir, dev_root
         self.states, self.config, self.log_size = states, config, log_size
         self.kind = f"k8s.{driver}/{CDI_CLASS}"
-        self._locks: dict[str, threading.Lock] = {}
+        # claim UID -> (its lock, calls holding or waiting for it): an entry lives only while a
+        # call on that claim does, so the map is bounded by the calls in flight
+        self._locks: dict[str, list] = {}
         self._locks_lock = threading.Lock()
+        vendor, cls = self.kind.split("/")
+        for p in atomic.sweep(state_dir) + atomic.sweep(cdi_dir, prefix=f"{vendor}-{cls}_"):
+            log.info("removed the temporary file of an interrupted write", extra=kv(path=str(p)))
 
     # -- paths -------------------------------------------------------------------------------------
 
@@ -93,9 +82,20 @@ class Claims:
         """UIDs of the claims with a checkpoint."""
         return sorted(p.stem for p in self.state_dir.glob("*.json"))
 
-    def _lock(self, uid: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _lock(self, uid: str):
+        """One call at a time per claim."""
         with self._locks_lock:
-            return self._locks.setdefault(uid, threading.Lock())
+            entry = self._locks.setdefault(uid, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._locks_lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._locks[uid]
 
     # -- the two calls ------------------------------------------------------------------------------
 
@@ -121,10 +121,10 @@ class Claims:
             spec = self.spec(uid, chips, len(by_name))
             # the spec need not survive a reboot (/var/run; the containers do not either), the
             # checkpoint must: it is what tells a restarted plugin the claim is prepared
-            write_atomic(self.spec_path(uid), json.dumps(spec, indent=1).encode(), durable=False)
+            atomic.write(self.spec_path(uid), json.dumps(spec, indent=1).encode(), durable=False)
             devs = [{"request_names": [r["request"]], "pool_name": r["pool"], "device_name": r["device"],
                      "cdi_device_ids": [f"{self.kind}={uid}-{r['device']}"]} for r in results]
-            write_atomic(ck, json.dumps({"namespace": namespace, "name": name, "uid": uid, "devices": devs}).encode())
+            atomic.write(ck, json.dumps({"namespace": namespace, "name": name, "uid": uid, "devices": devs}).encode())
             log.info("claim prepared", extra=kv(claim=f"{namespace}/{name}", uid=uid,
                                                 devices=",".join(r["device"] for r in results)))
             return devs

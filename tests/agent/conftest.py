@@ -85,7 +85,9 @@ class Cluster:
         return name
 
     def cache(self, name: str, image: str, *, namespace: str | None = None, annotations=None, node_selector=None,
-              workload_namespaces=None) -> dict:
+              workload_namespaces=None, pin: bool = True) -> dict:
+        """Create a cache; ``pin``: and pin a digest-pinned image as the controller would
+        (``status.resolvedDigest``: only what the controller pinned is prefetched)."""
         spec = {"image": image}
         if node_selector:
             spec["podTemplate"] = {"spec": {"nodeSelector": node_selector}}
@@ -94,12 +96,26 @@ class Cluster:
         body = {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache" if namespace else "ClusterGKMCache",
                 "metadata": {"name": name, "annotations": annotations or {}}, "spec": spec}
         if namespace:
-            return self.objs.create_namespaced_custom_object(*GKM, namespace, "gkmcaches", body=body)
-        self.cluster_caches.append(name)
-        return self.objs.create_cluster_custom_object(*GKM, "clustergkmcaches", body=body)
+            obj = self.objs.create_namespaced_custom_object(*GKM, namespace, "gkmcaches", body=body)
+        else:
+            self.cluster_caches.append(name)
+            obj = self.objs.create_cluster_custom_object(*GKM, "clustergkmcaches", body=body)
+        if pin and "@" in image:
+            self.pin(namespace, name, image.rsplit("@", 1)[1])
+        return obj
+
+    def pin(self, namespace: str | None, name: str, digest: str) -> None:
+        """What the controller writes once it has resolved (and checked) a cache's image."""
+        body = {"status": {"resolvedDigest": digest}}
+        if namespace:
+            self.objs.patch_namespaced_custom_object_status(*GKM, namespace, "gkmcaches", name, body=body)
+        else:
+            self.objs.patch_cluster_custom_object_status(*GKM, "clustergkmcaches", name, body=body)
 
     def set_image(self, namespace: str, name: str, image: str) -> None:
         self.objs.patch_namespaced_custom_object(*GKM, namespace, "gkmcaches", name, body={"spec": {"image": image}})
+        if "@" in image:
+            self.pin(namespace, name, image.rsplit("@", 1)[1])
 
     def node_status(self, node: str, namespace: str | None = None) -> dict | None:
         """status of the node's GKMCacheNode in ``namespace`` (ClusterGKMCacheNode when None)."""
@@ -136,13 +152,18 @@ class Node:
     """One node: simulated v5e-4 host, the agent service on a unix socket, and the reporter
     talking to the API server as the agent's identity."""
 
-    def __init__(self, root: Path, name: str, control_plane, registry):
+    def __init__(self, root: Path, name: str, control_plane, registry, *, pull_secrets: bool = False):
+        """``pull_secrets``: the agent reads the namespaces' pull secrets through the API server
+        as its own identity (else every GKMCache is pulled anonymously)."""
         from accelnode import grpcutil
         from accelnode.hw import accelerators
+        from accelnode.kube.client import Client, Config
+        from accelnode.kube.pullsecrets import PullSecretReader
         from tests.rigs.simhost import SimHost
         from agent import core
         from agent import reporter
         from agent import service
+        from agent.credentials import Chooser
         from agent.store import CacheStore
         from prometheus_client import CollectorRegistry
 
@@ -150,7 +171,10 @@ class Node:
         self.host = SimHost.preset(root / "host", "v5e-4")
         self.store = CacheStore(root / "store", registry=registry.options())
         accs = accelerators.detect(self.host.sysfs_root, self.host.dev_root)
-        self.agent = core.Agent(self.store, accs, core.Metrics(CollectorRegistry()))
+        reader = PullSecretReader(Client(Config.from_kubeconfig(control_plane.kubeconfig("agent"))),
+                                  who="the agent") if pull_secrets else None
+        self.agent = core.Agent(self.store, accs, core.Metrics(CollectorRegistry()),
+                                credentials=Chooser(self.store.options, reader))
         self.socket = root / "agent.sock"
         self.server = grpcutil.serve_unix(self.socket, lambda s: service.add_to_server(service.AgentService(self.agent), s))
         # resync far beyond any test: every update must come from a watch event or the
@@ -168,11 +192,14 @@ class Node:
 
         return agent_grpc.AgentStub(self._channel)
 
-    def ensure(self, image: str):
-        """What the CSI driver does before a publish: EnsureCache, waiting for the pull."""
+    def ensure(self, image: str, cache: tuple[str, str] | None = None):
+        """What the CSI driver does before a publish: EnsureCache for ``cache`` ((namespace,
+        name), namespace "" for a ClusterGKMCache: the cache the volume names, whose credentials
+        and proof the request gets), waiting for the pull. None: the operator's own request."""
         from agent.api import agent
 
-        return self.stub().EnsureCache(agent.EnsureCacheRequest(image=image, wait_seconds=60), timeout=90)
+        ref = agent.CacheRef(namespace=cache[0], name=cache[1]) if cache else None
+        return self.stub().EnsureCache(agent.EnsureCacheRequest(image=image, wait_seconds=60, cache=ref), timeout=90)
 
     def acquire(self, volume_id: str, digest: str, pod_namespace: str, pod_name: str,
                 cache: tuple[str, str] | None = None) -> None:

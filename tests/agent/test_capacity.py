@@ -6,9 +6,7 @@ system for the free-space check, a disk that fills up mid-extraction, and waterm
 from __future__ import annotations
 
 import os
-import subprocess
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from accelnode.hw.accelerators import Accelerator
@@ -17,20 +15,9 @@ from agent.store import CacheStore, Capacity
 from tests.agent.conftest import eventually
 from tests.cache.helpers import GZ, tar
 from tests.cache.test_store import _layer_digests, triton_tree
-from tests.conftest import http_get, require_root
+from tests.conftest import http_get
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A 16 MiB tmpfs: a disk that really fills up."""
-    require_root()
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0755", "tmpfs", str(mnt)], check=True)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def agent_on(store: CacheStore, **kw) -> tuple[core.Agent, CollectorRegistry]:
@@ -46,7 +33,7 @@ def test_a_pull_that_cannot_fit_is_refused_before_any_download(registry, tmpfs, 
     image = registry.push(triton_tree(tmp_path / "src", nbytes=20 * MiB), "capacity/too-big")
     agent, _ = agent_on(CacheStore(tmpfs / "store", registry=registry.options(), capacity=Capacity(MiB, 85, 70)))
     answer = agent.ensure(image, 30)
-    assert answer.state == core.FAILED and answer.failure == core.INTERNAL, answer
+    assert answer.state == core.FAILED and answer.failure == core.NO_SPACE, answer
     assert "no space left on device for this image: it declares 20.0 MiB" in answer.message, answer.message
     assert "(--pull-headroom)" in answer.message
     assert registry.blob_gets(_layer_digests(registry, image)[0]) == 0  # refused from the manifest alone
@@ -61,7 +48,7 @@ def test_a_disk_that_fills_up_mid_extraction_leaves_nothing(registry, tmpfs):
     store = CacheStore(tmpfs / "store", registry=registry.options(), capacity=Capacity(0, 85, 70))
     agent, _ = agent_on(store)
     answer = agent.ensure(image, 60)
-    assert answer.state == core.FAILED and answer.failure == core.INTERNAL, answer
+    assert answer.state == core.FAILED and answer.failure == core.NO_SPACE, answer
     assert "no space left on device in the store's file system" in answer.message, answer.message
     assert "nothing of it was kept" in answer.message
     assert leftovers(tmpfs / "store") == []
@@ -115,8 +102,9 @@ def test_watermark_collection_frees_least_recently_used_unreferenced_caches(regi
                   {"namespace": "ns", "name": "r", "uid": "w"})
     big = registry.push(triton_tree(tmp_path / "big", nbytes=10 * MiB), "capacity/big")
     answer = agent.ensure(big, 60)
-    assert answer.state == core.FAILED and "unreferenced caches were collected first" in answer.message, answer
+    assert answer.state == core.FAILED and "would free 0.0 MiB more, so nothing was collected" in answer.message, answer
     assert {i.digest for i in store.list()} == {digests[n] for n in "ABF"}
+    assert metrics.get_sample_value("accelnode_agent_gc_runs_total") == 1  # no collection that could not help
 
 
 def test_pulls_beyond_the_cap_queue_in_order_and_answer_pulling(registry, tmp_path):
@@ -169,3 +157,29 @@ def test_pulls_beyond_the_cap_queue_in_order_and_answer_pulling(registry, tmp_pa
     finally:
         channel.close()
         assert daemon.stop() == 0, daemon.log()
+
+
+def test_a_declared_size_beyond_the_store_evicts_nothing(registry, tmpfs, tmp_path):
+    """The attack (issue 33, 3): an image whose cache-size-bytes label says 10^18, or 8x the
+    store's file system. On main the pull first collected every idle cache of the node (other
+    tenants' too), then was refused, again on every retry."""
+    store = CacheStore(tmpfs / "store", registry=registry.options(), capacity=Capacity(0, 85, 70))
+    agent, metrics = agent_on(store)
+    idle = [registry.push(triton_tree(tmp_path / n, nbytes=2 * MiB, seed=n.encode()), f"capacity/idle-{n}")
+            for n in ("a", "b", "c")]
+    for image in idle:
+        assert agent.ensure(image, 60).state == core.READY
+    before = {i.digest for i in store.list()}
+    _, total, _ = store.usage()
+    for declared in (10 ** 18, 8 * total):
+        labels = {"cache.triton.image/summary": '{"targets": []}',
+                  "cache.triton.image/cache-size-bytes": str(declared)}
+        liar = registry.push_raw("capacity/declares-too-much", str(declared), config={"config": {"Labels": labels}},
+                                 layers=[(GZ, tar(("io.triton.cache/k/kernel.bin", "file", b"\1" * 1000)))])
+        for _ in range(2):  # a retry changes nothing either
+            answer = agent.ensure(liar, 60)
+            assert {i.digest for i in store.list()} == before, answer
+            assert answer.state == core.FAILED and answer.failure == core.NO_SPACE, answer
+            assert "nothing was collected" in answer.message, answer.message
+    assert metrics.get_sample_value("accelnode_agent_gc_runs_total") in (None, 0.0)
+    assert leftovers(tmpfs / "store") == sorted(os.listdir(tmpfs / "store" / "caches"))  # no staging left

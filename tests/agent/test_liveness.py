@@ -56,9 +56,9 @@ def reporter(control_plane, cluster):
 
     def view():
         gates["view"].wait()
-        return Local({}, set(), {})
+        return Local({}, set())
 
-    def prefetch(image):
+    def prefetch(cache, image):
         gates["prefetch"].wait()
         return False, "not pulled (test)"
 
@@ -99,7 +99,7 @@ def test_dead_status_writer_is_named(reporter, monkeypatch):
 def test_hung_prefetch_turns_liveness_and_recovers(reporter, cluster, images):
     r, port, gates = reporter
     gates["prefetch"].clear()
-    r.prefetcher._queue.put((images.shared, False))  # what reconcile queues for a wanted cache
+    r.prefetcher._queue.put(((("", "shared"), images.shared), False))  # what reconcile queues for a wanted cache
     assert "prefetch stuck" in health_turned(port, "prefetch")
     gates["prefetch"].set()
     eventually(lambda: http_get(port, "/healthz") == (200, "ok\n"), "prefetch beating again")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from accelnode.hw.accelerators import Accelerator
-from agent.nodestatus import CLUSTER, Cache, Local, gpus, node_statuses, rolled_off, uses, wanted
+from agent.nodestatus import CLUSTER, FAILED, PULLING, Cache, Local, gpus, node_statuses, rolled_off, uses, wanted
 
 REPO = "registry.example.com/caches/jax"
 NODE = "node-1"
@@ -47,14 +47,27 @@ def inst(*refs, size=1000, targets=V5E, image=None, digest=D1) -> dict:
     return {digest: {"image": image or f"{REPO}@{digest}", "size": size, "targets": targets, "refs": list(refs)}}
 
 
-def local(installed=None, pulling=(), failed=None) -> Local:
-    return Local(dict(installed or {}), set(pulling), dict(failed or {}))
+def proof(digest: str, creds: str = "tenant") -> tuple:
+    """A proof as the agent keys them (registry, repository, digest, credentials key)."""
+    return ("registry.example.com", "caches/jax", digest, creds)
+
+
+def local(installed=None, pulling=(), failed=None, *, proven=None, prefetch_failed=None) -> Local:
+    """The agent's view; by default every installed digest is proved (:func:`proof`), and
+    ``pulling`` / ``failed`` (digest -> message) are the pulls of those proofs."""
+    installed = dict(installed or {})
+    pulls = {proof(d): (FAILED, m) for d, m in (failed or {}).items()}
+    pulls.update({proof(d): (PULLING, "") for d in pulling})
+    proven = {proof(i["image"].rsplit("@", 1)[1]) for i in installed.values()} if proven is None else set(proven)
+    return Local(installed, set(pulling), proven, pulls, dict(prefetch_failed or {}))
 
 
 def statuses(caches, view=None, *, wanted_keys=(), history=None, deleting=(), previous=None,
-             accelerators=(TPU,), now=NOW) -> dict:
+             accelerators=(TPU,), now=NOW, proofs=None) -> dict:
+    """``proofs`` (cache key -> proof) replaces the default: each cache's digest under :func:`proof`."""
+    proofs = {c.key: proof(c.digest) for c in caches if c.digest} if proofs is None else proofs
     return node_statuses(NODE, list(accelerators), list(caches), view or local(), set(wanted_keys),
-                         {} if history is None else history, set(deleting), previous or {}, now)
+                         {} if history is None else history, set(deleting), previous or {}, now, proofs)
 
 
 def pod(name, namespace="ns", volume=None) -> dict:
@@ -447,3 +460,54 @@ def test_rolled_off_keeps_the_manifest_a_current_index_resolved_to():
 def test_rolled_off_of_a_deleted_cache_and_never_while_pulling():
     view = local({**inst(digest=D1), **inst(digest=D3)}, pulling={D3})
     assert rolled_off(view, [], seen={D1, D3}) == {D1}
+
+
+# ---------------------------------------------------------------------------------------------
+# what a cache's status may show: only what was proved for that cache
+
+
+def test_a_digest_proved_for_another_cache_is_not_reported():
+    """Tenant A's digest is installed and proved for A's credentials; tenant B's cache names it
+    too: B's status shows nothing of it (no state, no size), A's shows it Extracted."""
+    caches = [cache("a", "team-a"), cache("b", "team-b")]
+    out = statuses(caches, local(inst(size=4096)), proofs={("team-a", "a"): proof(D1), ("team-b", "b"): proof(D1, "b")})
+    assert out["team-a"]["caches"]["a"][D1]["volumeSize"] == 4096
+    assert "team-b" not in out
+
+
+def test_another_caches_pull_and_its_error_are_not_reported():
+    caches = [cache("a", "team-a"), cache("b", "team-b")]
+    view = local(failed={D1: "team-a's registry said: 401 for caches/private"})
+    out = statuses(caches, view, proofs={("team-a", "a"): proof(D1), ("team-b", "b"): proof(D1, "b")},
+                   wanted_keys={("team-b", "b")})
+    assert out["team-a"]["caches"]["a"][D1]["state"] == "Error"
+    assert out["team-b"]["caches"] == {"b": {D1: {"state": "Pending", "lastUpdated": NOW}}}
+    view = local(pulling={D1})
+    out = statuses(caches, view, proofs={("team-a", "a"): proof(D1), ("team-b", "b"): proof(D1, "b")})
+    assert "team-b" not in out and out["team-a"]["caches"]["a"][D1]["state"] == "Downloading"
+
+
+def test_a_volume_naming_the_cache_proves_it_and_a_prefetch_failure_is_its_own():
+    """After a restart the agent holds no proofs: a volume that names the cache was handed the
+    digest after a proof, so it still counts; a prefetch failure shows for its cache only."""
+    caches = [cache("a", "team-a"), cache("b", "team-b", digest=D2)]
+    view = local(inst(ref("p1", "team-a", cache_key=("team-a", "a"))), proven=(),
+                 prefetch_failed={("team-b", "b"): (D2, "denied (pulled with no credentials)")})
+    out = statuses(caches, view, proofs={})
+    assert out["team-a"]["caches"]["a"][D1]["state"] == "Running"
+    assert out["team-b"]["caches"] == {"b": {D2: {"state": "Error", "message": "denied (pulled with no credentials)",
+                                                  "lastUpdated": NOW}}}
+    assert statuses([cache("a", "team-a")], local(inst(), proven=()), proofs={}) == statuses([], local())
+
+
+@pytest.mark.parametrize("image, resolved, expected", [
+    (f"{REPO}@{D1}", None, None),  # a digest only spec.image names: the controller has not pinned it
+    (f"{REPO}:v1", None, None),  # a tag
+    (f"{REPO}:v1", D1, f"{REPO}@{D1}"),
+    (f"{REPO}@{D1}", D1, f"{REPO}@{D1}"),
+    (f"{REPO}@{D2}", D1, None),  # the pin lags the spec
+])
+def test_only_the_controllers_pin_is_prefetchable(image, resolved, expected):
+    obj = {"metadata": {"namespace": "ns", "name": "c1"}, "spec": {"image": image},
+           "status": {"resolvedDigest": resolved} if resolved else {}}
+    assert Cache.from_object(obj).prefetchable() == expected

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+
 from tests.agent.conftest import eventually
+from tests.agent.test_prefetch_signatures import own_image
 from tests.agent.test_status import digest_of, entry, entry_in
 
 
@@ -32,7 +35,7 @@ def test_prefetch_annotation_pulls_only_what_fits(cluster, node_factory, images)
     gpu = cluster.cache(f"gpu-{node.name}", images.gpu, annotations={"accelnode.io/prefetch": "true"})
     tpu = cluster.cache(f"tpu-{node.name}", images.shared, annotations={"accelnode.io/prefetch": "true"})
     assert entry_in("Extracted", cluster, node.name, None, tpu["metadata"]["name"], digest_of(images.shared))
-    outcome = eventually(lambda: node.reporter.prefetcher.outcome(images.gpu))
+    outcome = eventually(lambda: node.reporter.prefetcher.outcome(("", gpu["metadata"]["name"]), images.gpu))
     assert outcome is not None and not outcome.fits and outcome.failed is None
     assert node.store.installed(digest_of(images.gpu)) is None, "an image for other accelerators was pulled"
     assert gpu["metadata"]["name"] not in cluster.node_status(node.name)["caches"]
@@ -59,3 +62,21 @@ def test_prefetched_cache_removed_by_gc_is_pulled_again(cluster, node_factory, i
     node.reporter.poke()  # the CLI runs in another process; the agent sees it at its next look
     assert eventually(lambda: node.store.installed(d) is not None), "the gc'd prefetch was not pulled again"
     assert entry_in("Extracted", cluster, node.name, ns, "kept", d)
+
+
+def test_only_the_controllers_pin_is_prefetched(cluster, node_factory, images, kube_namespace, registry, tmp_path):
+    """A digest only ``spec.image`` names (the tenant wrote it; the controller has not pinned and
+    checked it) is not pulled onto the node before any pod asks; the controller's pin is."""
+    ns = kube_namespace
+    label = {"pin-test": uuid.uuid4().hex[:8]}  # matches no other test's selector
+    image = own_image(registry, tmp_path, "unpinned")
+    node = node_factory(labels=label).start()
+    cluster.cache("unpinned", image, namespace=ns, node_selector=label, pin=False)
+    cluster.cache("marker", images.shared, namespace=ns, node_selector=label)
+    assert entry_in("Extracted", cluster, node.name, ns, "marker", digest_of(images.shared))
+    node.reporter.poke()
+    assert entry_in("Extracted", cluster, node.name, ns, "marker", digest_of(images.shared))
+    assert node.store.installed(digest_of(image)) is None, "a digest the controller never pinned was prefetched"
+    assert entry(cluster, node.name, ns, "unpinned", digest_of(image)) is None
+    cluster.pin(ns, "unpinned", digest_of(image))
+    assert entry_in("Extracted", cluster, node.name, ns, "unpinned", digest_of(image))

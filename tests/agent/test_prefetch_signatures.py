@@ -7,14 +7,18 @@ from __future__ import annotations
 import os
 import uuid
 
+from accelnode.oci.refusal import Verdict
 from tests.agent.conftest import eventually, make_cache
 from tests.agent.test_status import digest_of, entry_in
 
 SELECT = {"cloud.google.com/gke-tpu-topology": "2x2"}
 
 
-def _verified(cluster, ns, name, status, reason):
+def _verified(cluster, ns, name, image, status, reason):
+    """The controller's verdict on ``image``'s digest (``status.verification``) and its condition."""
+    v = Verdict(digest_of(image), (), status == "True", reason, "2026-01-01T00:00:00Z")
     cluster.objs.patch_namespaced_custom_object_status("gkm.io", "v1alpha1", ns, "gkmcaches", name, body={"status": {
+        "verification": v.to_status(),
         "conditions": [{"type": "Verified", "status": status, "reason": reason, "message": "by the test",
                         "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
 
@@ -32,18 +36,21 @@ def test_refused_or_unverified_caches_are_never_prefetched(cluster, node_factory
     ns = kube_namespace
     refused, unverdicted = own_image(registry, tmp_path, "refused"), own_image(registry, tmp_path, "unverdicted")
     node = node_factory().start()
-    cluster.cache("refused", refused, namespace=ns, node_selector=SELECT)
-    _verified(cluster, ns, "refused", "False", "WrongKey")
+    # pinned only once refused: a pin without a verdict on an unlabelled cache no policy covers is prefetched
+    cluster.cache("refused", refused, namespace=ns, node_selector=SELECT, pin=False)
+    _verified(cluster, ns, "refused", refused, "False", "WrongKey")
+    cluster.pin(ns, "refused", digest_of(refused))
     body = {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache",
             "metadata": {"name": "labelled", "labels": {"gkm.io/signature-format": "cosign-v3"}},
             "spec": {"image": unverdicted, "podTemplate": {"spec": {"nodeSelector": SELECT}}}}
     cluster.objs.create_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", body=body)
+    cluster.pin(ns, "labelled", digest_of(unverdicted))  # pinned: only the signature rule holds it back
     # a third cache, pulled: by then the reporter has judged all three
     cluster.cache("marker", images.shared, namespace=ns, node_selector=SELECT)
     assert entry_in("Extracted", cluster, node.name, ns, "marker", digest_of(images.shared))
     assert node.store.installed(digest_of(refused)) is None, "a refused signature was pulled"
     assert node.store.installed(digest_of(unverdicted)) is None, "a cache without a verdict was pulled"
-    assert node.reporter.prefetcher.outcome(refused) is None
+    assert node.reporter.prefetcher.outcome((ns, "refused"), refused) is None
     # the controller accepts the signature: now it is pulled
-    _verified(cluster, ns, "refused", "True", "Verified")
+    _verified(cluster, ns, "refused", refused, "True", "Verified")
     assert eventually(lambda: node.store.installed(digest_of(refused)) is not None), "not pulled once verified"

@@ -25,8 +25,8 @@ def forbidden(client: Client, method: str, path: str, body=None) -> str:
 def test_agent_identity_cannot_write_outside_its_role(control_plane, cluster, node_factory, images, kube_namespace):
     ns = kube_namespace
     node = node_factory().start()
-    cluster.cache("kernels", images.tpu, namespace=ns)
-    node.ensure(images.tpu)
+    cluster.cache("kernels", images.tpu, namespace=ns, pin=False)
+    node.ensure(images.tpu, (ns, "kernels"))
     assert entry_in("Extracted", cluster, node.name, ns, "kernels", digest_of(images.tpu))  # its own writes work
 
     agent = Client(Config.from_kubeconfig(control_plane.kubeconfig("agent")))

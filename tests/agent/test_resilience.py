@@ -30,7 +30,7 @@ def extracted_cache(cluster, node, image, ns: str) -> str:
     """A GKMCache ``kernels`` in ``ns`` whose image the node holds, reported Extracted; its digest."""
     cluster.cache("kernels", image, namespace=ns)
     d = digest_of(image)
-    node.ensure(image)
+    node.ensure(image, (ns, "kernels"))
     assert entry_in("Extracted", cluster, node.name, ns, "kernels", d)
     return d
 

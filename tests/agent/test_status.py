@@ -40,7 +40,7 @@ def test_publish_cycle(cluster, node_factory, images, kube_namespace):
     assert cluster.node_status(node.name, ns) is None, "nothing on the node yet: no object for the namespace"
 
     # the CSI driver asks for the cache before the first publish: pulled, not used yet
-    assert node.ensure(images.tpu).path
+    assert node.ensure(images.tpu, (ns, "kernels")).path
     e = entry_in("Extracted", cluster, node.name, ns, "kernels", d1)
     assert e["volumeSize"] == 4 * 2048
     assert (e["compatibleGPUs"], e["incompatibleGPUs"]) == ([0, 1, 2, 3], [])
@@ -61,7 +61,7 @@ def test_publish_cycle(cluster, node_factory, images, kube_namespace):
     e = entry_in("Outdated", cluster, node.name, ns, "kernels", d1)
     assert e["pods"][0]["podName"] == "trainer-0"
     assert cluster.node_status(node.name, ns)["counts"]["podOutdatedCnt"] == 1
-    node.ensure(images.tpu_v2)
+    node.ensure(images.tpu_v2, (ns, "kernels"))
     assert entry_in("Extracted", cluster, node.name, ns, "kernels", d2)
 
     # the old pod goes away: its digest is no longer reported
@@ -77,7 +77,7 @@ def test_pods_count_only_for_caches_they_may_use(cluster, node_factory, images, 
     node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("shared", images.shared, workload_namespaces=[ns])
     d = digest_of(images.shared)
-    node.ensure(images.shared)
+    node.ensure(images.shared, ("", "shared"))
     node.acquire("vol-in", d, ns, "ok-pod")
     node.acquire("vol-out", d, "other-ns", "stranger")
     e = entry_in("Running", cluster, node.name, None, "shared", d)
@@ -88,7 +88,7 @@ def test_incompatible_cache_is_an_error_with_a_reason(cluster, node_factory, ima
     ns = kube_namespace
     node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("gpu-kernels", images.gpu, namespace=ns)
-    node.ensure(images.gpu)
+    node.ensure(images.gpu, (ns, "gpu-kernels"))
     e = entry_in("Error", cluster, node.name, ns, "gpu-kernels", digest_of(images.gpu))
     assert "built for cuda/90" in e["message"] and "tpu/v5e" in e["message"], e["message"]
     assert (e["compatibleGPUs"], e["incompatibleGPUs"]) == ([], [0, 1, 2, 3])
@@ -100,7 +100,7 @@ def test_deleted_cache_still_mounted_is_deleting(cluster, node_factory, images, 
     node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("doomed", images.tpu, namespace=ns)
     d = digest_of(images.tpu)
-    node.ensure(images.tpu)
+    node.ensure(images.tpu, (ns, "doomed"))
     node.acquire("vol-d", d, ns, "user-0")
     assert entry_in("Running", cluster, node.name, ns, "doomed", d)
     cluster.objs.delete_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", "doomed")
@@ -117,7 +117,8 @@ def same_digest_caches(cluster, node_factory, images, ns):
     cluster.cache("local", images.tpu, namespace=ns)
     shared = f"shared-{node.name}"
     cluster.cache(shared, images.tpu, workload_namespaces=[ns])
-    node.ensure(images.tpu)
+    node.ensure(images.tpu, (ns, "local"))
+    node.ensure(images.tpu, ("", shared))
     return node, shared, digest_of(images.tpu)
 
 
@@ -167,13 +168,13 @@ def test_a_roll_removes_the_old_digest_from_the_node_once_its_last_pod_is_gone(c
     node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("rolling", old, namespace=ns)
     d1, d2 = digest_of(old), digest_of(new)
-    node.ensure(old)
+    node.ensure(old, (ns, "rolling"))
     node.acquire("vol-r", d1, ns, "runner-0")
     assert entry_in("Running", cluster, node.name, ns, "rolling", d1)
 
     cluster.set_image(ns, "rolling", new)
     assert entry_in("Outdated", cluster, node.name, ns, "rolling", d1)
-    node.ensure(new)
+    node.ensure(new, (ns, "rolling"))
     assert entry_in("Extracted", cluster, node.name, ns, "rolling", d2)
     assert node.store.installed(d1) is not None, "a pod still runs on the old digest"
 
@@ -194,7 +195,7 @@ def test_a_digest_no_cache_named_is_never_collected(cluster, node_factory, regis
     node = node_factory(labels={}).start()
     cluster.cache("named", named, namespace=ns)
     node.ensure(stray)
-    node.ensure(named)
+    node.ensure(named, (ns, "named"))
     assert entry_in("Extracted", cluster, node.name, ns, "named", digest_of(named))
     cluster.objs.delete_namespaced_custom_object("gkm.io", "v1alpha1", ns, "gkmcaches", "named")
     assert eventually(lambda: node.store.installed(digest_of(named)) is None)  # a deleted cache's digest goes

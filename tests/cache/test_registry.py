@@ -83,6 +83,12 @@ def test_not_found_and_invalid_reference(registry, tmp_path):
     for bad in ("no-host-repo", f"{registry.host}/UPPER", f"{registry.host}/x@sha256:123", ""):
         with pytest.raises(InvalidReference):
             store.ensure(bad)
+    # a name (HOST/REPOSITORY) beyond distribution's 255 characters never reaches a registry
+    longest = f"{registry.host}/{'n' * (254 - len(registry.host))}"
+    with pytest.raises(ImageNotFound):
+        store.ensure(longest + ":v1")
+    with pytest.raises(InvalidReference, match="longer than 255 characters"):
+        store.ensure(longest + "n:v1")
 
 
 def test_retries_503_with_backoff(registry, tmp_path):

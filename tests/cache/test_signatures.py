@@ -149,10 +149,16 @@ def test_bad_keys_refused_on_load():
 
 
 def test_pull_refusal_rule():
-    assert sg.pull_refusal({}, []) is None
-    assert sg.pull_refusal({}, [{"type": "Verified", "status": "True"}]) is None
-    assert sg.pull_refusal({}, [{"type": "Verified", "status": "False", "reason": "WrongKey", "message": "m"}]) == \
-        ("False", "WrongKey: m")
-    assert sg.pull_refusal({}, [{"type": "Verified", "status": "Unknown", "reason": "RegistryUnavailable"}])[0] == \
-        "Unknown"
-    assert sg.pull_refusal({sg.SIGNATURE_FORMAT_LABEL: "cosign-v3"}, [])[0] == "Unknown"
+    """The agent's rule reads the verdict as data (status.verification), about one digest."""
+    from accelnode.oci.refusal import Verdict
+
+    d1, d2 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    assert sg.pull_refusal({}, {}, d1) is None
+    ok = {"verification": Verdict(d1, (), True, sg.VERIFIED, "2026-01-01T00:00:00Z").to_status()}
+    assert sg.pull_refusal({}, ok, d1) is None
+    assert sg.pull_refusal({}, ok, d2)[0] == "Unknown"  # a verdict on another digest is none on this one
+    no = {"verification": Verdict(d1, (), False, sg.WRONG_KEY, "2026-01-01T00:00:00Z").to_status()}
+    assert sg.pull_refusal({}, no, d1) == ("False", f"WrongKey (verdict of 2026-01-01T00:00:00Z on {d1})")
+    cond = {"conditions": [{"type": "Verified", "status": "True", "reason": "Verified", "message": f"[digest {d1};"}]}
+    assert sg.pull_refusal({}, cond, d1)[0] == "Unknown"  # a condition is for people: no verdict without the data
+    assert sg.pull_refusal({sg.SIGNATURE_FORMAT_LABEL: "cosign-v3"}, {}, d1)[0] == "Unknown"

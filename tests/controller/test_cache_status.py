@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from accelnode.oci import errors
+from accelnode.oci.refusal import Verdict
 from controller.caches import status as cs
 from controller.caches.reconciler import Mentions, trim_node
 from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Pin
@@ -24,7 +25,7 @@ def cache(image=IMAGE, *, status=None, annotations=None, generation=1):
 
 
 def resolved_status(image, digest):
-    return {"resolvedDigest": digest,
+    return {"resolvedDigest": digest, "resolvedImage": image,
             "conditions": [{"type": "Resolved", "status": "True", "reason": "Resolved",
                             "message": cs.pinned_message(image, digest), "lastTransitionTime": EARLIER}]}
 
@@ -52,8 +53,11 @@ def test_the_recorded_pin_is_kept_while_the_image_is_the_same():
 
 def test_a_changed_image_is_resolved_again():
     assert cs.known_pin(cache("quay.io/gkm/cache:v2", status=resolved_status(IMAGE, D1))) is None
-    # a digest recorded without our condition (another writer) is not trusted either
+    # a digest recorded without the image it was pinned for is not trusted either, nor is a
+    # message: the Resolved condition's text says nothing the controller reads
     assert cs.known_pin(cache(status={"resolvedDigest": D1})) is None
+    assert cs.known_pin(cache("quay.io/gkm/cache:v2", status={
+        **resolved_status(IMAGE, D1), "conditions": resolved_status("quay.io/gkm/cache:v2", D1)["conditions"]})) is None
 
 
 def test_the_admission_annotation_pins_a_cache_without_status():
@@ -138,7 +142,7 @@ def test_the_summary_message_says_how_many_nodes_hold_what():
     reason, message = cs.summary(Pin(IMAGE, D1, None), "", cs.aggregate(REPORTS))
     assert reason == "Error"
     assert message == (f"3 of 6 nodes hold {D1}; 3 pods running; 1 downloading; 1 pending; "
-                       "1 pod still on an older digest; 1 node failed (n4: pull failed: 500)")
+                       "1 pod still on an older digest; 1 node failed (n4: 'pull failed: 500')")
     assert cs.summary(Pin(IMAGE, D1, None), "", only())[1] == f"pinned to {D1}; no node holds it yet"
     assert cs.summary(None, "registry down", only("n1")) == ("Unresolved", "registry down")
 
@@ -152,8 +156,10 @@ def test_status_keeps_what_others_wrote_and_puts_the_summary_first():
     obj = cache(status={"pvcStatus": {"ns": {"pvcName": "c"}}, "conditions": [verified]})
     pin = Pin(IMAGE, D1, None)
     v = ("True", "Verified", "ok")
-    st = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW, verified=v)
-    assert st["resolvedDigest"] == D1
+    data = Verdict(D1, ("p@1",), True, "Verified", EARLIER)
+    st = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW, verified=v,
+                         verification=data)
+    assert st["resolvedDigest"] == D1 and st["resolvedImage"] == IMAGE and Verdict.of(st) == data
     assert st["pvcStatus"] == {"ns": {"pvcName": "c"}}
     assert [c["type"] for c in st["conditions"]] == ["Ready", "Resolved", "Verified"]
     assert st["conditions"][0]["reason"] == "Running" and st["conditions"][0]["status"] == "True"
@@ -163,11 +169,15 @@ def test_status_keeps_what_others_wrote_and_puts_the_summary_first():
 
     # the same world a moment later: exactly the same status (no write)
     again = cs.cache_status({**obj, "status": st}, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"),
-                            "2030-01-01T00:05:00Z", verified=v)
+                            "2030-01-01T00:05:00Z", verified=v, verification=data)
     assert again == st
-    # no signature needed any more (label removed, policy gone): the controller's Verified goes
+    # a verdict never outlives its digest: a new pin drops it, whatever is passed along
+    rolled = cs.cache_status({**obj, "status": st}, Pin(IMAGE, D2, None), ("Resolved", cs.pinned_message(IMAGE, D2)),
+                             only("n1"), NOW, verified=("Unknown", "RegistryUnavailable", "x"), verification=data)
+    assert "verification" not in rolled and rolled["resolvedDigest"] == D2
+    # no signature needed any more (label removed, policy gone): the controller's Verified goes, and the data
     plain = cs.cache_status({**obj, "status": st}, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW)
-    assert [c["type"] for c in plain["conditions"]] == ["Ready", "Resolved"]
+    assert [c["type"] for c in plain["conditions"]] == ["Ready", "Resolved"] and "verification" not in plain
     # a refused signature: Ready=False, Unverified, the reason in the STATUS message
     refused = cs.cache_status(obj, pin, ("Resolved", cs.pinned_message(IMAGE, D1)), only("n1"), NOW,
                               verified=("False", "WrongKey", "not ours"))

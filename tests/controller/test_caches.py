@@ -274,7 +274,7 @@ def test_node_objects_are_summed_into_counts_and_status(world, reconcilers, cach
     ready = status(got)["conditions"][0]
     assert ready["type"] == "Ready" and ready["status"] == "False"
     assert ready["message"] == (f"2 of 3 nodes hold {d1}; 2 pods running; "
-                                f"1 node failed ({n3}: pull failed: 500 from registry)")
+                                f"1 node failed ({n3}: 'pull failed: 500 from registry')")
     other = eventually(lambda: (o := world.get("other", ns)) and reason(o) == "Extracted" and o)
     assert other and status(other)["counts"]["nodeCnt"] == 1
 

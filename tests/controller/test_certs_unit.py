@@ -161,3 +161,16 @@ def test_ca_bundle_goes_only_to_webhooks_calling_our_service():
     got = {h["name"]: h["clientConfig"].get("caBundle") for h in config["webhooks"]}
     assert got == {"ours": b64, "other-service": "b2xk", "other-namespace": None, "url": None}
     set_ca_bundle({}, b64, "svc", "ns")  # a configuration without webhooks is no error
+
+
+def test_a_key_half_written_by_a_killed_replica_is_swept_at_start(tmp_path):
+    """The serving key is written through accelnode.atomic; a temporary file a killed process
+    left (a private key among them) is gone when the next one starts, and nothing else is."""
+    from controller.webhooks.certs import ServingCerts
+
+    stale = [tmp_path / ".tls.key.12.34.tmp", tmp_path / ".tls.crt.12.34.tmp"]
+    other = tmp_path / ".operator-notes.tmp"
+    for p in stale + [other]:
+        p.write_text("-----BEGIN EC PRIVATE KEY-----")
+    ServingCerts(None, "ns", "secret", ["svc.ns.svc"], directory=str(tmp_path))
+    assert [p.exists() for p in stale] == [False, False] and other.exists()

@@ -137,12 +137,14 @@ def test_labelled_cache_verified_once_and_refused_when_wrong(world, policies, si
     assert Cache.from_object(obj).refused and Cache.from_object(world.get("good", kube_namespace)).refused is None
     trust = world.objs.list_cluster_custom_object("accelnode.io", "v1alpha1", "clustercachetrustpolicies")["items"]
     with pytest.raises(ResolveError) as e:
-        check_verified(CacheRef(kube_namespace, "bad"), obj["metadata"].get("labels") or {},
-                       obj["status"]["conditions"], obj["status"]["resolvedDigest"], trust)
+        check_verified(CacheRef("bad", kube_namespace), obj["metadata"].get("labels") or {},
+                       obj["status"], obj["status"]["resolvedDigest"], trust)
     assert e.value.code == "FAILED_PRECONDITION" and sg.WRONG_KEY in str(e.value)
     # the controller's verdict names the digest it judged: the driver mounts that one, no other
     good_obj = world.get("good", kube_namespace)
-    args = (CacheRef(kube_namespace, "good"), good_obj["metadata"]["labels"], good_obj["status"]["conditions"])
+    assert good_obj["status"]["verification"]["digest"] == good_obj["status"]["resolvedDigest"]
+    assert good_obj["status"]["verification"]["policies"] == [f"p-{fmt}@1"]
+    args = (CacheRef("good", kube_namespace), good_obj["metadata"]["labels"], good_obj["status"])
     check_verified(*args, good_obj["status"]["resolvedDigest"], trust)
     with pytest.raises(ResolveError) as e:
         check_verified(*args, obj["status"]["resolvedDigest"], trust)
@@ -224,8 +226,14 @@ def test_registry_down_keeps_the_last_verdict(world, policies, signed, own_regis
     policies.put("outage", {"trusted": pub, "second": pub}, namespaces=[kube_namespace])
     stale = verified(world, "kept", kube_namespace, not_reason=sg.VERIFIED)
     assert (stale["status"], stale["reason"]) == ("True", "VerificationStale"), stale
-    assert "keeping the last verdict" in stale["message"]
-    assert Cache.from_object(world.get("kept", kube_namespace)).refused is None  # still usable, not flapping
+    assert "keeping the verdict of" in stale["message"]
+    obj = world.get("kept", kube_namespace)
+    assert Cache.from_object(obj).refused is None  # still usable, not flapping
+    # the node's rule too: the same digest, under the policy as it is now, with its key still trusted
+    assert obj["status"]["verification"]["policies"] == ["outage@2"]
+    trust = world.objs.list_cluster_custom_object("accelnode.io", "v1alpha1", "clustercachetrustpolicies")["items"]
+    check_verified(CacheRef("kept", kube_namespace), obj["metadata"]["labels"], obj["status"],
+                   obj["status"]["resolvedDigest"], trust)
 
 
 def test_rbac_the_controller_reads_policies_and_never_writes_them(control_plane, policies, cosign):

@@ -94,6 +94,16 @@ def condition(type_: str, status: str, reason: str, message: str) -> dict:
     return {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": now}
 
 
+def verdict(digest: str, policies: list[str], verified: bool = True, reason: str = "Verified") -> dict:
+    """The status fields the controller writes for a verdict (``status.verification``, the data
+    nodes act on, and the ``Verified`` condition that tells people)."""
+    from accelnode.oci.refusal import Verdict
+
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"verification": Verdict(digest, tuple(policies), verified, reason, now).to_status(),
+            "conditions": [condition("Verified", "True" if verified else "False", reason, f"by the test: {reason}")]}
+
+
 def pinned_cache(objects, name: str, image: str, namespace: str | None = None, **spec) -> None:
     """A cache whose spec.image is a tag and whose status pins the digest (a resolved cache)."""
     make_cache(objects, name, repo_of(image) + ":latest", namespace, **spec)
@@ -221,9 +231,9 @@ def test_unknown_cache_is_not_found_and_a_deleted_one_too(by_name, objects, name
 def test_failed_verification_is_a_failed_precondition(by_name, objects, namespaces, images):
     a, _ = namespaces
     make_cache(objects, "unsigned", repo_of(images.tpu) + ":latest", a)
-    write_status(objects, "unsigned", {"resolvedDigest": digest_of(images.tpu), "conditions": [
-        condition("Verified", "False", "SignatureMissing", "no signature by a trusted key"),
-        condition("Resolved", "True", "Resolved", "pinned")]}, a)
+    refused = verdict(digest_of(images.tpu), [], False, "SignatureMissing")
+    write_status(objects, "unsigned", {"resolvedDigest": digest_of(images.tpu), **refused, "conditions": [
+        *refused["conditions"], condition("Resolved", "True", "Resolved", "pinned")]}, a)
     vol = by_name.volume("", pod_namespace=a, cache="unsigned", cache_namespace=a)
     assert publish_until(by_name, vol, Code.FAILED_PRECONDITION) == Code.FAILED_PRECONDITION
     err = error_of(by_name.node_stub().NodePublishVolume, vol.publish_request())

@@ -1,12 +1,12 @@
 """The driver and signatures (docs/signatures.md): a cache labelled gkm.io/signature-format with
 no verdict yet is UNAVAILABLE at publish (kubelet retries), a refused one FAILED_PRECONDITION
-naming the reason, and once Verified=True it mounts. Real agent, driver and API server."""
+naming the reason, and once the controller's verdict (status.verification) accepts its digest it
+mounts. Real agent, driver and API server."""
 
 from __future__ import annotations
 
-from accelnode.oci.refusal import stamp
 from tests.csi.test_by_name import (GROUP, VERSION, Code, by_name, condition, csi_rbac, digest_of,  # noqa: F401
-                                    namespaces, objects, publish_until, repo_of, write_status)
+                                    namespaces, objects, publish_until, repo_of, verdict, write_status)
 
 from .conftest import error_of, eventually
 
@@ -24,12 +24,12 @@ def test_signature_required_until_verified(by_name, objects, namespaces, images)
     # (once the driver's view has the pin: before, the cache is UNAVAILABLE as not pinned yet)
     assert eventually(lambda: "has not verified" in error_of(by_name.node_stub().NodePublishVolume,
                                                              vol.publish_request()).details())
-    write_status(objects, "signed", {"conditions": [
-        resolved, condition("Verified", "False", "DigestMismatch", "a signature of another digest")]}, a)
+    refused = verdict(digest_of(images.tpu), [], False, "DigestMismatch")
+    write_status(objects, "signed", {**refused, "conditions": [resolved, *refused["conditions"]]}, a)
     assert publish_until(by_name, vol, Code.FAILED_PRECONDITION) == Code.FAILED_PRECONDITION
     err = error_of(by_name.node_stub().NodePublishVolume, vol.publish_request())
     assert "failed verification: DigestMismatch" in err.details()
     assert not vol.target.exists() and vol.volume_id not in by_name.references()
-    ok = f"signed by trusted key release {stamp(digest_of(images.tpu), ['release@1'])}"  # as the controller writes it
-    write_status(objects, "signed", {"conditions": [resolved, condition("Verified", "True", "Verified", ok)]}, a)
+    ok = verdict(digest_of(images.tpu), [])  # as the controller writes it (no policy covers namespace A)
+    write_status(objects, "signed", {**ok, "conditions": [resolved, *ok["conditions"]]}, a)
     assert publish_until(by_name, vol) == Code.OK

@@ -80,3 +80,24 @@ def test_the_cdi_spec_of_a_claim_holds_its_chips_env_and_log_mount(tpu_host, tmp
     assert (mount["type"], mount["hostPath"], mount["containerPath"]) == ("tmpfs", "tmpfs", "/tmp/tpu_logs")
     assert {"nosuid", "nodev", "noexec", f"size={64 << 20}", "nr_inodes=4096", "mode=1777"} == set(mount["options"])
     assert not (tmp_path / "logs").exists()
+
+
+def test_claim_state_is_bounded_and_swept_at_start(tpu_host, tmp_path):
+    """Issue 33, 3: the per-claim locks live only while a call on that claim does (on main one
+    stayed for every claim ever seen), and a write killed half-way leaves nothing after a start."""
+    host = tpu_host("v5e-4")
+    states = Inventory(host.sysfs_root, host.dev_root).scan()
+    cdi, state = tmp_path / "cdi", tmp_path / "state"
+    cdi.mkdir()
+    state.mkdir()
+    leftovers = [state / ".0f0e.json.7.8.tmp", cdi / ".k8s.tpu.google.com-tpu_0f0e.json.7.8.tmp"]
+    foreign = cdi / ".vendor.example-gpu_1.json.7.8.tmp"  # another CDI producer's: not ours to remove
+    for p in leftovers + [foreign]:
+        p.write_text("{")
+    claims = Claims(client=None, driver="tpu.google.com", node="n", cdi_dir=cdi, state_dir=state,
+                    dev_root=host.dev_root, states=lambda: states,
+                    config=lambda: NodeConfig(accelerator="tpu-v5-lite-podslice", topology="2x2"), log_size=0)
+    assert [p.exists() for p in leftovers] == [False, False] and foreign.exists()
+    for i in range(1000):
+        claims.unprepare(f"0f0e0d0c-0000-4000-8000-{i:012d}")
+    assert claims._locks == {}

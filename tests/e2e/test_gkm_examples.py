@@ -320,7 +320,8 @@ def node(world, control_plane, tmp_path_factory):
     host = world.registry.host
     n.set_agent_flags("--node-name", NODE, "--kubeconfig", str(control_plane.kubeconfig("agent")),
                       "--registry-mirror", f"quay.io={host}", "--registry-mirror", f"registry.example.com:5000={host}",
-                      "--status-resync", "5")
+                      # the endpoint is the registry these images live in, with its own access rules
+                      "--mirror-enforces-access", host, "--status-resync", "5")
     n.set_csi_flags("--kubeconfig", str(control_plane.kubeconfig("csi")), "--plugins-registry", "")
     n.csi.argv = [NODE if a == "node-a" else a for a in n.csi.argv]
     assert "--trust-pod-image-attribute" not in n.csi.argv

@@ -45,6 +45,9 @@ class View:
     def policies(self):
         return self._policies
 
+    def policies_stale(self):
+        return None
+
 
 @fuzz_settings(ci_examples=300)
 @given(obj=caches, policy=policy_objects, namespace=st.one_of(st.none(), text))
@@ -62,7 +65,8 @@ def test_cache_objects(obj, policy, namespace):
     except cachehooks.BadCache:
         pass
     cachehooks.status_digest(obj), cachehooks.same_image(obj, obj)
-    policies.Signer(None).required(obj, namespace, [policies.parse_policy(policy)])
+    policies.requirement(namespace, obj["metadata"].get("labels") or {}, [policies.parse_policy(policy)])
+    policies.Verdict.of(obj.get("status"))
     pod = resolve.Pod(namespace or "team", "worker-0", "uid")
     ref = resolve.CacheRef(obj["metadata"]["name"], None if cluster else (namespace or "team"))
     try:
