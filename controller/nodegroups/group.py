@@ -20,7 +20,7 @@ from controller.nodegroups.common import (API_VERSION, CHILD_FAILURES, GROUP, LA
                                           LABEL_GROUP, LABEL_TOPOLOGY, NODES, STARTUP_SCRIPT, TNG, VERSION, Settings,
                                           condition, get_condition)
 from controller.nodegroups.compute import BASE, GCE, GCEError
-from controller.nodegroups.nodes import Nodes, is_group_node, mig_name_of
+from controller.nodegroups.nodes import CSRS, Nodes, csr_token_id, is_group_node, mig_name_of
 from controller.runtime import events
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
@@ -48,12 +48,18 @@ class TPUNodeGroupReconciler(Reconciler):
             Watch(TNG),
             *(Watch(p, keys=owner) for p in self.children.values()),
             Watch(NODES, keys=self._node_keys),
+            Watch(CSRS, keys=self._csr_keys),  # a join token's first use
             Watch(f"/apis/apps/v1/namespaces/{settings.namespace}/daemonsets",
                   query={"fieldSelector": f"metadata.name={devplugin.DEVICE_PLUGIN}"},
                   keys=lambda _o: [object_key(g) for g in self.cache.list(TNG)]),
         )
 
     # -- mapping -------------------------------------------------------------------------------
+
+    def _csr_keys(self, csr: dict) -> list[str]:
+        tid = csr_token_id(csr)
+        return sorted(object_key(g) for g in self.cache.list(TNG) if tid and tid in
+                      ((g.get("status") or {}).get("joinTokens") or [])) if tid else []
 
     def _node_keys(self, node: dict) -> list[str]:
         return sorted(object_key(g) for g in self.cache.list(TNG) if is_group_node(g, node))

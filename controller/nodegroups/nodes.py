@@ -9,9 +9,11 @@ taint, drain (docs/tpu-node-groups.md, "Join", "Label", "Delete").
   write (its ``kube-labels`` metadata) reaches its Node.
 * **Join**: a RUNNING instance of the MIG (GCE's ``created-by`` names the MIG) without a Node
   gets a join token of its own (:meth:`controller.nodegroups.jointokens.JoinTokens.issue`) in its
-  metadata; once its Node exists the metadata is removed and that token is revoked at once. A
-  token no waiting VM holds is revoked. The namespace holds at most the operator's
-  ``maxJoinTokens`` at a time.
+  metadata. The token is revoked at its first use: the moment the API server has issued a
+  certificate to a request made with it (a CSR whose requester is ``system:bootstrap:<id>``: the
+  kubelet's TLS bootstrap), or its VM's Node exists, whichever comes first; a VM whose token was
+  used gets no other. A token no waiting VM holds is revoked. The namespace holds at most the
+  operator's ``maxJoinTokens`` at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ from controller.runtime.reconciler import object_key
 from controller.runtime.writes import update_if_changed, update_status
 
 log = logging.getLogger("accelnode.controller.nodegroups")
+
+
+CSRS = "/apis/certificates.k8s.io/v1/certificatesigningrequests"
+BOOTSTRAP_USER = "system:bootstrap:"  # the bootstrap-token authenticator's user: system:bootstrap:<token id>
+
+
+def csr_token_id(csr: dict) -> str | None:
+    """The join token id a CSR was requested with (None: not with a bootstrap token)."""
+    user = (csr.get("spec") or {}).get("username") or ""
+    return user.removeprefix(BOOTSTRAP_USER) if user.startswith(BOOTSTRAP_USER) else None
 
 
 def mig_name_of(g: dict) -> str:
@@ -205,6 +217,12 @@ class Nodes:
             return None, ""
         tokens, ledger = self._join_tokens(), self._ledger(box)
         tid = self._held.get(path) or (items.get(METADATA_KEYS[0]) or "").split(".", 1)[0]
+        if tid and self._used(tid):  # spent: revoked, and the VM gets no other (its kubelet has a certificate)
+            self._held[path] = tid
+            if tid in ledger:
+                log.info("join token used: revoked", extra=kv(group=key, instance=inst, bootstrap_id=tid))
+                self._revoke(key, box, [tid])
+            return None, f"{inst} has used its join token; waiting for its Node"
         info = tokens.get(key, tid, control_plane) if tid in ledger else None
         if info is None:
             ns = box[0]["metadata"]["namespace"]
@@ -225,6 +243,11 @@ class Nodes:
         if self._set_items(project, zone, inst, lambda items: {**items, **info.metadata_items()}):
             log.info("join metadata offered", extra=kv(group=key, instance=inst, bootstrap_id=info.token_id))
         return None, ""
+
+    def _used(self, tid: str) -> bool:
+        """Whether a certificate was issued to a request made with token ``tid``."""
+        return any(csr_token_id(c) == tid and (c.get("status") or {}).get("certificate")
+                   for c in self.cache.list(CSRS))
 
     def _withdraw_join(self, key: str, box: list, project: str, zone: str, inst: str) -> None:
         """The VM's Node exists: its token is spent. Revoke it and remove the join metadata."""

@@ -337,8 +337,11 @@ def test_rbac_is_enough_and_no_more(nodegroup_rbac, kubectl):
     sa = "system:serviceaccount:accelnode-system:accelnode-controller"
     allowed = [("update", "nodes"), ("create", "pods", "--subresource=eviction"),
                ("update", "tpunodegroups.tpu.google.com", "--subresource=finalizers"),
-               ("create", "secrets", "-n", "kube-system"), ("create", "daemonsets.apps", "-n", NS_CTRL)]
+               ("create", "secrets", "-n", "kube-system"), ("create", "daemonsets.apps", "-n", NS_CTRL),
+               ("watch", "certificatesigningrequests.certificates.k8s.io")]
     denied = [("create", "secrets", "-n", "default"), ("create", "daemonsets.apps", "-n", "default"),
+              ("update", "certificatesigningrequests.certificates.k8s.io", "--subresource=approval"),
+              ("create", "certificatesigningrequests.certificates.k8s.io"),
               ("delete", "pods"), ("patch", "nodes"), ("get", "secrets", "-n", "kube-system")]
     for args in allowed + denied:
         out = kubectl("admin", "auth", "can-i", *args, f"--as={sa}")
@@ -688,3 +691,64 @@ def test_orphan_and_the_join_token_cap_are_the_operators(control_plane, nodegrou
                    for e in group_events(admin, ns, "v6e-multi-host"))
     assert not [p for p in gce.compute.resources if p.startswith(f"projects/{PROJECT}/")]
     assert get(admin, f"/api/v1/nodes/{first['name']}") is None
+
+
+def kubelet_csr(control_plane, token: str, node: str) -> dict:
+    """What a kubelet's TLS bootstrap does with the join token: a client-certificate request for
+    ``system:node:<node>``, made as the token's bootstrap user (kubeadm's auto-approval signs it)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    req = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
+        x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{node}")])).sign(key, hashes.SHA256())
+    c = Client(Config(control_plane.url, str(control_plane.ca_file), token=token))
+    return c.request("POST", "/apis/certificates.k8s.io/v1/certificatesigningrequests", body={
+        "apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
+        "metadata": {"generateName": "node-csr-"},
+        "spec": {"request": base64.b64encode(req.public_bytes(serialization.Encoding.PEM)).decode(),
+                 "signerName": "kubernetes.io/kube-apiserver-client-kubelet",
+                 "usages": ["digital signature", "client auth"]}})
+
+
+def test_a_join_token_is_revoked_at_its_first_use(control_plane, nodegroup_rbac, gce, admin, kube_namespace):
+    """Issue 33.5: whoever reads the VM's metadata first (the token is there for anyone with
+    compute.instances.get) gets one node certificate with it, not one per node name: once a
+    certificate is issued to a request made with the token, the token is revoked, before any
+    Node exists, and the VM is not given another."""
+    from tests.controller.test_jointokens import whoami
+
+    ns = kube_namespace
+    with Running(control_plane, gce.endpoint):
+        make_group(admin, ns, SINGLE)
+        (inst,) = wait("the VM offered a join", lambda: [
+            i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)] or None)
+        token = metadata(inst)["kubeadm-join-token"]
+        csr = kubelet_csr(control_plane, token, inst["name"])
+        wait("the certificate issued", lambda: (get(admin, "/apis/certificates.k8s.io/v1/certificatesigningrequests/"
+                                                   + csr["metadata"]["name"]) or {}).get("status", {}).get("certificate"))
+
+        def refused():
+            try:
+                whoami(control_plane, token)
+            except KubeError as e:
+                return e.code == 401
+            return False
+        wait("the token refused", refused)
+        with pytest.raises(KubeError) as err:  # a second node name: not with this token
+            kubelet_csr(control_plane, token, "another-node")
+        assert err.value.code == 401
+        time.sleep(1.0)
+        g = admin.request("GET", tng_path(ns, "v7x-single-host"))
+        assert not g["status"].get("joinTokens") and group_secrets(admin, ns) == []  # no other token for the VM
+        assert metadata(gce.compute.instances(PROJECT)[0])["kubeadm-join-token"] == token
+        assert "has used its join token" in cond(g, "Ready")["message"]
+        _register(admin, inst, PROJECT, "us-central1-c")
+        wait("group Ready", lambda: cond(get(admin, tng_path(ns, "v7x-single-host")), "Ready").get("status") == "True")
+        wait("join metadata withdrawn", lambda: "kubeadm-join-token" not in metadata(gce.compute.instances(PROJECT)[0]))
+        admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=60)
+    admin.request("DELETE", "/apis/certificates.k8s.io/v1/certificatesigningrequests/" + csr["metadata"]["name"])
