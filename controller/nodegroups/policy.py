@@ -4,7 +4,7 @@ author's (docs/tpu-node-groups.md, "Operator rules"; docs/security.md).
 A namespace admin writes a ``TPUNodeGroup``; the VMs it makes run with the cluster's join token
 and become nodes. Everything that decides what runs on those VMs, where, and as whom is therefore
 the operator's: the project and zone, the boot image, the service account and its scopes, the
-subnetwork, every metadata key (``startup-script``, ``startup-script-url``, ``user-data``,
+subnetwork and network tags (firewall rules select VMs by tag), every metadata key (``startup-script``, ``startup-script-url``, ``user-data``,
 ``ssh-keys``, the ``accelnode-*-url`` install sources ... are code or access), an existing
 instance template, ``deletionPolicy: Orphan`` and how many join tokens the namespace may hold.
 
@@ -30,8 +30,8 @@ RESERVED_METADATA = frozenset({"kube-labels", "created-by", *METADATA_KEYS})
 DEFAULT_SUBNETWORKS = ("default",)  # the CRD's default: a group that names none
 DEFAULT_JOIN_TOKENS = 16  # live join tokens per namespace (a token per waiting VM)
 _WALKS = re.compile(r"\.\.|[%\\?#@\s]")
-_KEYS = {"projects", "zones", "images", "serviceAccounts", "subnetworks", "metadata", "instanceTemplates",
-         "deletionPolicies", "maxJoinTokens"}
+_KEYS = {"projects", "zones", "images", "serviceAccounts", "subnetworks", "networkTags", "metadata",
+         "instanceTemplates", "deletionPolicies", "maxJoinTokens"}
 
 
 def matches(patterns: tuple[str, ...], value: str) -> bool:
@@ -68,6 +68,7 @@ class Rule:
     images: tuple[str, ...] = ()
     service_accounts: tuple[ServiceAccount, ...] = ()
     subnetworks: tuple[str, ...] = DEFAULT_SUBNETWORKS
+    network_tags: tuple[str, ...] = ()  # firewall rules select VMs by tag
     metadata: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> value patterns
     instance_templates: tuple[str, ...] = ()
     deletion_policies: tuple[str, ...] = ("Delete",)
@@ -107,7 +108,7 @@ class Rule:
         return cls(projects=strings("projects"), zones=strings("zones") if "zones" in raw else None,
                    images=strings("images"), service_accounts=tuple(
                        ServiceAccount(a["email"], tuple(a["scopes"])) for a in accounts),
-                   subnetworks=strings("subnetworks", DEFAULT_SUBNETWORKS),
+                   subnetworks=strings("subnetworks", DEFAULT_SUBNETWORKS), network_tags=strings("networkTags"),
                    metadata={k: tuple(v) for k, v in md.items()},
                    instance_templates=strings("instanceTemplates"), deletion_policies=policies,
                    max_join_tokens=tokens)
@@ -184,6 +185,9 @@ class Policy:
         subnet = ic.get("subnetwork") or "default"
         if not matches(rule.subnetworks, subnet):
             out.append(Refusal(f"{at}.subnetwork", _not_allowed(namespace, subnet, rule.subnetworks)))
+        tags = [t for t in ic.get("networkTags") or [] if not matches(rule.network_tags, t)]
+        if tags:
+            out.append(Refusal(f"{at}.networkTags", _not_allowed(namespace, tags, rule.network_tags)))
         for i, sa in enumerate(ic.get("serviceAccounts") or []):
             allowed = next((a for a in rule.service_accounts if a.email == sa.get("email")), None)
             if allowed is None:

@@ -547,6 +547,7 @@ def group_events(admin: Client, ns: str, name: str) -> list[dict]:
         "accelnode-node-bundle-url": "https://storage.googleapis.com/my-tpu-project-accelnode/../attacker/b.tgz"}}),
     ("spec.instanceConfig.metadata.ssh-keys", {"metadata": {"ssh-keys": "root:ssh-ed25519 AAAA attacker"}}),
     ("spec.instanceConfig.subnetwork", {"subnetwork": "projects/victim/regions/us-central1/subnetworks/prod"}),
+    ("spec.instanceConfig.networkTags", {"networkTags": ["tpu-nodes", "allow-ssh-from-anywhere"]}),
 ])
 def test_a_namespace_admin_cannot_choose_what_runs_on_the_vms(control_plane, nodegroup_rbac, gce, admin, recorder,
                                                               kube_namespace, field, change):

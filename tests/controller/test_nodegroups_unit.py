@@ -60,12 +60,14 @@ def test_what_runs_on_the_vms_is_the_operators_word():
     p = nodegroups.Policy.parse({"*": base})
     fields = {r.field for r in p.instance("ns", ic, "spec.instanceConfig")}
     assert {"spec.instanceConfig.image", "spec.instanceConfig.subnetwork", "spec.instanceConfig.serviceAccounts[0].email",
-            "spec.instanceConfig.metadata.startup-script-url", "spec.instanceConfig.metadata.team"} <= fields
+            "spec.instanceConfig.metadata.startup-script-url", "spec.instanceConfig.metadata.team",
+            "spec.instanceConfig.networkTags"} <= fields
     assert p.instance("ns", {"machineType": "tpu7x-standard-4t"}, "spec.instanceConfig") == []  # nothing named
     allowing = nodegroups.Policy.parse({"*": {**base, "images": ["projects/ubuntu-os-accelerator-images/global/images/*"],
                                               "subnetworks": ["default", "regions/us-central1/subnetworks/default"],
                                               "serviceAccounts": [{"email": "default", "scopes": [
                                                   "https://www.googleapis.com/auth/cloud-platform"]}],
+                                              "networkTags": ["tpu-nodes"],
                                               "metadata": {k: ["*"] for k in ic["metadata"]}}})
     assert allowing.instance("ns", ic, "x") == []
     sa = dict(ic, serviceAccounts=[{"email": "default", "scopes": ["https://www.googleapis.com/auth/compute"]}])
