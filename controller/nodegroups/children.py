@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import uuid
 
-from accelnode.kube.client import Client, custom_path
+from accelnode.kube.client import Client, KubeError, custom_path, is_not_found
 from accelnode.log import kv
 
 from controller.nodegroups.common import (GROUP, TERMINAL_REASONS, VERSION, Settings, cluster_id, condition,
                                           get_condition, is_startup_script, short)
-from controller.nodegroups.compute import GCE, TERMINAL, GCEError, Owner
+from controller.nodegroups.compute import BASE, GCE, TERMINAL, GCEError, Owner
+from controller.nodegroups.policy import matches
 from controller.runtime.reconciler import Reconciler, Result, Watch
 from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
 
@@ -95,9 +96,9 @@ class ChildReconciler(Reconciler):
             return f"{self.kind} {obj['metadata']['name']} is not controlled by a TPUNodeGroup: nothing is made for it"
         ns = obj["metadata"]["namespace"]
         refused = self.settings.policy.placement(ns, *self.place(obj))
-        return str(refused) if refused else self.allowed(ns, obj["spec"])
+        return str(refused) if refused else self.allowed(obj)
 
-    def allowed(self, namespace: str, spec: dict) -> str | None:
+    def allowed(self, obj: dict) -> str | None:
         """Why the operator's rules refuse this child's spec beyond its placement (None: they do not)."""
         return None
 
@@ -296,9 +297,10 @@ class InstanceTemplateReconciler(ChildReconciler):
     def delete(self, obj):
         return self.gce.delete_template(obj["spec"]["project"], obj["metadata"]["name"])
 
-    def allowed(self, namespace, spec):
+    def allowed(self, obj):
         """What runs on the VMs, checked again here: a template is what GCE boots. The controller's
         own ``kube-labels`` and its bootstrap ``startup-script`` are the only keys it adds."""
+        namespace, spec = obj["metadata"]["namespace"], obj["spec"]
         md = spec.get("metadata") or {}
         own = ("kube-labels",) + (("startup-script",) if is_startup_script(md.get("startup-script", "")) else ())
         refused = self.settings.policy.instance(namespace, spec, "spec", controller_keys=own)
@@ -325,6 +327,28 @@ class ManagedInstanceGroupReconciler(ChildReconciler):
     def delete(self, obj):
         s = obj["spec"]
         return self.gce.delete_mig(s["project"], s["location"], obj["metadata"]["name"])
+
+    def allowed(self, obj):
+        """The VMs boot from the group's own InstanceTemplate child (same namespace, same group)
+        or from a template the operator allows (``instanceTemplates``), never another's."""
+        ns, spec = obj["metadata"]["namespace"], obj["spec"]
+        path = spec["instanceTemplate"].removeprefix(BASE)
+        rule = self.settings.policy.rule(ns)
+        if rule is not None and matches(rule.instance_templates, path):
+            return None
+        own = f"projects/{spec['project']}/global/instanceTemplates/"
+        child = None
+        if path.startswith(own) and "/" not in path[len(own):]:
+            try:
+                child = self.client.request("GET", custom_path(GROUP, VERSION, "instancetemplates", ns,
+                                                               path[len(own):]))
+            except KubeError as e:
+                if not is_not_found(e):
+                    raise
+        if child is not None and self.owner(child) == self.owner(obj):
+            return None
+        return (f"spec.instanceTemplate: {path!r} is neither the group's own InstanceTemplate nor allowed in "
+                f"namespace {ns} (instanceTemplates)")
 
     def observe(self, obj, res):
         if res.status.is_stable:

@@ -30,7 +30,8 @@ STARTUP_SCRIPT = """#!/bin/sh
 # (the image carries kubeadm and kubelet of that version; docs/bootstrap.md).
 exec /usr/local/bin/accelnode bootstrap --log-format text
 """
-_STARTUP_SCRIPT_RE = re.compile(re.escape(STARTUP_SCRIPT).replace(r"\{group\}", r"[a-z0-9][-a-z0-9.]*/[a-z0-9][-a-z0-9.]*")
+_NAME = r"[a-z0-9][-a-z0-9.]*"
+_STARTUP_SCRIPT_RE = re.compile(re.escape(STARTUP_SCRIPT).replace(r"\{group\}", f"{_NAME}/{_NAME}")
                                 .replace(r"\{version\}", r"1\.[0-9]+"))
 
 

@@ -330,7 +330,8 @@ class TPUNodeGroupReconciler(Reconciler):
         box = [g]
         self.nodes.revoke_all(key, box)
         g = box[0]
-        others = [o for o in self.cache.list(TNG) if object_key(o) != key and not o["metadata"].get("deletionTimestamp")]
+        others = [o for o in self.cache.list(TNG)
+                  if object_key(o) != key and not o["metadata"].get("deletionTimestamp")]
         if not others:
             devplugin.remove(self.client, self.cache, self.settings)
         self.nodes.forget(g)

@@ -4,9 +4,10 @@ author's (docs/tpu-node-groups.md, "Operator rules"; docs/security.md).
 A namespace admin writes a ``TPUNodeGroup``; the VMs it makes run with the cluster's join token
 and become nodes. Everything that decides what runs on those VMs, where, and as whom is therefore
 the operator's: the project and zone, the boot image, the service account and its scopes, the
-subnetwork and network tags (firewall rules select VMs by tag), every metadata key (``startup-script``, ``startup-script-url``, ``user-data``,
-``ssh-keys``, the ``accelnode-*-url`` install sources ... are code or access), an existing
-instance template, ``deletionPolicy: Orphan`` and how many join tokens the namespace may hold.
+subnetwork and network tags (firewall rules select VMs by tag), every metadata key
+(``startup-script``, ``startup-script-url``, ``user-data``, ``ssh-keys``, the ``accelnode-*-url``
+install sources ... are code or access), an existing instance template, ``deletionPolicy:
+Orphan`` and how many join tokens the namespace may hold.
 
 The rules come from one JSON file (``--node-group-placement``), a rule per namespace or ``"*"``
 for every namespace not named; a namespace's own rule replaces ``"*"``, it does not add to it.

@@ -405,10 +405,21 @@ def test_a_namespace_user_naming_another_project_gets_nothing_there(control_plan
     admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns), body={
         "apiVersion": "tpu.google.com/v1alpha1", "kind": "InstanceTemplate", "metadata": {"name": "by-hand"},
         "spec": {"project": victim, "machineType": "tpu7x-standard-4t"}})
+    g = admin.request("GET", tng_path(ns, "v7x-single-host"))
+    owned = {"ownerReferences": [{"apiVersion": "tpu.google.com/v1alpha1", "kind": "TPUNodeGroup", "name": "v7x-single-host",
+                                  "uid": g["metadata"]["uid"], "controller": True}]}
+    # a MIG child (made by whoever may write children) booting from a template that is not its group's
+    admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "managedinstancegroups", ns), body={
+        "apiVersion": "tpu.google.com/v1alpha1", "kind": "ManagedInstanceGroup", "metadata": {"name": "theirs", **owned},
+        "spec": {"project": PROJECT, "location": "us-east5-b", "targetSize": 1,
+                 "instanceTemplate": f"{BASE_URL}projects/{PROJECT}/global/instanceTemplates/privileged-nodes"}})
     with Running(control_plane, gce.endpoint, placement={ns: {"projects": [PROJECT], "zones": ["us-east5-b"]}}):
         g = wait("NotAllowed", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
             get(admin, tng_path(ns, "v7x-single-host"))))
         assert victim in cond(g, "Ready")["message"]
+        m = wait("the MIG refused", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
+            get(admin, custom_path("tpu.google.com", "v1alpha1", "managedinstancegroups", ns, "theirs"))))
+        assert "spec.instanceTemplate" in cond(m, "Ready")["message"]
         t = wait("by-hand refused", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
             get(admin, custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns, "by-hand"))))
         assert "not controlled by a TPUNodeGroup" in cond(t, "Ready")["message"]
@@ -422,9 +433,11 @@ def test_a_namespace_user_naming_another_project_gets_nothing_there(control_plan
         for n in ("v7x-single-host", "wrong-zone"):
             admin.request("DELETE", tng_path(ns, n))
         admin.request("DELETE", custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns, "by-hand"))
-        wait("gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None and get(admin, tng_path(
-            ns, "wrong-zone")) is None and get(admin, custom_path("tpu.google.com", "v1alpha1", "instancetemplates",
-                                                                  ns, "by-hand")) is None)
+        # (the MIG child goes with its group's teardown, as the group's children do)
+        mig = custom_path("tpu.google.com", "v1alpha1", "managedinstancegroups", ns, "theirs")
+        wait("gone", lambda: get(admin, mig) is None and get(admin, tng_path(ns, "v7x-single-host")) is None and get(
+            admin, tng_path(ns, "wrong-zone")) is None and get(admin, custom_path(
+                "tpu.google.com", "v1alpha1", "instancetemplates", ns, "by-hand")) is None)
 
 
 def test_every_resource_carries_the_ownership_marker_and_only_our_vms_get_tokens(
