@@ -644,6 +644,17 @@ def test_a_node_naming_another_groups_instance_is_not_adopted(control_plane, nod
     admin.request("DELETE", f"/api/v1/nodes/{impostor}")
 
 
+def token_refused(control_plane, token: str) -> bool:
+    """Whether the API server refuses the join token (401: its Secret is gone)."""
+    from tests.controller.test_jointokens import whoami
+
+    try:
+        whoami(control_plane, token)
+    except KubeError as e:
+        return e.code == 401
+    return False
+
+
 def test_a_join_token_joins_one_vm_and_is_revoked_once_it_has(control_plane, nodegroup_rbac, gce, admin,
                                                              kube_namespace):
     """Issue 33.5: each VM gets a token of its own, and the API server stops taking it the moment
@@ -659,14 +670,7 @@ def test_a_join_token_joins_one_vm_and_is_revoked_once_it_has(control_plane, nod
         assert first.split(".")[0] != second.split(".")[0]
         assert whoami(control_plane, first)["username"] == f"system:bootstrap:{first.split('.')[0]}"
         _register(admin, insts[0], PROJECT, "us-east5-b")  # the first VM joined
-
-        def refused():
-            try:
-                whoami(control_plane, first)
-            except KubeError as e:
-                return e.code == 401
-            return False
-        wait("the first VM's token refused", refused)
+        wait("the first VM's token refused", lambda: token_refused(control_plane, first))
         assert whoami(control_plane, second)["username"] == f"system:bootstrap:{second.split('.')[0]}"
         assert "kubeadm-join-token" in metadata(next(i for i in gce.compute.instances(PROJECT)
                                                      if i["name"] == insts[1]["name"]))
@@ -744,14 +748,7 @@ def test_a_join_token_is_revoked_at_its_first_use(control_plane, nodegroup_rbac,
         csr = kubelet_csr(control_plane, token, inst["name"])
         wait("the certificate issued", lambda: (get(admin, "/apis/certificates.k8s.io/v1/certificatesigningrequests/"
                                                    + csr["metadata"]["name"]) or {}).get("status", {}).get("certificate"))
-
-        def refused():
-            try:
-                whoami(control_plane, token)
-            except KubeError as e:
-                return e.code == 401
-            return False
-        wait("the token refused", refused)
+        wait("the token refused", lambda: token_refused(control_plane, token))
         with pytest.raises(KubeError) as err:  # a second node name: not with this token
             kubelet_csr(control_plane, token, "another-node")
         assert err.value.code == 401
