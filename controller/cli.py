@@ -102,10 +102,12 @@ def register(sub) -> None:
                    help="the controller's own GCE project: without --node-group-placement, the only project node "
                         "groups may use (default: Application Default Credentials' project; none with --gce-endpoint)")
     g.add_argument("--node-group-placement", metavar="FILE",
-                   help="JSON file saying which GCE projects (and zones) the node groups of each namespace may use: "
-                        '{"<namespace>" or "*": {"projects": [...], "zones": [...]}} (zones optional: any); a '
-                        "namespace not named and no \"*\" may use none (docs/security.md). Default: --gce-project "
-                        "for every namespace")
+                   help="JSON file of the operator's rules for each namespace's node groups: where (projects, "
+                        "zones) and what runs on their VMs (images, serviceAccounts, subnetworks, metadata keys and "
+                        "values, instanceTemplates), deletionPolicies and maxJoinTokens: "
+                        '{"<namespace>" or "*": {"projects": [...], ...}} (docs/tpu-node-groups.md, "Operator '
+                        'rules"); a namespace not named and no "*" may use none. Default: --gce-project for every '
+                        "namespace, nothing else")
     g.add_argument("--node-group-poll", type=float, default=10.0, metavar="SECONDS",
                    help="how often GCE operations and joining nodes are looked at (default: %(default)s)")
     g.add_argument("--drain-timeout", type=float, default=300.0, metavar="SECONDS",
@@ -126,21 +128,17 @@ def register(sub) -> None:
 
 
 def node_group_placement(path: str | None) -> dict | None:
-    """--node-group-placement's file, checked; None without the flag."""
+    """--node-group-placement's file, checked (controller/nodegroups/policy.py); None without the flag."""
     if path is None:
         return None
+    from controller.nodegroups.policy import Policy
+
     try:
         with open(path, encoding="utf-8") as f:
             rules = json.load(f)
+        Policy.parse(rules)
     except (OSError, ValueError) as e:
         raise exitcodes.CLIError(f"--node-group-placement {path}: {e}", exitcodes.USAGE) from None
-    ok = isinstance(rules, dict) and all(
-        isinstance(r, dict) and set(r) <= {"projects", "zones"} and isinstance(r.get("projects"), list)
-        and all(isinstance(x, str) for x in r["projects"] + (r.get("zones") or []))
-        and isinstance(r.get("zones", []), list) for r in rules.values())
-    if not ok:
-        raise exitcodes.CLIError(f"--node-group-placement {path}: expected "
-                                 '{"<namespace>" or "*": {"projects": ["..."], "zones": ["..."]}}', exitcodes.USAGE)
     return rules
 
 

@@ -40,6 +40,7 @@ EXERCISED: dict[str, list[str]] = {
     "tpu-env/gke-indexed-job.yaml": [ENVHOOKS, NODE],
     "tpu-env/injector-readme-statefulset.yaml": [ENVHOOKS, NODE],
     "tpu/children.yaml": [CRDS],
+    "tpu/node-group-rules.json": ["tests/controller/test_nodegroups.py", "tests/controller/test_nodegroups_unit.py"],
     "tpu/tpunodegroup-from-template.yaml": [CRDS],
     "tpu/tpunodegroup-multi-host.yaml": [CRDS, "tests/controller/test_nodegroups.py"],
     "tpu/tpunodegroup-single-host.yaml": [CRDS, "tests/e2e/test_nodegroup_join.py"],

@@ -155,7 +155,25 @@ class JoinTokens:
         if usable:
             best = max(usable, key=lambda t: t.expires)
             return JoinInfo(best.token, self.ca_hash, control_plane)
-        free = [t for t in POOL if t not in taken and t not in recorded]
+        return self._new(group, control_plane, alive, list(recorded) + list(taken), reserve, now)
+
+    def issue(self, group: str, control_plane: str, recorded: list[str], taken: Collection[str],
+              reserve: Callable[[list[str]], None]) -> JoinInfo:
+        """A new token for one VM of ``group`` (never one already handed out: a token joins one
+        VM and is revoked once it has), its id added to ``recorded`` through ``reserve``."""
+        check_control_plane(control_plane)
+        return self._new(group, control_plane, list(recorded), list(recorded) + list(taken), reserve, self.clock())
+
+    def get(self, group: str, tid: str, control_plane: str) -> JoinInfo | None:
+        """The group's token ``tid`` when it still has comfortable time left, else None."""
+        tok = self._read(tid, group)
+        if tok is None or tok.expires - self.clock() < self.min_left_s:
+            return None
+        return JoinInfo(tok.token, self.ca_hash, check_control_plane(control_plane))
+
+    def _new(self, group: str, control_plane: str, alive: list[str], used: list[str],
+             reserve: Callable[[list[str]], None], now: float) -> JoinInfo:
+        free = [t for t in POOL if t not in used]
         for tid in random.sample(free, min(5, len(free))):
             reserve(alive + [tid])  # an id that turns out taken is dropped by the next reservation
             token = self._create(group, tid, now)

