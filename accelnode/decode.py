@@ -71,6 +71,10 @@ KUBE_OBJECT = Budget(4 * MiB, 250_000, 100)
 KUBE_LIST_PAGE = Budget(32 * MiB, 500_000, 100)
 # Error Status bodies of the API server and other small answers (metadata server's attributes).
 SMALL = Budget(1 * MiB, 10_000, 32)
+# A Docker config JSON: a file, or a tenant's dockerconfigjson pull Secret (etcd: 1.5 MiB at most).
+DOCKER_CONFIG = Budget(4 * MiB, 50_000, 16)
+# The GCE metadata server's answers (all of an instance's custom metadata: 512 KiB at most).
+METADATA = Budget(1 * MiB, 10_000, 32)
 # Files kept on a node or given by the operator (docker config.json, checkpoints, rules files).
 FILE = Budget(16 * MiB, 500_000, 64)
 
@@ -122,14 +126,29 @@ def check(body: bytes, budget: Budget, document: str) -> None:
                                           f"{budget.max_depth}", over_budget=True)
 
 
+def values_at_most(body: bytes) -> int:
+    """A bound on the array elements and object members (a key and its value) in ``body``,
+    cheaper than :func:`check`'s count (no string is scanned: every one but a container's first
+    follows a comma; brackets and commas inside strings only raise the bound). For a memory
+    budget shared by bodies not yet parsed."""
+    return 1 + body.count(b",") + body.count(b"{") + body.count(b"[")
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def decode(body: bytes | bytearray | memoryview, budget: Budget, document: str, expect: type | None = dict) -> Any:
-    """The JSON value of ``body`` once :func:`check` passed; ``expect`` (dict by default, None:
-    any) is the type the top value must have. Every problem is :class:`DocumentError`."""
-    body = bytes(body)
+def decode(body: bytes | bytearray | memoryview | str, budget: Budget, document: str,
+           expect: type | None = dict) -> Any:
+    """The JSON value of ``body`` (its UTF-8 bytes, for a str) once :func:`check` passed;
+    ``expect`` (dict by default, None: any) is the type the top value must have. Every problem
+    is :class:`DocumentError`."""
+    if not isinstance(body, (bytes, bytearray, memoryview, str)):
+        raise DocumentError(document, f"is not a JSON text but a {type(body).__name__}")
+    try:
+        body = body.encode() if isinstance(body, str) else bytes(body)
+    except UnicodeEncodeError:
+        raise DocumentError(document, "is not valid JSON: not UTF-8 (a lone surrogate)") from None
     check(body, budget, document)
     try:
         doc = json.loads(body, parse_constant=_no_constant)

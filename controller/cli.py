@@ -15,10 +15,10 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
 import accelnode
+from accelnode.decode import FILE, read_file
 from accelnode import cli as acli
 from accelnode import exitcodes
 from accelnode.oci.flags import add_registry_flags
@@ -130,8 +130,7 @@ def node_group_placement(path: str | None) -> dict | None:
     if path is None:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            rules = json.load(f)
+        rules = read_file(path, FILE, expect=None)
     except (OSError, ValueError) as e:
         raise exitcodes.CLIError(f"--node-group-placement {path}: {e}", exitcodes.USAGE) from None
     ok = isinstance(rules, dict) and all(

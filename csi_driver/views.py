@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from accelnode.decode import SMALL, read_file
 from accelnode.kube.quantity import to_bytes
 from accelnode.log import kv
 
@@ -135,8 +136,7 @@ class Views:
     @staticmethod
     def _read(d: str) -> Record | None:
         try:
-            with open(os.path.join(d, RECORD), "rb") as f:
-                r = json.loads(f.read())
+            r = read_file(os.path.join(d, RECORD), SMALL)
             return Record(r["target"], r["digest"], int(r["size"]), tuple(r["overlay"]) if r.get("overlay") else None)
         except (OSError, ValueError, KeyError, TypeError):
             return None

@@ -94,7 +94,7 @@ def parse_config(config: dict) -> tuple[str | None, list[dict], dict]:
     kind = declared_kind(labels)
     targets = []
     if kind:
-        summary = decode(labels[label(kind, "summary")].encode(), LABEL, f"label {label(kind, 'summary')}")
+        summary = decode(labels[label(kind, "summary")], LABEL, f"label {label(kind, 'summary')}")
         targets = [normalize_target(t) for t in (summary.get("targets") or [])]
     return kind, targets, labels
 
@@ -135,7 +135,7 @@ def choose_manifest(index: dict, accelerators: list[dict] | None) -> dict | None
         if not accelerators:
             continue
         try:
-            targets = [normalize_target(t) for t in decode(raw.encode(), LABEL, TARGETS_ANNOTATION, list)]
+            targets = [normalize_target(t) for t in decode(raw, LABEL, TARGETS_ANNOTATION, list)]
         except (ValueError, TypeError, AttributeError):
             continue
         if any(target_fits(t, accelerators) for t in targets):
@@ -209,7 +209,7 @@ def summarize(cache: Path, kind: str, extra_targets: list[dict] = (), manifest: 
     if kind == "vllm" and (formats := vllm_formats(cache)):
         labels[label(kind, "format")] = ",".join(formats)
     if kind == "jax" and manifest is not None and manifest.is_file():
-        meta = json.loads(manifest.read_text())
+        meta = read_file(manifest, FILE)
         for key in ("jax-version", "jaxlib-version", "libtpu-version", "accelerator-type"):
             if meta.get(key):
                 labels[label(kind, key)] = str(meta[key])

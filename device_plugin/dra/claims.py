@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from accelnode.decode import FILE, read_file
 from accelnode.kube.client import Client, KubeError, is_not_found
 from accelnode.log import kv
 
@@ -100,7 +101,7 @@ class Claims:
         with self._lock(uid):
             ck = self.checkpoint_path(uid)
             if ck.exists() and self.spec_path(uid).exists():
-                return json.loads(ck.read_text())["devices"]
+                return read_file(ck, FILE)["devices"]
             results = self._allocation(namespace, name, uid)
             by_name = {device_name(s.chip.index): s for s in self.states()}
             chips = []
