@@ -40,11 +40,12 @@ def index_bomb(children: list[bytes]) -> bytes:
 
 def world() -> dict:
     """A world for :class:`tests.fuzz.test_registry_answers.HostileRegistry`: tag ``manifest`` is
-    one bomb, tag ``index`` an index of CHILDREN bombs (each another digest)."""
+    one bomb, tag ``index`` (and its digest, :func:`pinned_index`) an index of CHILDREN bombs,
+    each another digest."""
     children = [manifest_bomb(i) for i in range(CHILDREN)]
     manifests = {_digest(c): c for c in children}
-    manifests["manifest"] = children[0]
-    manifests["index"] = index_bomb(children)
+    index = index_bomb(children)
+    manifests.update({"manifest": children[0], "index": index, _digest(index): index})
     return {"challenge": None, "manifest_status": 200, "content_type": MANIFEST_TYPES[0], "manifests": manifests,
             "blobs": {}, "anonymous": True, "token_status": 404, "token": b""}
 
@@ -55,3 +56,8 @@ def vm_hwm(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     raise KeyError("VmHWM")
+
+
+def pinned_index(host: str) -> str:
+    """The bomb index by digest, on the registry at ``host``."""
+    return f"{host}/{REPO}@{_digest(index_bomb([manifest_bomb(i) for i in range(CHILDREN)]))}"
