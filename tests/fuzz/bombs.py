@@ -23,31 +23,44 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def _padded(doc: dict, size: int) -> bytes:
+    """``doc`` with a member ``pad`` of ``{},{},...`` making it ``size`` bytes at most: a document
+    every check of its fields accepts, and 1.4 million empty objects at 4 MiB."""
+    head = json.dumps(doc)[:-1].encode() + b',"pad":['
+    return head + b"{}," * ((size - len(head) - 4) // 3) + b"{}]}"
+
+
 def manifest_bomb(i: int = 0, size: int = MANIFEST_CAP) -> bytes:
-    """An image manifest of ``size`` bytes whose layers list is ``{},{},...`` (about 1.4 million
-    empty objects at 4 MiB)."""
-    head = json.dumps({"schemaVersion": 2, "mediaType": MANIFEST_TYPES[0], "annotations": {"i": str(i)},
-                       "config": {}})[:-1].encode() + b',"layers":['
-    n = (size - len(head) - 4) // 3
-    return head + b"{}," * n + b"{}]}"
+    """A valid image manifest (a config descriptor, no layers) padded to ``size`` bytes."""
+    config = {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": _digest(b"{}"), "size": 2}
+    return _padded({"schemaVersion": 2, "mediaType": MANIFEST_TYPES[0], "annotations": {"i": str(i)},
+                    "config": config, "layers": []}, size)
 
 
-def index_bomb(children: list[bytes]) -> bytes:
-    return json.dumps({"schemaVersion": 2, "mediaType": INDEX_TYPES[0], "manifests": [
+def index_bomb(children: list[bytes], size: int | None = None) -> bytes:
+    """An image index of ``children`` (for this host's platform), padded to ``size`` bytes if given."""
+    doc = {"schemaVersion": 2, "mediaType": INDEX_TYPES[0], "manifests": [
         {"mediaType": MANIFEST_TYPES[0], "digest": _digest(c), "size": len(c), "platform": fmt.host_platform()}
-        for c in children]}).encode()
+        for c in children]}
+    return _padded(doc, size) if size else json.dumps(doc).encode()
 
 
 def world() -> dict:
-    """A world for :class:`tests.fuzz.test_registry_answers.HostileRegistry`: tag ``manifest`` is
-    one bomb, tag ``index`` (and its digest, :func:`pinned_index`) an index of CHILDREN bombs,
-    each another digest."""
+    """A world for :class:`tests.fuzz.test_registry_answers.HostileRegistry`. Tags: ``manifest``,
+    one bomb; ``index``, a small index of CHILDREN bombs (each another digest), as the issue's
+    admission attack; ``fat-index`` (and its digest, :func:`pinned_index`), that index padded to a
+    bomb itself, so that a parser holding the index while it parses a child holds two bombs."""
     children = [manifest_bomb(i) for i in range(CHILDREN)]
     manifests = {_digest(c): c for c in children}
-    index = index_bomb(children)
-    manifests.update({"manifest": children[0], "index": index, _digest(index): index})
+    fat = index_bomb(children, MANIFEST_CAP)
+    manifests.update({"manifest": children[0], "index": index_bomb(children), "fat-index": fat, _digest(fat): fat})
     return {"challenge": None, "manifest_status": 200, "content_type": MANIFEST_TYPES[0], "manifests": manifests,
             "blobs": {}, "anonymous": True, "token_status": 404, "token": b""}
+
+
+def pinned_index(host: str) -> str:
+    """The fat index by digest, on the registry at ``host`` (what the agent is asked for)."""
+    return f"{host}/{REPO}@{_digest(index_bomb([manifest_bomb(i) for i in range(CHILDREN)], MANIFEST_CAP))}"
 
 
 def vm_hwm(pid: int) -> int:
@@ -57,7 +70,3 @@ def vm_hwm(pid: int) -> int:
             return int(line.split()[1])
     raise KeyError("VmHWM")
 
-
-def pinned_index(host: str) -> str:
-    """The bomb index by digest, on the registry at ``host``."""
-    return f"{host}/{REPO}@{_digest(index_bomb([manifest_bomb(i) for i in range(CHILDREN)]))}"

@@ -56,7 +56,7 @@ def _peak_of(argv: list[str]) -> tuple[int, int, str]:
 
 
 @pytest.mark.parametrize("command", ["pull", "inspect"])
-@pytest.mark.parametrize("tag", ["manifest", "index"])
+@pytest.mark.parametrize("tag", ["manifest", "index", "fat-index"])
 def test_the_cache_cli_refuses_a_bomb_within_the_bound(bomb_registry, tmp_path, command, tag):
     image = f"{bomb_registry.host}/{bombs.REPO}:{tag}"
     store = ["--store", str(tmp_path / "store")] if command == "pull" else []
@@ -110,12 +110,12 @@ fillers = st.sampled_from([b"{}", b"[]", b"0", b'""', b'{"a":{}}', b"[[]]", b'"x
 def bomb_world(draw) -> dict:
     """A registry whose documents are valid but one of them, ``where``, pads a list with ``filler``
     to ``size`` bytes (at most the 4 MiB every cap allows)."""
-    filler, size = draw(fillers), draw(st.sampled_from([64 << 10, 1 << 20, 4 << 20]))
+    filler, size = draw(fillers), draw(st.sampled_from([4 << 20, 1 << 20, 64 << 10]))
     where = draw(st.sampled_from(["manifest", "index", "config", "token", "signature", "referrers", "bundle"]))
 
     def padded(doc: dict, key: str = "pad") -> bytes:
         head = json.dumps({**doc, key: []}).encode()[:-2]
-        return head + (filler + b",") * ((size - len(head) - 2) // (len(filler) + 1)) + filler + b"]}"
+        return head + (filler + b",") * ((size - len(head) - 2 - len(filler)) // (len(filler) + 1)) + filler + b"]}"
 
     config = json.dumps({"config": {"Labels": {}}}).encode()
     blobs = {_digest(config): config}

@@ -1,0 +1,68 @@
+"""The real ``accelnode controller`` under a JSON bomb at admission (issue 33): a GKMCache whose
+``spec.image`` is an image index of eight 4 MiB manifests of ``{}`` (:mod:`tests.fuzz.bombs`,
+served on 127.0.0.1). The cache webhook resolves the image while the API server waits; it used to
+take the controller from about 50 MB to over 1 GB resident in under two seconds (its pod's limit
+is 256 Mi: every TPU workload create in the cluster was then refused by its fail-closed
+webhooks). Now the first child is refused before it is parsed, the warning names the document,
+and the process stays under RSS_BOUND_KIB, however often it is asked."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import ssl
+import time
+
+from controller.caches.webhooks import MUTATE_GKMCACHE, VALIDATE_GKMCACHE
+from tests.controller.test_cache_webhooks import G, V, gkmcache
+from tests.controller.test_webhook_server import CA, review
+from tests.csi.conftest import free_ports
+from tests.fuzz import bombs
+from tests.fuzz.test_memory_bound import REFUSAL
+from tests.fuzz.test_registry_answers import HostileRegistry
+
+
+def test_a_bomb_index_at_admission_is_refused_within_the_memory_bound(controllers, fresh_lease, tmp_path):
+    reg = HostileRegistry()
+    reg.world = bombs.world()
+    ca = CA()
+    cert, key, _ = ca.serving(tmp_path, "accelnode-controller")
+    (port,) = free_ports(1)
+    proc = controllers("budget", "--webhook-address", f"127.0.0.1:{port}", "--tls-cert-file", cert,
+                       "--tls-key-file", key, "--plain-http", "--registry-timeout", "30")
+    ctx = ssl.create_default_context(cadata=ca.pem.decode())
+
+    def post(path: str, obj: dict) -> dict:
+        body = review(obj=obj)
+        body["request"].update(kind={"group": G, "version": V, "kind": "GKMCache"}, name=obj["metadata"]["name"],
+                               userInfo={"username": "tenant"})
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=60)
+        try:
+            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            return json.loads(resp.read())["response"]
+        finally:
+            conn.close()
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                post(VALIDATE_GKMCACHE, gkmcache("warm", "example.com/warm:v1"))
+                break
+            except (ConnectionError, OSError):
+                assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()
+                time.sleep(0.1)
+        before = bombs.vm_hwm(proc.proc.pid)
+        for image in (f"{reg.host}/{bombs.REPO}:index", bombs.pinned_index(reg.host), f"{reg.host}/{bombs.REPO}:manifest"):
+            answer = post(MUTATE_GKMCACHE, gkmcache("bomb", image))
+            assert answer["allowed"], answer  # unpinned, with a warning: the controller pins it when it can
+            assert any(re.search(REFUSAL, w) for w in answer.get("warnings", [])), answer
+        peak = bombs.vm_hwm(proc.proc.pid)
+        assert proc.proc.poll() is None, proc.log()
+    finally:
+        reg.stop()
+    print(f"controller peak RSS: {before} KiB before the bombs, {peak} KiB after")
+    assert peak < bombs.RSS_BOUND_KIB, f"the controller's peak RSS {peak} KiB ({before} KiB before the bombs)"
