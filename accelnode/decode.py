@@ -62,14 +62,22 @@ SIGNATURE = Budget(1 * MiB, 20_000, 32)
 KERNEL_METADATA = Budget(1 * MiB, 20_000, 16)
 # A JSON document inside a label or annotation (a cache's targets).
 LABEL = Budget(64 * 1024, 10_000, 8)
+# Objects of the API server nest as deep as their schema lets them: an object with a field that
+# preserves unknown fields (a pod template's affinity) may nest deeper than any kind we know; the
+# API server allows 10,000 levels, Python's parser about 1,000 (the recursion limit).
+KUBE_DEPTH = 500
 # An AdmissionReview: the API server takes writes of at most 3 MiB; a review carries object and
-# oldObject, under 7 MiB as controller-runtime caps it.
-ADMISSION_REVIEW = Budget(7 * MiB, 500_000, 100)
-# One object from the API server, or one watch event: etcd keeps at most 1.5 MiB per object, and
-# its JSON may be larger than what etcd stores (built-in kinds are stored as protobuf).
-KUBE_OBJECT = Budget(4 * MiB, 250_000, 100)
-# One page of a list (Client.list halves its page size while a page is over this).
-KUBE_LIST_PAGE = Budget(32 * MiB, 500_000, 100)
+# oldObject, under 7 MiB as controller-runtime caps it. 500,000 values: what the admission
+# server's shared parse budget (64 MiB at 100 bytes a value) lets one review hold.
+ADMISSION_REVIEW = Budget(7 * MiB, 500_000, KUBE_DEPTH)
+# One object from the API server, or one watch event: etcd keeps at most 1.5 MiB per object (at
+# 1.5 to 3 bytes a value, under a million values), and its JSON may be larger than what etcd
+# stores (built-in kinds are stored as protobuf). Anything etcd holds fits: an object refused
+# here would stop a watch for good.
+KUBE_OBJECT = Budget(4 * MiB, 1_000_000, KUBE_DEPTH)
+# One page of a list (Client.list halves its page size while a page is over this; one object
+# always fits).
+KUBE_LIST_PAGE = Budget(32 * MiB, 1_000_000, KUBE_DEPTH)
 # Error Status bodies of the API server and other small answers (metadata server's attributes).
 SMALL = Budget(1 * MiB, 10_000, 32)
 # A Docker config JSON: a file, or a tenant's dockerconfigjson pull Secret (etcd: 1.5 MiB at most).
@@ -131,7 +139,7 @@ def check(body: bytes, budget: Budget, document: str) -> None:
     # strings squeezed out, then: a value per comma (an element or member after the first), per colon
     # (a member's value; its key came with the comma), per opening bracket (the container itself, and
     # its first element unless it is empty), and the document itself
-    skeleton = (_squeeze(body) if strings else body).translate(None, _SPACE)
+    skeleton = (_squeeze(body) if b'"' in body else body).translate(None, _SPACE)
     values = (1 + skeleton.count(b",") + skeleton.count(b":") + skeleton.count(b"{") + skeleton.count(b"[")
               - skeleton.count(b"{}") - skeleton.count(b"[]"))
     if values > budget.max_values:
