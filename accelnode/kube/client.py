@@ -334,11 +334,12 @@ class Client:
                 raise ValueError(f"list({path!r}): {key!r} is not a query parameter of list() (page_size "
                                  f"sets the page size; continue tokens are its own)")
         limit = self.page_size if page_size is None else _positive_int("page_size", page_size)
-        first = doc = self._page(path, query, limit, None, timeout)
+        first, limit = self._page(path, query, limit, None, timeout)
+        doc = first
         items = list(first.get("items") or [])
         while (token := (doc.get("metadata") or {}).get("continue")):
             try:
-                doc = self._page(path, query, limit, token, timeout)
+                doc, limit = self._page(path, query, limit, token, timeout)
             except KubeError as e:
                 if not is_gone(e):
                     raise
@@ -349,14 +350,16 @@ class Client:
         meta = {k: v for k, v in (first.get("metadata") or {}).items() if k not in ("continue", "remainingItemCount")}
         return {**first, "metadata": meta, "items": items}
 
-    def _page(self, path: str, query: dict, limit: int, token: str | None, timeout: float | None) -> dict:
-        """One page of a list, decoded under KUBE_LIST_PAGE: a page over it is asked again with
-        half as many items, down to one (an object is within KUBE_OBJECT), so that memory holds one
-        page of bounded size whatever the objects weigh."""
+    def _page(self, path: str, query: dict, limit: int, token: str | None,
+              timeout: float | None) -> tuple[dict, int]:
+        """(one page of a list, the page size it took): decoded under KUBE_LIST_PAGE, a page over
+        it is asked again with half as many items, down to one (one object always fits), so that
+        memory holds one page of bounded size whatever the objects weigh. The pages after it are
+        asked with that size."""
         while True:
             try:
                 return self.request("GET", path, query={**query, "limit": str(limit)} | (
-                    {"continue": token} if token else {}), timeout=timeout, budget=KUBE_LIST_PAGE)
+                    {"continue": token} if token else {}), timeout=timeout, budget=KUBE_LIST_PAGE), limit
             except DocumentError as e:
                 if not e.over_budget or limit == 1:
                     raise
