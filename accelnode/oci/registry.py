@@ -437,6 +437,7 @@ class Registry:
         raise AssertionError("unreachable: the last host returns or raises")
 
     def _request_at(self, h: Host, method, path, image, doing, headers, ok, last, **kw) -> requests.Response:
+        kw["stream"] = True  # a body is read by its caller, within a cap: never preloaded whole
         client = self._client(h, image, last)
         url = self._url(h, path)
         headers = self._headers(h) | headers
@@ -455,7 +456,10 @@ class Registry:
                 break
         if resp.status_code in ok:
             return resp
-        body = resp.text[:300] if not kw.get("stream") else ""
+        try:  # what one recv brings of an error body (at most 300 bytes), for the message
+            body = resp.raw.read1(300, decode_content=True).decode(errors="replace")
+        except (*_NET_ERRORS, ValueError):
+            body = ""
         resp.close()
         where = self.through(h)
         if resp.status_code in (401, 403):
