@@ -224,7 +224,12 @@ class _TokenAuth(oras.auth.TokenAuth):
             if resp.status_code != 200:
                 log.debug("token request refused", extra=kv(realm=realm, status=resp.status_code))
                 return None
-            body = resp.raw.read(TOKEN.max_bytes + 1, decode_content=True)
+            body, pace = bytearray(), _Pace()
+            try:
+                while len(body) <= TOKEN.max_bytes and (chunk := pace.read(resp.raw, 65536, decode=True)):
+                    body += chunk
+            except _TooSlow as e:
+                raise ValueError(f"the token server is {e}") from None
         info = decode(body, TOKEN, "the token answer")  # DocumentError is a ValueError
         token = info.get("token") or info.get("access_token")
         if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
@@ -634,11 +639,11 @@ class _Pace:
     def __init__(self):
         self.waited, self.got = 0.0, 0
 
-    def read(self, raw, n: int) -> bytes:
-        """What one ``recv`` brings (at most ``n`` bytes, no transfer decoding); :class:`_TooSlow`
-        when the window just ended under the minimum."""
+    def read(self, raw, n: int, decode: bool = False) -> bytes:
+        """What one ``recv`` brings (at most ``n`` bytes; transfer decoding only with ``decode``);
+        :class:`_TooSlow` when the window just ended under the minimum."""
         started = time.monotonic()
-        data = raw.read1(n, decode_content=False)
+        data = raw.read1(n, decode_content=decode)
         self.waited += time.monotonic() - started
         self.got += len(data)
         if self.waited >= RATE_WINDOW:
