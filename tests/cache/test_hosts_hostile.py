@@ -45,19 +45,18 @@ def test_a_mirror_dripping_its_api_root_is_not_waited_for(registry, tmp_path, ho
         handler.send_response(200)
         handler.send_header("Transfer-Encoding", "chunked")
         handler.end_headers()
-        while not stop.is_set():
-            try:
-                handler.wfile.write(b"1\r\nx\r\n")
-                handler.wfile.flush()
-            except OSError:
-                return True
-            time.sleep(1)
-        return True
+        return _drip(handler, stop, b"1\r\nx\r\n")
 
-    pinned = push(registry, tmp_path, "hostile/drip")
-    m = Forwarder(registry.host, serve=drip)
+    _pulled_past_the_mirror(registry, tmp_path, hosts, "hostile/drip", drip, stop, timeout=20)
+
+
+def _pulled_past_the_mirror(registry, tmp_path, hosts, repo: str, serve, stop: threading.Event, timeout: float):
+    """A cache pushed under ``repo`` is pulled whole through a mirror misbehaving as ``serve``
+    says, within ``timeout``; ``stop`` is set at the end (what ``serve`` waits on)."""
+    pinned = push(registry, tmp_path, repo)
+    m = Forwarder(registry.host, serve=serve)
     try:
-        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host), timeout=20))
+        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host), timeout=timeout))
         assert store.ensure(pinned).digest == pinned.split("@")[1]
     finally:
         stop.set()
@@ -214,15 +213,20 @@ def _dripping(stop: threading.Event, part: str):
             return False
         handler.send_response(200)
         handler.end_headers()
-        while not stop.is_set():
-            try:
-                handler.wfile.write(b"\0")
-                handler.wfile.flush()
-            except OSError:
-                break
-            time.sleep(1)
-        return True
+        return _drip(handler, stop, b"\0")
     return drip
+
+
+def _drip(handler, stop: threading.Event, piece: bytes) -> bool:
+    """Write ``piece`` a second until ``stop`` is set or the client hangs up; True: answered."""
+    while not stop.is_set():
+        try:
+            handler.wfile.write(piece)
+            handler.wfile.flush()
+        except OSError:
+            break
+        time.sleep(1)
+    return True
 
 
 @pytest.mark.parametrize("part", ["/manifests/", "/blobs/"])
@@ -232,14 +236,7 @@ def test_a_mirror_dripping_content_is_left_for_the_next_host(registry, tmp_path,
     the pull within its 40 s deadline (the pull used to wait on the mirror until the deadline,
     then fail)."""
     stop = threading.Event()
-    pinned = push(registry, tmp_path, "hostile/drip-content")
-    m = Forwarder(registry.host, serve=_dripping(stop, part))
-    try:
-        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host), timeout=40))
-        assert store.ensure(pinned).digest == pinned.split("@")[1]
-    finally:
-        stop.set()
-        m.close()
+    _pulled_past_the_mirror(registry, tmp_path, hosts, "hostile/drip-content", _dripping(stop, part), stop, timeout=40)
 
 
 def test_a_registry_dripping_a_blob_fails_the_pull_before_its_deadline(registry, tmp_path):

@@ -9,15 +9,13 @@ it is asked."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import re
 import ssl
 import time
 
 from controller.caches.webhooks import MUTATE_GKMCACHE, VALIDATE_GKMCACHE
-from tests.controller.test_cache_webhooks import G, V, gkmcache
-from tests.controller.test_webhook_server import CA, review
+from tests.controller.test_cache_webhooks import gkmcache, post_review
+from tests.controller.test_webhook_server import CA
 from tests.csi.conftest import free_ports
 from tests.fuzz import bombs
 from tests.fuzz.test_memory_bound import REFUSAL
@@ -35,17 +33,7 @@ def test_a_bomb_index_at_admission_is_refused_within_the_memory_bound(controller
     ctx = ssl.create_default_context(cadata=ca.pem.decode())
 
     def post(path: str, obj: dict) -> dict:
-        body = review(obj=obj)
-        body["request"].update(kind={"group": G, "version": V, "kind": "GKMCache"}, name=obj["metadata"]["name"],
-                               userInfo={"username": "tenant"})
-        conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=60)
-        try:
-            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200, resp.read()
-            return json.loads(resp.read())["response"]
-        finally:
-            conn.close()
+        return post_review(port, ctx, path, "tenant", obj, timeout=60)
 
     try:
         deadline = time.monotonic() + 30
