@@ -46,7 +46,7 @@ def _files(config_file: str | None, image: str):
     for path in files:
         try:
             with open(path, "rb") as f:
-                data = f.read(1 << 20)
+                data = f.read(DOCKER_CONFIG.max_bytes + 1)  # more is refused by its size
         except FileNotFoundError:
             raise AuthError(f"registry config {path} does not exist", image) from None
         except OSError as e:
