@@ -75,9 +75,9 @@ ADMISSION_REVIEW = Budget(7 * MiB, 500_000, KUBE_DEPTH)
 # stores (built-in kinds are stored as protobuf). Anything etcd holds fits: an object refused
 # here would stop a watch for good.
 KUBE_OBJECT = Budget(4 * MiB, 1_000_000, KUBE_DEPTH)
-# One page of a list (Client.list halves its page size while a page is over this; one object
-# always fits).
-KUBE_LIST_PAGE = Budget(32 * MiB, 1_000_000, KUBE_DEPTH)
+# One page of a list: Client.list asks for fewer items while a page is over this, and a page of
+# one object is held to KUBE_OBJECT (what any object fits).
+KUBE_LIST_PAGE = Budget(16 * MiB, 500_000, KUBE_DEPTH)
 # Error Status bodies of the API server and other small answers (metadata server's attributes).
 SMALL = Budget(1 * MiB, 10_000, 32)
 # A Docker config JSON: a file, or a tenant's dockerconfigjson pull Secret (etcd: 1.5 MiB at most).
@@ -89,11 +89,12 @@ FILE = Budget(16 * MiB, 500_000, 64)
 
 
 class DocumentError(ValueError):
-    """A document that is not JSON, not what was expected, or over its budget (``over_budget``).
-    ``document`` names it, ``problem`` says what is wrong (``is ...``); the message is both."""
+    """A document that is not JSON, not what was expected, or over its budget (``over_budget``:
+    ``over`` times what the budget allows, by its bytes or its values). ``document`` names it,
+    ``problem`` says what is wrong (``is ...``); the message is both."""
 
-    def __init__(self, document: str, problem: str, *, over_budget: bool = False):
-        self.document, self.problem, self.over_budget = document, problem, over_budget
+    def __init__(self, document: str, problem: str, *, over_budget: bool = False, over: float = 1.0):
+        self.document, self.problem, self.over_budget, self.over = document, problem, over_budget, over
         super().__init__(f"{document} {problem}")
 
 
@@ -128,14 +129,15 @@ def check(body: bytes, budget: Budget, document: str) -> None:
     """Raise :class:`DocumentError` unless ``body`` is within ``budget`` (nothing is parsed)."""
     if len(body) > budget.max_bytes:
         raise DocumentError(document, f"is {len(body)} bytes, over the {_size(budget.max_bytes)} budget",
-                            over_budget=True)
+                            over_budget=True, over=len(body) / budget.max_bytes)
     if body[:3] == b"\xef\xbb\xbf" or (len(body) >= 2 and (not body[0] or not body[1])):
         raise DocumentError(document, "is not valid JSON: UTF-8 only (it starts with a byte-order mark or a NUL byte)")
     # every string is a value: more quotes than twice the budget (escaped ones aside) refuse at once
     strings = (body.count(b'"') - body.count(b'\\"')) // 2
     if strings > budget.max_values:
         raise DocumentError(document, f"holds at least {strings} JSON values (strings) in {len(body)} bytes, over "
-                                      f"the budget of {budget.max_values}", over_budget=True)
+                                      f"the budget of {budget.max_values}", over_budget=True,
+                            over=strings / budget.max_values)
     # strings squeezed out, then: a value per comma (an element or member after the first), per colon
     # (a member's value; its key came with the comma), per opening bracket (the container itself, and
     # its first element unless it is empty), and the document itself
@@ -144,7 +146,7 @@ def check(body: bytes, budget: Budget, document: str) -> None:
               - skeleton.count(b"{}") - skeleton.count(b"[]"))
     if values > budget.max_values:
         raise DocumentError(document, f"holds {values} JSON values in {len(body)} bytes, over the budget of "
-                                      f"{budget.max_values}", over_budget=True)
+                                      f"{budget.max_values}", over_budget=True, over=values / budget.max_values)
     brackets = skeleton.translate(None, _NOT_BRACKET)
     if len(brackets) > budget.max_depth:  # fewer brackets than that cannot nest deeper (about 5 ms per 100,000)
         depth = max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets)))

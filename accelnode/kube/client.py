@@ -318,16 +318,23 @@ class Client:
             data = _read(resp, budget.max_bytes, what)
         except urllib3.exceptions.HTTPError as e:
             raise Unreachable(f"{method} {path}: {e}") from None
-        return decode(data, budget, what)
+        try:
+            return decode(data, budget, what)
+        except DocumentError as e:
+            # how many objects the answer holds (at least those read): one resourceVersion each,
+            # and the list's own; what a list asks for next (_page)
+            e.objects = max(1, data.count(b'"resourceVersion":') - 1)
+            raise
 
     def list(self, path: str, *, query: dict | None = None, page_size: int | None = None,
-             timeout: float | None = None) -> dict:
+             timeout: float | None = None, each: Callable[[dict], object] | None = None) -> dict:
         """The whole collection at ``path`` as one list (``items``, ``metadata.resourceVersion``),
         fetched ``page_size`` items at a time (``limit``/``continue``; default the client's
         ``page_size``). The pages are one consistent snapshot: every continue reads at the first
         page's resourceVersion. A continue token the server no longer honours (410, compacted
         away) restarts the list in a single unpaginated request, as client-go's pager does.
-        ``timeout`` bounds each request."""
+        ``timeout`` bounds each request. ``each(item)`` is what ``items`` holds of each item, made
+        as its page arrives (a reflector's trim: the whole objects of one page at most are held)."""
         query = dict(query or {})
         for key in ("limit", "continue", "watch"):
             if key in query:
@@ -335,8 +342,9 @@ class Client:
                                  f"sets the page size; continue tokens are its own)")
         limit = self.page_size if page_size is None else _positive_int("page_size", page_size)
         first, limit = self._page(path, query, limit, None, timeout)
-        doc = first
-        items = list(first.get("items") or [])
+        doc, each = first, each or (lambda item: item)
+        items = [each(o) for o in first.get("items") or []]
+        first["items"] = None  # the page's objects as they came are not kept
         while (token := (doc.get("metadata") or {}).get("continue")):
             try:
                 doc, limit = self._page(path, query, limit, token, timeout)
@@ -345,25 +353,29 @@ class Client:
                     raise
                 log.info("list continue token expired, listing again in one request",
                          extra=kv(path=path, message=e.message))
-                return self.request("GET", path, query=query, timeout=timeout, budget=KUBE_LIST_PAGE)
-            items.extend(doc.get("items") or [])
+                whole = self.request("GET", path, query=query, timeout=timeout, budget=KUBE_LIST_PAGE)
+                return {**whole, "items": [each(o) for o in whole.get("items") or []]}
+            items.extend(each(o) for o in doc.get("items") or [])
+            doc["items"] = None
         meta = {k: v for k, v in (first.get("metadata") or {}).items() if k not in ("continue", "remainingItemCount")}
         return {**first, "metadata": meta, "items": items}
 
     def _page(self, path: str, query: dict, limit: int, token: str | None,
               timeout: float | None) -> tuple[dict, int]:
         """(one page of a list, the page size it took): decoded under KUBE_LIST_PAGE, a page over
-        it is asked again with half as many items, down to one (one object always fits), so that
-        memory holds one page of bounded size whatever the objects weigh. The pages after it are
-        asked with that size."""
+        it is asked again with fewer items (at most half, and what would fit were its objects
+        alike), down to one (held to KUBE_OBJECT, which any object fits), so that memory holds one
+        page of bounded size whatever the objects weigh. The pages after it are asked with that
+        size."""
         while True:
             try:
                 return self.request("GET", path, query={**query, "limit": str(limit)} | (
-                    {"continue": token} if token else {}), timeout=timeout, budget=KUBE_LIST_PAGE), limit
+                    {"continue": token} if token else {}), timeout=timeout,
+                    budget=KUBE_LIST_PAGE if limit > 1 else KUBE_OBJECT), limit
             except DocumentError as e:
                 if not e.over_budget or limit == 1:
                     raise
-                limit //= 2
+                limit = max(1, min(limit // 2, int(getattr(e, "objects", limit) / max(e.over, 1.0))))
                 log.info("list page over its budget, asking for fewer items", extra=kv(path=path, limit=limit,
                                                                                        problem=e.problem))
 
@@ -392,6 +404,7 @@ class Client:
                         obj = event.get("object") or {}
                         raise KubeError(obj.get("code", 500), obj.get("reason", ""), obj.get("message", ""))
                     yield event
+                    event = None  # not held while the next one is parsed
         except urllib3.exceptions.HTTPError as e:
             raise Unreachable(f"watch {path}: {e}") from None
         finally:
