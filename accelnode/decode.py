@@ -186,7 +186,8 @@ def decode(body: bytes | bytearray | memoryview | str, budget: Budget, document:
     except RecursionError:  # within a depth budget this cannot happen; kept for a caller's deep stack
         raise DocumentError(document, "is nested too deeply to parse", over_budget=True) from None
     if expect is not None and not isinstance(doc, expect):
-        raise DocumentError(document, f"is not a JSON {'object' if expect is dict else 'array' if expect is list else expect.__name__}")
+        kind = {dict: "object", list: "array"}.get(expect, expect.__name__)
+        raise DocumentError(document, f"is not a JSON {kind}")
     return doc
 
 

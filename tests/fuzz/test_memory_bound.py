@@ -177,4 +177,4 @@ def test_parsing_any_bomb_stays_within_a_bound(hostile, w):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < PARSE_BOUND, f"{w['where']} padded with {w['filler']!r} to {w['size']} bytes: {peak} bytes at the peak"
+    assert peak < PARSE_BOUND, f"{w['where']} padded with {w['filler']!r} to {w['size']} bytes: {peak} bytes traced"
