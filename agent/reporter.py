@@ -304,11 +304,20 @@ def _plural(ns: str) -> str:
 
 
 def _trim_cache(obj: dict) -> dict:
+    """What the agent keeps of a cache object: what :meth:`Cache.from_object` reads, no more. Its
+    pod template's other fields (``affinity`` preserves unknown fields: 1.5 MiB of ``{}`` would
+    be 35 MB on every node, per object) are not kept."""
     md = obj.get("metadata") or {}
     st = obj.get("status") or {}
+    spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+    tmpl = spec.get("podTemplate") if isinstance(spec.get("podTemplate"), dict) else {}
+    pod = tmpl.get("spec") if isinstance(tmpl.get("spec"), dict) else {}
+    kept = {k: spec[k] for k in ("image", "workloadNamespaces") if k in spec}
+    if "nodeSelector" in pod:
+        kept["podTemplate"] = {"spec": {"nodeSelector": pod["nodeSelector"]}}
     return {"metadata": {k: md[k] for k in ("name", "namespace", "annotations", "labels") if k in md},
-            "spec": obj.get("spec") or {}, "status": {"resolvedDigest": st.get("resolvedDigest"),
-                                                      "verification": st.get("verification"),
+            "spec": kept, "status": {"resolvedDigest": st.get("resolvedDigest"),
+                                     "verification": st.get("verification"),
                                                       "conditions": [c for c in st.get("conditions") or ()
                                                                      if isinstance(c, dict) and c.get("type") == "Verified"]}}
 

@@ -236,7 +236,7 @@ class CacheStore:
         desc = fmt.choose_manifest(index, accelerators)
         if desc is None:
             offered = [(d.get("platform"), (d.get("annotations") or {}).get(fmt.TARGETS_ANNOTATION))
-                       for d in index.get("manifests") or [] if isinstance(d, dict)]
+                       for d in index.get("manifests") or [] if isinstance(d, dict) and isinstance(d.get("annotations") or {}, dict)]
             raise NoMatchingManifest(f"image index has no manifest for this node (platform {fmt.host_platform()}, "
                                      f"accelerators {accelerators or []}); it offers {offered}", image)
         if desc.get("mediaType") not in MANIFEST_TYPES:

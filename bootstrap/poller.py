@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import json
 import logging
 import os
 import re
@@ -37,6 +36,7 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from accelnode.decode import KUBE_OBJECT, SMALL, decode
 from accelnode.gce.metadata import Metadata, MetadataError, NotFound, Unreachable
 from accelnode.kube.bootstraptoken import ENDPOINT_RE, HASH_RE, METADATA_KEYS, TOKEN_RE, spki_hash
 from accelnode.log import kv
@@ -190,7 +190,7 @@ def verify_detached_jws(jws: str, payload: str, token_id: str, token_secret: str
     if len(parts) != 3 or parts[1] != "":
         raise BadSignature(f"cluster-info's {JWS_PREFIX}{token_id} is not a detached JWS")
     try:
-        header = json.loads(_unb64url(parts[0]))
+        header = decode(_unb64url(parts[0]), SMALL, "the JWS header")
         sig = _unb64url(parts[2])
     except ValueError:
         raise BadSignature(f"cluster-info's {JWS_PREFIX}{token_id} is not a detached JWS") from None
@@ -209,7 +209,7 @@ def _fetch_cluster_info(endpoint: str, ctx: ssl.SSLContext, timeout: float) -> d
                                                                                 "User-Agent": "accelnode-bootstrap"})
     try:
         with urllib.request.urlopen(req, context=ctx, timeout=timeout) as resp:
-            return json.loads(resp.read())
+            return decode(resp.read(KUBE_OBJECT.max_bytes + 1), KUBE_OBJECT, f"https://{endpoint}{CLUSTER_INFO}")
     except urllib.error.HTTPError as e:
         if e.code in (401, 403, 404):
             raise BootstrapError(f"https://{endpoint}{CLUSTER_INFO} answered HTTP {e.code}: the control plane "

@@ -15,10 +15,10 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
 import accelnode
+from accelnode.decode import FILE, read_file
 from accelnode import cli as acli
 from accelnode import exitcodes
 from accelnode.oci.flags import add_registry_flags
@@ -134,8 +134,7 @@ def node_group_placement(path: str | None) -> dict | None:
     from controller.nodegroups.policy import Policy
 
     try:
-        with open(path, encoding="utf-8") as f:
-            rules = json.load(f)
+        rules = read_file(path, FILE, expect=None)
         Policy.parse(rules)
     except (OSError, ValueError) as e:
         raise exitcodes.CLIError(f"--node-group-placement {path}: {e}", exitcodes.USAGE) from None

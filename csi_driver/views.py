@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from accelnode import atomic
+from accelnode.decode import SMALL, read_file
 from accelnode.kube.quantity import to_bytes
 from accelnode.log import kv
 
@@ -147,8 +148,7 @@ class Views:
     @staticmethod
     def _read(d: str) -> Record | None:
         try:
-            with open(os.path.join(d, RECORD), "rb") as f:
-                r = json.loads(f.read())
+            r = read_file(os.path.join(d, RECORD), SMALL)
             return Record(r["target"], r["digest"], int(r["size"]), tuple(r["overlay"]) if r.get("overlay") else None)
         except (OSError, ValueError, KeyError, TypeError):
             return None

@@ -24,7 +24,7 @@ from tests.conftest import ROOT
 
 COMPONENTS = ("device_plugin", "csi_driver", "agent", "bootstrap", "controller")
 CORE = ("accelnode", "accelnode.cli", "accelnode.exitcodes", "accelnode.log", "accelnode.health",
-        "accelnode.httpserve", "accelnode.grpcutil")
+        "accelnode.httpserve", "accelnode.grpcutil", "accelnode.decode")
 LIBRARIES = ("accelnode.oci", "accelnode.kube", "accelnode.hw", "accelnode.gce")
 # Generated code (``make proto``, tools/protogen.py): held to no rule.
 NOT_RUNTIME = ("accelnode.pb",)

@@ -11,11 +11,12 @@ directory (:meth:`Metadata.attributes`): the server answers a missing key with 4
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 import urllib3
+
+from accelnode.decode import METADATA, DocumentError, decode
 
 DEFAULT_HOST = "169.254.169.254"
 PREFIX = "/computeMetadata/v1/"
@@ -58,7 +59,9 @@ class Metadata:
         try:
             resp = self._http.request("GET", url, fields=query or None, headers={"Metadata-Flavor": "Google"},
                                       timeout=urllib3.Timeout(connect=self.timeout, read=read_timeout),
-                                      redirect=False)
+                                      redirect=False, preload_content=False)
+            data = resp.read(METADATA.max_bytes + 1)  # what the server sends past its budget is never read
+            resp.release_conn() if len(data) <= METADATA.max_bytes else resp.close()
         except urllib3.exceptions.HTTPError as e:
             raise Unreachable(f"metadata server {self.host}: {e}") from None
         if resp.headers.get("Metadata-Flavor") != "Google":
@@ -69,8 +72,10 @@ class Metadata:
         if resp.status >= 500:
             raise Unreachable(f"{url}: HTTP {resp.status}")
         if resp.status != 200:
-            raise MetadataError(f"{url}: HTTP {resp.status}: {resp.data[:200].decode(errors='replace').strip()}")
-        return Answer(resp.data.decode(), resp.headers.get("ETag"))
+            raise MetadataError(f"{url}: HTTP {resp.status}: {data[:200].decode(errors='replace').strip()}")
+        if len(data) > METADATA.max_bytes:
+            raise MetadataError(f"{url}: the answer is over {METADATA.max_bytes // 2**20} MiB")
+        return Answer(data.decode(errors="replace"), resp.headers.get("ETag"))
 
     def get(self, path: str, *, recursive: bool = False) -> Answer:
         """One read of ``path`` (relative to ``/computeMetadata/v1/``)."""
@@ -94,11 +99,9 @@ class Metadata:
         a = (self.watch(path, last_etag=last_etag, timeout_sec=timeout_sec, recursive=True) if wait
              else self.get(path, recursive=True))
         try:
-            attrs = json.loads(a.body)
-        except ValueError:
-            raise MetadataError(f"{path}: not JSON") from None
-        if not isinstance(attrs, dict):
-            raise MetadataError(f"{path}: not a JSON object")
+            attrs = decode(a.body, METADATA, path)
+        except DocumentError as e:
+            raise MetadataError(str(e)) from None
         return {str(k): str(v) for k, v in attrs.items()}, a.etag
 
     def close(self) -> None:

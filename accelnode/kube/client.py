@@ -8,7 +8,10 @@ only in a private file while ``ssl`` loads it); a token file is re-read every mi
 a 401. :class:`Client` raises :class:`KubeError` (``is_not_found(e)`` and friends say what it
 means) or :class:`Unreachable`; ``list()`` pages (``limit``/``continue``, 500 a page) and a
 ``429`` with ``Retry-After`` is waited out a bounded number of times, as client-go does; watches
-are :class:`accelnode.kube.reflector.Reflector`.
+are :class:`accelnode.kube.reflector.Reflector`. Every answer is decoded under a budget
+(:mod:`accelnode.decode`: KUBE_OBJECT for an object or a watch event, KUBE_LIST_PAGE for a list
+page, which is asked again with fewer items while it is over), so that what an answer can make
+the process hold is bounded whatever the objects in the cluster weigh.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from urllib.parse import quote, urlencode
 
 import urllib3
 
+from accelnode.decode import KUBE_LIST_PAGE, KUBE_OBJECT, SMALL, Budget, DocumentError, decode
 from accelnode.log import kv
 
 log = logging.getLogger("accelnode.kube")
@@ -269,18 +273,19 @@ class Client:
         for retry in itertools.count():
             with self._count:
                 self.sent += 1
-            try:
+            try:  # the body is read by the caller, within its budget (never preloaded whole)
                 resp = self._http.request(method, url, body=data, headers=self._headers(body is not None, method),
-                                          timeout=timeout, preload_content=not stream)
+                                          timeout=timeout, preload_content=False)
             except urllib3.exceptions.HTTPError as e:
                 raise Unreachable(f"{method} {path}: {e}") from None
             if resp.status < 400:
                 return resp
             if resp.status == 401:
                 self._token = None  # a rotated token: read the file again next time
-            err = _status_error(resp.status, resp.read() if stream else resp.data)
-            if stream:
-                resp.release_conn()
+            try:
+                err = _status_error(resp.status, _read(resp, SMALL.max_bytes, f"{method} {path}"))
+            except urllib3.exceptions.HTTPError as e:
+                raise Unreachable(f"{method} {path}: {e}") from None
             if resp.status != 429:
                 raise err
             wait = _retry_after(resp.headers.get("Retry-After"))
@@ -301,42 +306,78 @@ class Client:
         raise AssertionError("unreachable")
 
     def request(self, method: str, path: str, *, query: dict | None = None, body=None,
-                timeout: float | None = None) -> dict:
-        """One call with an optional JSON body; the answer's JSON. ``timeout`` (seconds) bounds
-        this call instead of the client's default, Retry-After waits included."""
+                timeout: float | None = None, budget: Budget = KUBE_OBJECT) -> dict:
+        """One call with an optional JSON body; the answer's JSON object, decoded under ``budget``
+        (:class:`accelnode.decode.DocumentError`, a ValueError, past it). ``timeout`` (seconds)
+        bounds this call instead of the client's default, Retry-After waits included."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        return json.loads(self._open(method, path, query, body, self.timeout if timeout is None else timeout,
-                                     stream=False, deadline=deadline).data)
+        resp = self._open(method, path, query, body, self.timeout if timeout is None else timeout,
+                          stream=False, deadline=deadline)
+        what = f"the answer to {method} {path}"
+        try:
+            data = _read(resp, budget.max_bytes, what)
+        except urllib3.exceptions.HTTPError as e:
+            raise Unreachable(f"{method} {path}: {e}") from None
+        try:
+            return decode(data, budget, what)
+        except DocumentError as e:
+            # how many objects the answer holds (at least those read): one resourceVersion each,
+            # and the list's own; what a list asks for next (_page)
+            e.objects = max(1, data.count(b'"resourceVersion":') - 1)
+            raise
 
     def list(self, path: str, *, query: dict | None = None, page_size: int | None = None,
-             timeout: float | None = None) -> dict:
+             timeout: float | None = None, each: Callable[[dict], object] | None = None) -> dict:
         """The whole collection at ``path`` as one list (``items``, ``metadata.resourceVersion``),
         fetched ``page_size`` items at a time (``limit``/``continue``; default the client's
         ``page_size``). The pages are one consistent snapshot: every continue reads at the first
         page's resourceVersion. A continue token the server no longer honours (410, compacted
         away) restarts the list in a single unpaginated request, as client-go's pager does.
-        ``timeout`` bounds each request."""
+        ``timeout`` bounds each request. ``each(item)`` is what ``items`` holds of each item, made
+        as its page arrives (a reflector's trim: the whole objects of one page at most are held)."""
         query = dict(query or {})
         for key in ("limit", "continue", "watch"):
             if key in query:
                 raise ValueError(f"list({path!r}): {key!r} is not a query parameter of list() (page_size "
                                  f"sets the page size; continue tokens are its own)")
         limit = self.page_size if page_size is None else _positive_int("page_size", page_size)
-        first = doc = self.request("GET", path, query=dict(query, limit=str(limit)), timeout=timeout)
-        items = list(first.get("items") or [])
+        first, limit = self._page(path, query, limit, None, timeout)
+        doc, each = first, each or (lambda item: item)
+        items = [each(o) for o in first.get("items") or []]
+        first["items"] = None  # the page's objects as they came are not kept
         while (token := (doc.get("metadata") or {}).get("continue")):
             try:
-                doc = self.request("GET", path, query={**query, "limit": str(limit), "continue": token},
-                                   timeout=timeout)
+                doc, limit = self._page(path, query, limit, token, timeout)
             except KubeError as e:
                 if not is_gone(e):
                     raise
                 log.info("list continue token expired, listing again in one request",
                          extra=kv(path=path, message=e.message))
-                return self.request("GET", path, query=query, timeout=timeout)
-            items.extend(doc.get("items") or [])
+                whole = self.request("GET", path, query=query, timeout=timeout, budget=KUBE_LIST_PAGE)
+                return {**whole, "items": [each(o) for o in whole.get("items") or []]}
+            items.extend(each(o) for o in doc.get("items") or [])
+            doc["items"] = None
         meta = {k: v for k, v in (first.get("metadata") or {}).items() if k not in ("continue", "remainingItemCount")}
         return {**first, "metadata": meta, "items": items}
+
+    def _page(self, path: str, query: dict, limit: int, token: str | None,
+              timeout: float | None) -> tuple[dict, int]:
+        """(one page of a list, the page size it took): decoded under KUBE_LIST_PAGE, a page over
+        it is asked again with fewer items (at most half, and what would fit were its objects
+        alike), down to one (held to KUBE_OBJECT, which any object fits), so that memory holds one
+        page of bounded size whatever the objects weigh. The pages after it are asked with that
+        size."""
+        while True:
+            try:
+                return self.request("GET", path, query={**query, "limit": str(limit)} | (
+                    {"continue": token} if token else {}), timeout=timeout,
+                    budget=KUBE_LIST_PAGE if limit > 1 else KUBE_OBJECT), limit
+            except DocumentError as e:
+                if not e.over_budget or limit == 1:
+                    raise
+                limit = max(1, min(limit // 2, int(getattr(e, "objects", limit) / max(e.over, 1.0))))
+                log.info("list page over its budget, asking for fewer items", extra=kv(path=path, limit=limit,
+                                                                                       problem=e.problem))
 
     def watch(self, path: str, query: dict, timeout_seconds: int, on_open=None):
         """Watch events (dicts) until the server ends the watch; ERROR events raise KubeError.
@@ -347,18 +388,23 @@ class Client:
         if on_open is not None:
             on_open(resp)
         buf = b""
+        what = f"a watch event of {path}"
         try:
             for chunk in resp.stream(64 * 1024, decode_content=True):
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
+                if len(buf) > KUBE_OBJECT.max_bytes:  # a line (one event) that never ends
+                    raise DocumentError(what, f"is over the {KUBE_OBJECT.max_bytes // 2**20} MiB budget "
+                                              "without its end of line", over_budget=True)
                 for line in lines:
                     if not line.strip():
                         continue
-                    event = json.loads(line)
+                    event = decode(line, KUBE_OBJECT, what)
                     if event.get("type") == "ERROR":
                         obj = event.get("object") or {}
                         raise KubeError(obj.get("code", 500), obj.get("reason", ""), obj.get("message", ""))
                     yield event
+                    event = None  # not held while the next one is parsed
         except urllib3.exceptions.HTTPError as e:
             raise Unreachable(f"watch {path}: {e}") from None
         finally:
@@ -381,9 +427,20 @@ def _retry_after(value: str | None) -> float | None:
     return float(seconds) if seconds >= 0 else None
 
 
+def _read(resp: urllib3.BaseHTTPResponse, cap: int, what: str) -> bytes:
+    """An answer's body, at most ``cap + 1`` bytes read (more is left unread and the connection
+    closed: :func:`accelnode.decode.decode` refuses it by its size)."""
+    data = resp.read(cap + 1, decode_content=True)
+    if len(data) > cap:
+        resp.close()
+    else:
+        resp.release_conn()
+    return data
+
+
 def _status_error(code: int, body: bytes) -> KubeError:
     try:
-        st = json.loads(body)
+        st = decode(body, SMALL, "an error Status")
     except ValueError:
         st = None
     if isinstance(st, dict):

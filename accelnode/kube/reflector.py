@@ -177,13 +177,13 @@ class Reflector:
     def _list(self) -> None:
         if self.name:  # a missing object is an error like any other: retried with backoff
             obj = self.client.request("GET", f"{self.path}/{quote(self.name, safe='')}")
-            items, rv = [obj], _rv(obj)
-        else:
-            doc = self.client.list(self.path, query=self.query)
-            items, rv = doc.get("items") or [], _rv(doc)
+            pairs, rv = [(self._key(obj), self.trim(obj))], _rv(obj)
+        else:  # each page trimmed as it comes: one page of whole objects at most is held
+            doc = self.client.list(self.path, query=self.query, each=lambda o: (self._key(o), self.trim(o)))
+            pairs, rv = doc.get("items") or [], _rv(doc)
         if not rv:
             raise Malformed(f"the answer to GET {self.path} has no metadata.resourceVersion to watch from")
-        fresh = {self._key(o): self.trim(o) for o in items}
+        fresh = dict(pairs)
         with self._lock:
             old, self._items = self._items, fresh
         self.resource_version = rv
@@ -223,32 +223,34 @@ class Reflector:
             n += 1
             self._watch_events = n
             self.beat.beat(self.stall_after)
-            obj = event.get("object") or {}
-            rv = _rv(obj)
-            kind = event.get("type")
-            if kind == "BOOKMARK":  # only a resourceVersion to resume from (none: nothing to learn)
-                self.resource_version = rv or self.resource_version
-                if stop.is_set():
-                    break
-                continue
-            if not rv or not (obj.get("metadata") or {}).get("name"):
-                log.warning("malformed watch event, re-listing", extra=kv(
-                    path=self.path, type=kind, name=(obj.get("metadata") or {}).get("name", "")))
-                self.resource_version = None
-                raise Malformed(f"a {kind} event of {self.path} has no metadata.name or metadata.resourceVersion")
-            kept = None
-            with self._lock:
-                if kind in ("ADDED", "MODIFIED"):
-                    kept = self._items[self._key(obj)] = self.trim(obj)
-                elif kind == "DELETED":
-                    kept = self._items.pop(self._key(obj), None) or self.trim(obj)
-            self.resource_version = rv
-            if self.on_event is not None and kept is not None:
-                self.on_event(kind, kept)
-            self.on_change()
+            self._apply(event)
+            event = None  # the whole object is not held while the next event is parsed
             if stop.is_set():
                 break
         return n
+
+    def _apply(self, event: dict) -> None:
+        obj = event.get("object") or {}
+        rv = _rv(obj)
+        kind = event.get("type")
+        if kind == "BOOKMARK":  # only a resourceVersion to resume from (none: nothing to learn)
+            self.resource_version = rv or self.resource_version
+            return
+        if not rv or not (obj.get("metadata") or {}).get("name"):
+            log.warning("malformed watch event, re-listing", extra=kv(
+                path=self.path, type=kind, name=(obj.get("metadata") or {}).get("name", "")))
+            self.resource_version = None
+            raise Malformed(f"a {kind} event of {self.path} has no metadata.name or metadata.resourceVersion")
+        kept = None
+        with self._lock:
+            if kind in ("ADDED", "MODIFIED"):
+                kept = self._items[self._key(obj)] = self.trim(obj)
+            elif kind == "DELETED":
+                kept = self._items.pop(self._key(obj), None) or self.trim(obj)
+        self.resource_version = rv
+        if self.on_event is not None and kept is not None:
+            self.on_event(kind, kept)
+        self.on_change()
 
 
 def _rv(obj: dict) -> str | None:

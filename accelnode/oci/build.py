@@ -19,6 +19,7 @@ from pathlib import Path
 
 import zstandard
 
+from accelnode.decode import FILE, read_file
 from . import cacheformat as fmt
 from .reference import Reference
 from .registry import Deadline, Registry, RegistryOptions
@@ -153,7 +154,7 @@ def _rebase_groups(members, cache_arc: str, pod_path: str, tmp: Path) -> tuple[l
             continue
         rel_dir = arc[len(cache_arc) + 1:].rsplit("/", 1)[0] if "/" in arc[len(cache_arc) + 1:] else ""
         try:
-            doc = json.loads(p.read_bytes())
+            doc = read_file(p, FILE)
             children = doc["child_paths"]
             if not isinstance(children, dict) or not all(isinstance(v, str) for v in children.values()):
                 raise ValueError("child_paths is not an object of paths")

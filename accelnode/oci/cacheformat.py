@@ -13,6 +13,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accelnode.decode import KERNEL_METADATA, LABEL, decode, read_file
+
 KINDS = ("triton", "vllm", "jax")
 CACHE_DIR = {k: f"io.{k}.cache" for k in KINDS}
 MANIFEST_DIR = {k: f"io.{k}.manifest" for k in KINDS}
@@ -92,7 +94,7 @@ def parse_config(config: dict) -> tuple[str | None, list[dict], dict]:
     kind = declared_kind(labels)
     targets = []
     if kind:
-        summary = json.loads(labels[label(kind, "summary")])
+        summary = decode(labels[label(kind, "summary")], LABEL, f"label {label(kind, 'summary')}")
         targets = [normalize_target(t) for t in (summary.get("targets") or [])]
     return kind, targets, labels
 
@@ -133,8 +135,8 @@ def choose_manifest(index: dict, accelerators: list[dict] | None) -> dict | None
         if not accelerators:
             continue
         try:
-            targets = [normalize_target(t) for t in json.loads(raw)]
-        except (ValueError, TypeError, AttributeError, RecursionError):
+            targets = [normalize_target(t) for t in decode(raw, LABEL, TARGETS_ANNOTATION, list)]
+        except (ValueError, TypeError, AttributeError):
             continue
         if any(target_fits(t, accelerators) for t in targets):
             return desc
@@ -207,7 +209,7 @@ def summarize(cache: Path, kind: str, extra_targets: list[dict] = (), manifest: 
     if kind == "vllm" and (formats := vllm_formats(cache)):
         labels[label(kind, "format")] = ",".join(formats)
     if kind == "jax" and manifest is not None and manifest.is_file():
-        meta = json.loads(manifest.read_text())
+        meta = read_file(manifest, FILE)
         for key in ("jax-version", "jaxlib-version", "libtpu-version", "accelerator-type"):
             if meta.get(key):
                 labels[label(kind, key)] = str(meta[key])
@@ -253,9 +255,7 @@ def _triton_entry(path: Path, size: int, strict: bool) -> tuple[dict, dict] | No
     other JSON (a ``__grp__`` index, an autotune record). ``strict``: a file that is not JSON, or a
     ``target`` without backend and arch, raises :class:`TritonTreeError` instead of being skipped."""
     try:
-        if size > 1 << 20:
-            raise ValueError(f"over 1 MiB ({size} bytes)")
-        doc = json.loads(path.read_bytes())
+        doc = read_file(path, KERNEL_METADATA, expect=None)
     except (ValueError, UnicodeDecodeError) as e:
         if strict:
             raise TritonTreeError(f"{path}: not a Triton metadata file: {e}") from None

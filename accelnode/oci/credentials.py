@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
+
+from accelnode.decode import DOCKER_CONFIG, DocumentError, decode
 
 from .errors import AuthError
 
@@ -45,7 +46,7 @@ def _files(config_file: str | None, image: str):
     for path in files:
         try:
             with open(path, "rb") as f:
-                data = f.read(1 << 20)
+                data = f.read(DOCKER_CONFIG.max_bytes + 1)  # more is refused by its size
         except FileNotFoundError:
             raise AuthError(f"registry config {path} does not exist", image) from None
         except OSError as e:
@@ -57,12 +58,9 @@ def parse_config(data: str | bytes, name: str, image: str = "") -> dict:
     """A Docker config JSON (or the content of a dockerconfigjson Secret) as a dict;
     :class:`AuthError` naming ``name`` (never the content) when it is not one."""
     try:
-        cfg = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise AuthError(f"registry config {name} is not readable JSON ({type(e).__name__})", image) from None
-    if not isinstance(cfg, dict):
-        raise AuthError(f"registry config {name} is not a JSON object", image)
-    return cfg
+        return decode(data, DOCKER_CONFIG, f"registry config {name}")
+    except DocumentError as e:  # the problem, never the content
+        raise AuthError(f"registry config {name} {e.problem.split(':')[0]}", image) from None
 
 
 def _config_host(key: str) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import RegistryUnavailable
-from .mirrors import check_mirrors, registry_host
+from .mirrors import check_mirrors, host_problem, registry_host
 
 CAPABILITIES = ("pull", "resolve", "push")
 DEFAULT_HOSTS_DIR = "/etc/containerd/certs.d"
@@ -139,7 +139,7 @@ class HostsConfig:
         """The hosts.toml that applies to ``registry`` (containerd's lookup order), or None.
         A directory without hosts.toml counts as found (containerd then reads Docker-style
         certificate files there, which we do not: it yields the default server)."""
-        if not self.directory:
+        if not self.directory or host_problem(registry) is not None:  # never certs.d/.. nor certs.d/.
             return None
         root = Path(self.directory)
         candidates = [registry]

@@ -3,7 +3,7 @@ and :func:`inspect` (what an image is, without fetching its layers)."""
 
 from __future__ import annotations
 
-import json
+from accelnode.decode import CONFIG, MANIFEST, Budget, DocumentError, decode
 
 from . import cacheformat as fmt
 from .errors import HostileContent
@@ -13,31 +13,40 @@ from .registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Registry, RegistryO
 
 
 def inspect(image: str, options: RegistryOptions, limits: Limits | None = None) -> dict:
-    """What an image is, from its manifest(s) and config only (no layers are fetched)."""
+    """What an image is, from its manifest(s) and config only (no layers are fetched). An index's
+    children are inspected one at a time, each kept only as its summary: memory holds one child
+    document at most, whatever the index lists."""
     limits = limits or Limits()
     ref = Reference.parse(image)
     reg = Registry(ref.host, options, Deadline(options.timeout))
     _, doc, media_type, digest = get_manifest(reg, ref, image, limits)
     out = {"image": image, "index": None, "manifests": []}
-    entries = [(digest, doc, None)]
-    if media_type in INDEX_TYPES:
-        out["index"] = digest
-        entries = []
-        check_index(doc, image, limits)
-        for desc in doc["manifests"]:
-            _, child, _, child_digest = get_manifest(reg, ref, image, limits, check_digest(desc.get("digest"), image))
-            entries.append((child_digest, child, desc))
-    for d, manifest, desc in entries:
-        layers, kind, targets, labels = read_config(reg, ref, manifest, image, limits)
-        size = labels.get(fmt.label(kind, "cache-size-bytes")) if kind else None
-        info = {"digest": d, "kind": kind, "targets": targets, "labels": labels,
-                "size_bytes": int(size) if size and size.isdigit() else None,
-                "layers": len(layers), "compressed_bytes": sum(x["size"] for x in layers)}
-        if desc is not None:
-            info["platform"] = desc.get("platform")
-            info["annotations"] = desc.get("annotations") or {}
-        out["manifests"].append(info)
+    if media_type not in INDEX_TYPES:
+        out["manifests"].append(_summary(reg, ref, image, limits, digest, doc))
+        return out
+    out["index"] = digest
+    check_index(doc, image, limits)
+    entries = [(check_digest(d.get("digest"), image), {"platform": d.get("platform"),
+                                                       "annotations": d.get("annotations") or {}})
+               for d in doc["manifests"]]
+    del doc
+    for child_digest, desc in entries:
+        out["manifests"].append(_child_summary(reg, ref, image, limits, child_digest) | desc)
     return out
+
+
+def _child_summary(reg: Registry, ref: Reference, image: str, limits: Limits, digest: str) -> dict:
+    _, child, _, child_digest = get_manifest(reg, ref, image, limits, digest)
+    return _summary(reg, ref, image, limits, child_digest, child)
+
+
+def _summary(reg: Registry, ref: Reference, image: str, limits: Limits, digest: str, manifest: dict) -> dict:
+    """What :func:`inspect` says of one image manifest (its config read, its layers not)."""
+    layers, kind, targets, labels = read_config(reg, ref, manifest, image, limits)
+    size = labels.get(fmt.label(kind, "cache-size-bytes")) if kind else None
+    return {"digest": digest, "kind": kind, "targets": targets, "labels": labels,
+            "size_bytes": int(size) if size and size.isdigit() else None,
+            "layers": len(layers), "compressed_bytes": sum(x["size"] for x in layers)}
 
 
 def get_manifest(reg: Registry, ref: Reference, image: str, limits: Limits,
@@ -47,7 +56,7 @@ def get_manifest(reg: Registry, ref: Reference, image: str, limits: Limits,
     ``layers`` a manifest), the Content-Type the registry (or a mirror: a header no digest
     covers) sent only when the document says nothing."""
     body, media_type, digest = reg.get_manifest(ref, image, limit=limits.max_manifest_bytes, digest=digest)
-    doc = json_object(body, image, "manifest")
+    doc = json_object(body, image, f"manifest {digest}", MANIFEST.bytes(limits.max_manifest_bytes))
     shape = (INDEX_TYPES[0] if "manifests" in doc and "layers" not in doc
              else MANIFEST_TYPES[0] if "config" in doc or "layers" in doc else None)
     return body, doc, doc.get("mediaType") or shape or media_type, digest
@@ -57,20 +66,17 @@ def read_config(reg: Registry, ref: Reference, manifest: dict, image: str,
                  limits: Limits) -> tuple[list[dict], str | None, list[dict], dict]:
     """(layer descriptors, kind, targets, labels) of a validated manifest and its config blob."""
     layers, config_desc = validate_manifest(manifest, image, limits)
-    config = json_object(reg.read_blob(ref.repository, config_desc, image, limit=limits.max_config_bytes), image, "config")
+    config = json_object(reg.read_blob(ref.repository, config_desc, image, limit=limits.max_config_bytes), image,
+                         f"config {config_desc['digest']}", CONFIG.bytes(limits.max_config_bytes))
     return (layers, *parse_config(config, image))
 
 
-def json_object(body: bytes, image: str, what: str) -> dict:
+def json_object(body: bytes, image: str, what: str, budget: Budget = MANIFEST) -> dict:
+    """A registry's JSON document decoded under ``budget``; HostileContent naming ``what`` if not."""
     try:
-        doc = json.loads(body)
-    except ValueError as e:
-        raise HostileContent(f"{what} is not valid JSON: {e}", image) from None
-    except RecursionError:
-        raise HostileContent(f"{what} is JSON nested too deeply", image) from None
-    if not isinstance(doc, dict):
-        raise HostileContent(f"{what} is not a JSON object", image)
-    return doc
+        return decode(body, budget, what)
+    except DocumentError as e:
+        raise HostileContent(str(e), image) from None
 
 
 def parse_config(config: dict, image: str) -> tuple[str | None, list[dict], dict]:

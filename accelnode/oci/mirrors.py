@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"  # distribution's domain-component
 _HOST = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*(?::(?P<port>[0-9]{{1,5}}))?$")
+_ONE_LABEL = re.compile(_LABEL)
 # Docker Hub's other names: an image reference says docker.io, a config or a mirror flag may not
 _ALIASES = {"index.docker.io": "docker.io", "registry-1.docker.io": "docker.io"}
 # the agent's flag naming the mirrors (as the server of a registry) whose answers prove what a
@@ -73,8 +74,24 @@ def check_mirrors(mirrors: Mapping[str, str] | None) -> dict[str, str]:
     return out
 
 
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is not a registry host as image references name one (``HOST[:PORT]``: host
+    name labels of letters, digits and inner hyphens, with a dot or a port, or ``localhost``),
+    or None when it is. ``.``, ``..`` and empty labels name no registry, and would name a
+    directory outside the hosts directory (``certs.d/..``)."""
+    name, sep, port = host.rpartition(":") if ":" in host else (host, "", "")
+    labels = name.split(".")
+    if "" in labels:
+        return f"registry host {host!r} has an empty label"
+    bad = next((x for x in labels if not _ONE_LABEL.fullmatch(x)), None)
+    if bad is not None:
+        return f"registry host {host!r}: {bad!r} is not a host name label (letters, digits, inner hyphens)"
+    if sep and not (port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        return f"registry host {host!r}: {port!r} is not a port"
+    if not sep and "." not in name and name.lower() != "localhost":
+        return f"registry host {host!r} has neither a dot nor a port, nor is it localhost"
+    return None
+
+
 def _is_host(host: str) -> bool:
-    m = _HOST.match(host)
-    if not m or (m["port"] is not None and not 0 < int(m["port"]) < 65536):
-        return False
-    return "." in host or ":" in host or host.lower() == "localhost"
+    return host_problem(host) is None

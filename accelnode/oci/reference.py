@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import InvalidReference
+from .mirrors import host_problem
 
 _REF = re.compile(
     r"^(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?)/"
@@ -28,9 +29,11 @@ class Reference:
     @classmethod
     def parse(cls, text: str) -> Reference:
         m = _REF.match(text or "")
-        if not m or ("." not in m["host"] and ":" not in m["host"] and m["host"] != "localhost"):
+        if not m:
             raise InvalidReference(
                 "not an image reference: expected HOST[:PORT]/REPOSITORY[:TAG][@sha256:HEX]", text)
+        if (problem := host_problem(m["host"])) is not None:
+            raise InvalidReference(f"not an image reference: {problem}", text)
         if len(m["host"]) + 1 + len(m["repo"]) > MAX_NAME:
             raise InvalidReference(f"not an image reference: its name (HOST/REPOSITORY) is longer than {MAX_NAME} "
                                    "characters", text[:MAX_NAME] + "...")

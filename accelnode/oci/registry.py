@@ -15,7 +15,6 @@ names; which hosts a registry's requests go to (mirrors, then the server) is the
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import ssl
@@ -33,6 +32,7 @@ import requests
 import requests.adapters
 import urllib3
 
+from accelnode.decode import TOKEN, decode
 from accelnode.log import kv
 
 from .credentials import docker_credentials
@@ -61,9 +61,13 @@ MAX_ATTEMPTS = 5
 CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 30.0
 MIRROR_READ_TIMEOUT = 5.0  # a mirror (not the last host asked) that stalls this long is passed over
+# A host whose answer brings fewer than MIN_TRANSFER_BYTES per RATE_WINDOW seconds spent waiting
+# on it is left: a mirror for the next host, the server with an error. A drip of a byte a second
+# never trips a read timeout, and would otherwise hold a pull until its whole deadline (30 min).
+MIN_TRANSFER_BYTES = 64 * 1024
+RATE_WINDOW = 10.0
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _NET_ERRORS = (requests.RequestException, urllib3.exceptions.HTTPError, OSError)
-MAX_TOKEN_ANSWER = 1 << 20  # a token server's JSON answer (JWTs are a few KiB)
 _TOKEN = re.compile(r"[\x21-\x7e]{1,65536}")  # what may follow "Bearer " in a header
 
 
@@ -181,8 +185,8 @@ class _TokenAuth(oras.auth.TokenAuth):
     """oras-py's token backend, strict where it trusts what the registry says. The realm of a
     Bearer challenge must be https (any host, as Docker Hub's auth.docker.io), or http only at the
     very host:port contacted when the operator chose plain HTTP (``http_host``); anything else is
-    refused before a byte goes there, credentials or not. The answer must be a JSON object of at
-    most MAX_TOKEN_ANSWER bytes whose token is one header-safe word. Refusals are ValueError,
+    refused before a byte goes there, credentials or not. The answer must be a JSON object within
+    :data:`accelnode.decode.TOKEN` whose token is one header-safe word. Refusals are ValueError,
     which :meth:`Registry.request` reports as a failed token request."""
 
     def __init__(self, session: requests.Session, http_host: str | None):
@@ -220,14 +224,14 @@ class _TokenAuth(oras.auth.TokenAuth):
             if resp.status_code != 200:
                 log.debug("token request refused", extra=kv(realm=realm, status=resp.status_code))
                 return None
-            body = resp.raw.read(MAX_TOKEN_ANSWER + 1, decode_content=True)
-        if len(body) > MAX_TOKEN_ANSWER:
-            raise ValueError(f"the token answer is over {MAX_TOKEN_ANSWER} bytes")
-        try:
-            info = json.loads(body)
-        except RecursionError:
-            raise ValueError("the token answer nests too deeply") from None
-        token = (info.get("token") or info.get("access_token")) if isinstance(info, dict) else None
+            body, pace = bytearray(), _Pace()
+            try:
+                while len(body) <= TOKEN.max_bytes and (chunk := pace.read(resp.raw, 65536, decode=True)):
+                    body += chunk
+            except _TooSlow as e:
+                raise ValueError(f"the token server is {e}") from None
+        info = decode(body, TOKEN, "the token answer")  # DocumentError is a ValueError
+        token = info.get("token") or info.get("access_token")
         if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
             raise ValueError("the token answer's token is not a header-safe string")
         return token
@@ -438,6 +442,7 @@ class Registry:
         raise AssertionError("unreachable: the last host returns or raises")
 
     def _request_at(self, h: Host, method, path, image, doing, headers, ok, last, **kw) -> requests.Response:
+        kw["stream"] = True  # a body is read by its caller, within a cap: never preloaded whole
         client = self._client(h, image, last)
         url = self._url(h, path)
         headers = self._headers(h) | headers
@@ -456,7 +461,10 @@ class Registry:
                 break
         if resp.status_code in ok:
             return resp
-        body = resp.text[:300] if not kw.get("stream") else ""
+        try:  # what one recv brings of an error body (at most 300 bytes), for the message
+            body = resp.raw.read1(300, decode_content=True).decode(errors="replace")
+        except (*_NET_ERRORS, ValueError):
+            body = ""
         resp.close()
         where = self.through(h)
         if resp.status_code in (401, 403):
@@ -467,22 +475,29 @@ class Registry:
 
     def verified(self, fetch, image: str, caps: tuple[str, ...] = ("pull",)):
         """``fetch(exclude)`` again without the host whose content did not match its digest
-        (``IntegrityError.served_by``), while another host may do ``caps``."""
+        (``IntegrityError.served_by``), or the mirror that sent it too slowly
+        (``RegistryUnavailable.served_by``), while another host may do ``caps``."""
         exclude: list[Host] = []
         first: IntegrityError | None = None
         while True:
             try:
                 return fetch(tuple(exclude))
-            except IntegrityError as e:
-                first = first or e
-                source = getattr(e, "served_by", None)
-                if source is None or not self.candidates(caps, image, (*exclude, source)):
-                    raise
+            except (IntegrityError, RegistryUnavailable) as e:
+                source = getattr(e, "served_by", None)  # a RegistryUnavailable has one when a mirror was too slow
+                bad = isinstance(e, IntegrityError)
+                first = first or (e if bad else None)
+                if source is None or (not bad and source is self.last) or \
+                        not self.candidates(caps, image, (*exclude, source)):
+                    if bad or first is None:
+                        raise
+                    first.add_detail(f"the other hosts: {e.detail}")
+                    raise first from None
                 exclude.append(source)
-                log.warning("content failed verification, trying the next host",
+                log.warning("content failed verification, trying the next host" if bad else
+                            "mirror too slow, trying the next host",
                             extra=kv(image=image, problem=e.detail,
                                      **{("registry" if source.is_registry else "mirror"): str(source)}))
-            except (RegistryUnavailable, AuthError, ImageNotFound) as e:
+            except (AuthError, ImageNotFound) as e:
                 if first is None:
                     raise
                 # the bad content is the news, not that the hosts left could not make up for it
@@ -525,12 +540,18 @@ class Registry:
     def read_capped(self, resp, limit: int, image: str, doing: str, what: str) -> bytes:
         """The body of a streamed answer, at most ``limit`` bytes (IntegrityError past it), read
         within the deadline whatever the server's pace."""
-        body = bytearray()
+        body, pace = bytearray(), _Pace()
         try:
-            while self.deadline.check(image, doing) and (chunk := resp.raw.read1(65536)):
+            while self.deadline.check(image, doing) and (chunk := pace.read(resp.raw, 65536)):
                 body += chunk
                 if len(body) > limit:
                     raise IntegrityError(f"{what} is over the {limit}-byte limit", image)
+        except _TooSlow as e:
+            if resp.served_by is not self.last:
+                self.options.hosts.mark_down(resp.served_by)
+            err = RegistryUnavailable(f"{doing}: {e}{self.through(resp.served_by)}", image)
+            err.served_by = resp.served_by  # :meth:`verified` asks the next host
+            raise err from None
         except _NET_ERRORS as e:
             raise RegistryUnavailable(f"{doing}: {_describe(e)}{self.through(resp.served_by)}", image) from None
         return bytes(body)
@@ -607,6 +628,32 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
+class _TooSlow(Exception):
+    """A host sends under MIN_TRANSFER_BYTES per RATE_WINDOW (the message says how little)."""
+
+
+class _Pace:
+    """Reads of one answer, timed: the bytes it brings against the time spent waiting for them
+    (not the time a consumer spends between reads), checked every RATE_WINDOW seconds waited."""
+
+    def __init__(self):
+        self.waited, self.got = 0.0, 0
+
+    def read(self, raw, n: int, decode: bool = False) -> bytes:
+        """What one ``recv`` brings (at most ``n`` bytes; transfer decoding only with ``decode``);
+        :class:`_TooSlow` when the window just ended under the minimum."""
+        started = time.monotonic()
+        data = raw.read1(n, decode_content=decode)
+        self.waited += time.monotonic() - started
+        self.got += len(data)
+        if self.waited >= RATE_WINDOW:
+            if data and self.got < MIN_TRANSFER_BYTES:
+                raise _TooSlow(f"too slow: {self.got} bytes in {self.waited:.0f}s, under the minimum of "
+                               f"{MIN_TRANSFER_BYTES // 1024} KiB per {RATE_WINDOW:g}s")
+            self.waited, self.got = 0.0, 0
+        return data
+
+
 class BlobStream:
     """A file-like reader of one blob that verifies it as it streams.
 
@@ -634,6 +681,7 @@ class BlobStream:
         self.offset = 0
         self._hash = hashlib.sha256()
         self._resp: requests.Response | None = None
+        self._pace = _Pace()
         self._verified = False
         self.on_read = None  # called with the byte count of every chunk (progress)
 
@@ -643,7 +691,7 @@ class BlobStream:
         resp = self.registry.request("GET", f"{self.repository}/blobs/{self.digest}", self.image,
                                      f"downloading blob {self.digest}", headers=headers, ok=(200, 206), stream=True,
                                      exclude=self.exclude)
-        self._resp, self.source = resp, resp.served_by
+        self._resp, self.source, self._pace = resp, resp.served_by, _Pace()
         try:
             length = _content_length(resp, self.image, f"blob {self.digest}", None)
         except IntegrityError as e:
@@ -665,7 +713,7 @@ class BlobStream:
             skip = self.offset
             while skip:
                 self.registry.deadline.check(self.image, f"downloading blob {self.digest}")
-                got = resp.raw.read1(min(skip, CHUNK), decode_content=False)
+                got = self._pace.read(resp.raw, min(skip, CHUNK))
                 if not got:
                     raise ConnectionError("the connection ended while skipping to the resume offset")
                 skip -= len(got)
@@ -678,8 +726,15 @@ class BlobStream:
             try:
                 if self._resp is None:
                     self._open()
-                data = self._resp.raw.read1(want, decode_content=False)
+                data = self._pace.read(self._resp.raw, want)
                 break
+            except _TooSlow as e:
+                if self.source is self.registry.last:  # no host left to ask: an error, not a retry
+                    self.close()
+                    raise RegistryUnavailable(f"blob {self.digest}: {e} at byte {self.offset}"
+                                              f"{self.registry.through(self.source)}", self.image) from None
+                problem = str(e)
+                self.registry.options.hosts.mark_down(self.source)  # the resume asks the next host
             except _NET_ERRORS as e:
                 problem = _describe(e)
                 if self.source is not None and self.source is not self.registry.last:

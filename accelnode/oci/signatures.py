@@ -16,7 +16,6 @@ import base64
 import binascii
 import datetime
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 
@@ -26,6 +25,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+
+from accelnode.decode import MANIFEST, SIGNATURE, DocumentError, decode
 
 from .errors import ImageNotFound, IntegrityError, RegistryUnavailable, quoted
 from .refusal import FORMATS, SIGNATURE_FORMAT_LABEL, V2, V3, pull_refusal  # noqa: F401 (here too: the names callers know)
@@ -281,21 +282,21 @@ def _sig_tag(digest: str) -> str:
 
 def _payload_digest(payload: bytes) -> str | None:
     try:
-        doc = json.loads(payload)
+        doc = decode(payload, SIGNATURE, "simple-signing payload")
         return doc["critical"]["image"]["docker-manifest-digest"]
-    except (ValueError, KeyError, TypeError, RecursionError):
+    except (ValueError, KeyError, TypeError):
         return None
 
 
 def _statement_digest(payload: bytes) -> str | None:
     """The digest an in-toto statement's subject names (the first sha256 subject)."""
     try:
-        doc = json.loads(payload)
+        doc = decode(payload, SIGNATURE, "in-toto statement")
         for s in doc.get("subject") or ():
             hexd = (s.get("digest") or {}).get("sha256")
             if isinstance(hexd, str):
                 return f"sha256:{hexd}"
-    except (ValueError, TypeError, AttributeError, RecursionError):
+    except (ValueError, TypeError, AttributeError):
         pass
     return None
 
@@ -314,9 +315,9 @@ def _manifest(reg: Registry, ref: Reference, image: str, tag: str) -> dict | Non
     except ImageNotFound:
         return None
     try:
-        doc = json.loads(body)
-    except ValueError:
-        raise IntegrityError(f"signature manifest {tag} is not JSON", image) from None
+        doc = decode(body, MANIFEST, f"signature manifest {tag}", None)
+    except DocumentError as e:
+        raise IntegrityError(str(e), image) from None
     return doc if isinstance(doc, dict) else None
 
 
@@ -363,9 +364,10 @@ def _referrers(reg: Registry, ref: Reference, digest: str, image: str) -> list[d
                            headers={"Accept": INDEX_TYPE}, ok=(200,), stream=True, caps=("pull", "resolve"))
         with resp:
             if resp.headers.get("Content-Type", "").split(";")[0].strip() == INDEX_TYPE:
-                doc = json.loads(reg.read_capped(resp, MAX_SIG_BYTES, image, "listing referrers", "referrers index"))
+                doc = decode(reg.read_capped(resp, MAX_SIG_BYTES, image, "listing referrers", "referrers index"),
+                             MANIFEST.bytes(MAX_SIG_BYTES), f"referrers index of {digest}", None)
                 return [m for m in _list(_obj(doc).get("manifests")) if isinstance(m, dict)]
-    except (ImageNotFound, IntegrityError, ValueError, RecursionError):
+    except (ImageNotFound, IntegrityError, ValueError):
         pass  # no referrers API (404): the fallback tag
     except RegistryUnavailable as e:
         if "unexpected HTTP 4" not in str(e):  # 400/405...: no referrers API either; else a real outage
@@ -385,8 +387,8 @@ def fetch_v3(reg: Registry, ref: Reference, digest: str, image: str) -> list[_Fo
             continue  # listed under this digest but not about it: not a signature of it
         for layer in _list(art.get("layers"))[:1]:
             try:
-                bundle = json.loads(_blob(reg, ref, layer, image))
-            except (ValueError, RecursionError):
+                bundle = decode(_blob(reg, ref, layer, image), SIGNATURE, "Sigstore bundle")
+            except DocumentError:
                 bundle = None
             out.append(_bundle(bundle) if isinstance(bundle, dict) else _Found(V3, b"", b"", None))
     return out

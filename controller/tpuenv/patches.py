@@ -21,6 +21,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from accelnode.decode import LABEL, decode
+
 INJECT_LABEL = "gke-tpu-env-injector.aaronbatilo.dev/inject"  # the upstream injector's opt-in label
 INJECT_VALUE = "enabled"
 STATE_ANNOTATION = "tpu-env.accelnode.io/injected"
@@ -230,7 +232,7 @@ def recorded_state(meta) -> dict | None:
     if not isinstance(raw, str) or len(raw) > 64 * 1024:
         return None
     try:
-        state = json.loads(raw)
+        state = decode(raw, LABEL, STATE_ANNOTATION)
     except ValueError:
         return None
     if not isinstance(state, dict) or not isinstance(state.get("vars"), dict):

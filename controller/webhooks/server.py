@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from accelnode.decode import ADMISSION_REVIEW, DocumentError, decode, values_at_most
 from accelnode.httpserve import parse_address
 from accelnode.log import kv
 
@@ -40,7 +41,7 @@ API_VERSION = "admission.k8s.io/v1"
 # pkg/server/config.go: twice etcd's 1.5 MiB request limit); an AdmissionReview carries at most
 # two such objects (object, oldObject) and less than 1 MiB besides: 7 MiB, as controller-runtime
 # caps it (pkg/webhook/admission/http.go maxRequestSize).
-MAX_BODY = 7 * 1024 * 1024
+MAX_BODY = ADMISSION_REVIEW.max_bytes  # 7 MiB
 SMALL_BODY = 64 * 1024  # a review of our kinds is 1-20 KiB: bodies up to this are read outside the budget
 VALUE_COST = 100  # bytes a parsed JSON value may take in Python (an empty dict: 64, a short str: ~55, + its slot)
 
@@ -92,13 +93,9 @@ class BadReview(ValueError):
 def parse_review(body: bytes) -> dict:
     """The ``request`` of an admission.k8s.io/v1 AdmissionReview, or :class:`BadReview`."""
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadReview(f"body is not JSON: {e}") from None
-    except RecursionError:
-        raise BadReview("body is not JSON this server parses: nested too deeply") from None
-    if not isinstance(doc, dict):
-        raise BadReview("body is not a JSON object")
+        doc = decode(body, ADMISSION_REVIEW, "body")
+    except DocumentError as e:
+        raise BadReview(str(e)) from None
     if doc.get("kind") != "AdmissionReview" or doc.get("apiVersion") != API_VERSION:
         raise BadReview(f"expected kind AdmissionReview, apiVersion {API_VERSION}; got kind {doc.get('kind')!r}, "
                         f"apiVersion {doc.get('apiVersion')!r}")
@@ -465,7 +462,7 @@ class AdmissionServer:
         finally:
             if held:
                 await self._body_budget.release(held)
-        return body, n + VALUE_COST * _values(body)
+        return body, n + VALUE_COST * values_at_most(body)
 
     def _answer(self, path: str, body: bytes) -> tuple[int, bytes, str]:
         """On a handler thread: (HTTP code, body, answer label)."""
@@ -520,12 +517,6 @@ def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
             raise ValueError(f"{name} given twice")
         headers[name] = value.strip()
     return parts[0], parts[1], parts[2], headers
-
-
-def _values(body: bytes) -> int:
-    """An upper bound on the JSON values in ``body`` (every value but a container's first follows a
-    comma; brackets and commas inside strings only raise the bound)."""
-    return 1 + body.count(b",") + body.count(b"{") + body.count(b"[")
 
 
 async def _discard(reader: asyncio.StreamReader, n: int, seconds: float) -> None:

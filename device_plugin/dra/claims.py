@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from accelnode import atomic
+from accelnode.decode import FILE, read_file
 from accelnode.kube.client import Client, KubeError, is_not_found
 from accelnode.log import kv
 
@@ -145,9 +146,7 @@ class Claims:
         """The devices a checkpoint recorded; None (logged) when it is not one we wrote, so the
         claim is prepared anew: one bad file never fails another claim, nor the plugin."""
         try:
-            with open(ck, "rb") as f:
-                data = f.read(1 << 20)
-            doc = json.loads(data)
+            doc = read_file(ck, FILE)
             devs = doc["devices"]
             if doc.get("uid") != uid or not isinstance(devs, list) or not all(
                     isinstance(d, dict) and isinstance(d.get("device_name"), str) and isinstance(d.get("pool_name"), str)

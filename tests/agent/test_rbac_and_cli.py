@@ -82,3 +82,51 @@ def test_agent_refuses_a_bad_kubeconfig(tmp_path, doc, why):
         capture_output=True, text=True, timeout=60)
     assert out.returncode == 3, out.stderr
     assert why in out.stderr, out.stderr
+
+
+def test_padded_cache_objects_do_not_grow_the_agent(tmp_path, control_plane, cluster, kube_namespace):
+    """Issue 33: a tenant's GKMCaches whose pod template's ``affinity`` (it preserves unknown
+    fields) is padded with {} to 1.2 MiB: 400,000 empty objects each, every one of them held by
+    every agent in the cluster (its pod's limit is 256 Mi). The agent decodes each under
+    KUBE_OBJECT, lists them a few at a time (KUBE_LIST_PAGE) and keeps of each only what it reads:
+    the real agent process stays under RSS_BOUND_KIB with eight of them, listed and watched."""
+    from tests.agent.conftest import TPU_LABELS
+    from tests.csi.conftest import Daemon, free_ports
+    from tests.fuzz.bombs import RSS_BOUND_KIB, vm_hwm
+
+    name = cluster.make_node(TPU_LABELS)
+    sock = tmp_path / "agent.sock"
+    pad = {"padding": [{} for _ in range(400_000)]}
+
+    def create(i: int, last: bool = False) -> None:
+        # the last one is prefetched on this node: its entry in the node's status says the agent saw it
+        cluster.objs.create_namespaced_custom_object("gkm.io", "v1alpha1", kube_namespace, "gkmcaches", body={
+            "apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache", "metadata": {
+                "name": f"padded-{i}", "annotations": {"accelnode.io/prefetch": "true"} if last else {}},
+            "spec": {"image": "127.0.0.1:1/team/cache@sha256:" + "7" * 64, "podTemplate": {"spec": {
+                "affinity": pad, "nodeSelector": {"cloud.google.com/gke-tpu-topology": "2x2"}}}}},
+            _request_timeout=60)
+
+    for i in range(4):  # listed at start
+        create(i)
+    daemon = Daemon("agent", [
+        "agent", "--store", str(tmp_path / "store"), "--socket", str(sock), "--plain-http",
+        "--metrics-address", f"127.0.0.1:{free_ports(1)[0]}", "--log-format", "text",
+        "--node-name", name, "--kubeconfig", str(control_plane.kubeconfig("agent"))], sock, tmp_path).start()
+    try:
+        for i in range(4, 8):  # watched
+            create(i, last=i == 7)
+        assert eventually(lambda: "padded-7" in ((cluster.node_status(name, kube_namespace) or {}).get("caches")
+                                                 or {}), 60), daemon.log()[-3000:]
+        peak = vm_hwm(daemon.proc.pid)
+    finally:
+        stopped = daemon.stop()
+        for i in range(8):  # 10 MB in the session's etcd: a plain GET of all caches elsewhere would be over 4 MiB
+            try:
+                cluster.objs.delete_namespaced_custom_object("gkm.io", "v1alpha1", kube_namespace, "gkmcaches",
+                                                             f"padded-{i}")
+            except Exception:
+                pass  # not created
+        assert stopped == 0, daemon.log()[-3000:]
+    print(f"agent peak RSS with 8 padded caches: {peak} KiB")
+    assert peak < RSS_BOUND_KIB, f"the agent's peak RSS {peak} KiB"

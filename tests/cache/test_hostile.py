@@ -83,7 +83,7 @@ CASES = {
                              "config_type": "application/x-evil"}, HostileContent, "unsupported config media type",
                             None),
     "config-not-json": ({"layers": [(GZ, tar((f"{C}/f", "file", b"x")))], "config": b"\x00not json"},
-                        HostileContent, "config is not valid JSON", None),
+                        HostileContent, "is not valid JSON", None),
     "oversized-manifest": ({**layers(tar((f"{C}/f", "file", b"x"))),
                             "edit": lambda m: m.update(annotations={"pad": "x" * 70_000})},
                            IntegrityError, "over the 65536-byte limit", Limits(max_manifest_bytes=65536)),
@@ -204,7 +204,18 @@ CASES.update({
                                "edit": lambda m: m["layers"][0].update(size=1 << 60)},
                               HostileContent, "the limits allow", None),
     "config-nested-json": ({**layers(tar((f"{C}/f", "file", b"x"))), "config": b"[" * 200_000 + b"]" * 200_000},
-                           HostileContent, "config is JSON nested too deeply", None),
+                           HostileContent, "JSON values in 400000 bytes, over the budget of 100000", None),
+    # issue 33: a config of 4 MiB of {} (1.4 million empty objects, ~100 MB parsed) is refused
+    # before it is parsed; it used to be parsed, and then installed (it has no labels to refuse)
+    "config-bomb": ({**layers(tar((f"{C}/f", "file", b"x"))),
+                     "config": b'{"pad":[' + b"{}," * ((4 << 20) // 3 - 8) + b"{}]}"},
+                    HostileContent, "JSON values in 4194291 bytes, over the budget of 100000", None),
+    "config-too-deep": ({**layers(tar((f"{C}/f", "file", b"x"))), "config": b'{"a":' + b"[" * 40 + b"]" * 40 + b"}"},
+                        HostileContent, "nests arrays and objects 41 deep, over the budget of 32", None),
+    # a label holding a JSON bomb: one string in the config, 64 KiB at most when parsed as JSON
+    "summary-bomb": ({**layers(tar((f"{C}/f", "file", b"x"))), "config": {"config": {"Labels": {
+                         **_TRITON_LABELS, "cache.triton.image/summary": "[" + "{}," * 300_000 + "{}]"}}}},
+                     HostileContent, "over the 64 KiB budget", None),
     "summary-nested-json": ({**layers(tar((f"{C}/f", "file", b"x"))), "config": {"config": {"Labels": {
                                 **_TRITON_LABELS, "cache.triton.image/summary": "[" * 100_000 + "]" * 100_000}}}},
                             HostileContent, "config labels are malformed", None),

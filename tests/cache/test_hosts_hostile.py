@@ -45,19 +45,18 @@ def test_a_mirror_dripping_its_api_root_is_not_waited_for(registry, tmp_path, ho
         handler.send_response(200)
         handler.send_header("Transfer-Encoding", "chunked")
         handler.end_headers()
-        while not stop.is_set():
-            try:
-                handler.wfile.write(b"1\r\nx\r\n")
-                handler.wfile.flush()
-            except OSError:
-                return True
-            time.sleep(1)
-        return True
+        return _drip(handler, stop, b"1\r\nx\r\n")
 
-    pinned = push(registry, tmp_path, "hostile/drip")
-    m = Forwarder(registry.host, serve=drip)
+    _pulled_past_the_mirror(registry, tmp_path, hosts, "hostile/drip", drip, stop, timeout=20)
+
+
+def _pulled_past_the_mirror(registry, tmp_path, hosts, repo: str, serve, stop: threading.Event, timeout: float):
+    """A cache pushed under ``repo`` is pulled whole through a mirror misbehaving as ``serve``
+    says, within ``timeout``; ``stop`` is set at the end (what ``serve`` waits on)."""
+    pinned = push(registry, tmp_path, repo)
+    m = Forwarder(registry.host, serve=serve)
     try:
-        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host), timeout=20))
+        store = CacheStore(tmp_path / "store", registry=options(registry, hosts(registry, m.host), timeout=timeout))
         assert store.ensure(pinned).digest == pinned.split("@")[1]
     finally:
         stop.set()
@@ -203,3 +202,82 @@ def test_a_mirror_that_accepts_and_never_answers_is_passed(registry, tmp_path, h
             c.close()
         listener.close()
     assert accepted, "the silent mirror was never asked"
+
+
+def _dripping(stop: threading.Event, part: str):
+    """A ``serve`` hook: answers requests whose path holds ``part`` with 200 and a body of zeros
+    (no length: it ends when the connection does) sent a byte a second, so that no read timeout
+    ever trips; forwards the rest."""
+    def drip(handler, path):
+        if part not in path:
+            return False
+        handler.send_response(200)
+        handler.end_headers()
+        return _drip(handler, stop, b"\0")
+    return drip
+
+
+def _drip(handler, stop: threading.Event, piece: bytes) -> bool:
+    """Write ``piece`` a second until ``stop`` is set or the client hangs up; True: answered."""
+    while not stop.is_set():
+        try:
+            handler.wfile.write(piece)
+            handler.wfile.flush()
+        except OSError:
+            break
+        time.sleep(1)
+    return True
+
+
+@pytest.mark.parametrize("part", ["/manifests/", "/blobs/"])
+def test_a_mirror_dripping_content_is_left_for_the_next_host(registry, tmp_path, hosts, part):
+    """Issue 33: the mirror answers manifests (then blobs) at a byte a second. It is left once it
+    has sent under MIN_TRANSFER_BYTES in RATE_WINDOW (10 s) of waiting, and the registry serves
+    the pull within its 40 s deadline (the pull used to wait on the mirror until the deadline,
+    then fail)."""
+    stop = threading.Event()
+    _pulled_past_the_mirror(registry, tmp_path, hosts, "hostile/drip-content", _dripping(stop, part), stop, timeout=40)
+
+
+def test_a_registry_dripping_a_blob_fails_the_pull_before_its_deadline(registry, tmp_path):
+    """The server itself drips a blob: the pull fails naming the rate after RATE_WINDOW, not
+    after its 60 s deadline (nor after retries at the same pace)."""
+    from accelnode.oci.errors import RegistryUnavailable
+    from accelnode.oci.registry import MIN_TRANSFER_BYTES
+
+    stop = threading.Event()
+    pinned = push(registry, tmp_path, "hostile/drip-server")
+    server = Forwarder(registry.host, serve=_dripping(stop, "/blobs/"))
+    try:
+        opts = RegistryOptions(plain_http=True, timeout=60, anonymous=True, mirrors={registry.host: server.host})
+        started = time.monotonic()
+        with pytest.raises(RegistryUnavailable, match=f"too slow: .* under the minimum of "
+                                                      f"{MIN_TRANSFER_BYTES // 1024} KiB per 10s"):
+            CacheStore(tmp_path / "store", registry=opts).ensure(pinned)
+        assert time.monotonic() - started < 45  # a bound well under the deadline, not a timing
+    finally:
+        stop.set()
+        server.close()
+
+
+@pytest.mark.parametrize("host", ["..", "."])
+def test_a_registry_host_of_dots_is_refused_before_any_file_or_request(registry, tmp_path, host):
+    """Issue 33: an image on registry ``..`` made the hosts lookup read ``<hosts dir>/../hosts.toml``
+    (``.``: ``<hosts dir>/hosts.toml``), a file outside any registry's directory, and pull from
+    the server it names. ``.``, ``..`` and empty labels are no host name: the reference is refused
+    (InvalidReference naming the host) and nothing is asked of anyone."""
+    from accelnode.oci.errors import InvalidReference
+
+    pinned = push(registry, tmp_path, "hostile/dots")
+    attacker = Forwarder(registry.host)
+    try:
+        d = certs_d(tmp_path / "etc" / "certs.d", {"registry.example.com": mirror(f"http://{attacker.host}")})
+        outside = tmp_path / "etc" / "certs.d" if host == "." else tmp_path / "etc"
+        (outside / "hosts.toml").write_text(f'server = "http://{attacker.host}"\n')
+        store = CacheStore(tmp_path / "store", registry=options(registry, d, timeout=20))
+        image = f"{host}/hostile/dots@{pinned.split('@')[1]}"
+        with pytest.raises(InvalidReference, match=f"registry host '{host}' has an empty label"):
+            store.ensure(image)
+    finally:
+        attacker.close()
+    assert attacker.seen == []

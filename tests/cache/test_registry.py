@@ -243,6 +243,21 @@ def test_malformed_docker_config_entries(auth_registry, tmp_path, entry, fragmen
         CacheStore(tmp_path / "s2", registry=auth_registry.options(config_file=str(tmp_path / "nope.json"))).ensure(image)
 
 
+def test_a_pull_secret_bomb_is_refused_before_it_is_parsed(auth_registry, tmp_path):
+    """Issue 33: a tenant's dockerconfigjson pull secret (1.5 MiB in etcd) padded with {} holds
+    half a million empty objects (about 35 MB parsed, per pull); it is decoded under
+    accelnode.decode.DOCKER_CONFIG and refused by its count, naming the secret, never its content
+    (it used to be parsed, and its credentials used)."""
+    image = auth_registry.push(triton_tree(tmp_path / "src"), "auth/bomb")
+    auth = base64.b64encode(f"{auth_registry.username}:{auth_registry.password}".encode()).decode()
+    bomb = json.dumps({"auths": {auth_registry.host: {"auth": auth}}})[:-1] + ',"pad":[' + "{}," * 500_000 + "{}]}"
+    options = auth_registry.options(pull_secrets=(("team/regcred", bomb),))
+    with pytest.raises(AuthError, match=r"registry config team/regcred holds 500010 JSON values in \d+ bytes, over "
+                                        r"the budget of 50000") as info:
+        CacheStore(tmp_path / "store", registry=options).ensure(image)
+    assert auth not in str(info.value)
+
+
 def test_credentials_never_reach_logs_or_errors(auth_registry, tmp_path, caplog, capfd):
     image = auth_registry.push(triton_tree(tmp_path / "src"), "auth/logs")
     caplog.set_level(logging.DEBUG)

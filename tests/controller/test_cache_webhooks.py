@@ -192,6 +192,26 @@ def gkmcache(name, image, annotations=None, labels=None) -> dict:
     return {"apiVersion": f"{G}/{V}", "kind": "GKMCache", "metadata": meta, "spec": {"image": image}}
 
 
+def post_review(port: int, ctx, path: str, user: str, obj: dict, timeout: float = 30) -> dict:
+    """The ``response`` of a GKMCache AdmissionReview by ``user`` posted to a webhook server on
+    127.0.0.1 (``ctx``: TLS trusting its CA)."""
+    import http.client
+
+    from tests.controller.test_webhook_server import review
+
+    body = review(obj=obj)
+    body["request"].update(kind={"group": G, "version": V, "kind": "GKMCache"}, name=obj["metadata"]["name"],
+                           userInfo={"username": user})
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        return json.loads(resp.read())["response"]
+    finally:
+        conn.close()
+
+
 def clustergkmcache(e: Env, name, image, annotations=None, labels=None) -> dict:
     obj = gkmcache(f"{name}-{e.run}", image, annotations, {RUN: e.run, **(labels or {})})
     obj["kind"] = "ClusterGKMCache"
@@ -397,10 +417,7 @@ def test_a_moved_tag_does_not_move_a_pinned_cache(env):
 def test_accelnode_controller_serves_the_cache_webhooks(env, controllers, fresh_lease, tmp_path):
     """The routes, the registry flags and the SelfSubjectReview as `accelnode controller` wires
     them (AdmissionReviews posted straight to the process)."""
-    import http.client
     import ssl
-
-    from tests.controller.test_webhook_server import review
 
     image, digest = push(env, "hooks/cli", "v1", b"cli")
     cert, key, _ = env.ca.serving(tmp_path, "accelnode-controller")
@@ -410,17 +427,7 @@ def test_accelnode_controller_serves_the_cache_webhooks(env, controllers, fresh_
     ctx = ssl.create_default_context(cadata=env.ca.pem.decode())
 
     def post(path: str, user: str, obj: dict) -> dict:
-        body = review(obj=obj)
-        body["request"].update(kind={"group": G, "version": V, "kind": "GKMCache"}, name=obj["metadata"]["name"],
-                               userInfo={"username": user})
-        conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
-        try:
-            conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200, resp.read()
-            return json.loads(resp.read())["response"]
-        finally:
-            conn.close()
+        return post_review(port, ctx, path, user, obj)
 
     deadline = time.monotonic() + 30
     while True:

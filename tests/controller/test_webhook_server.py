@@ -124,12 +124,15 @@ def test_a_denial_carries_code_and_message(server, tls):
 
 
 @pytest.mark.parametrize("body, fragment", [
-    (b"{not json", "body is not JSON"),
-    (b"[1, 2]", "not a JSON object"),
+    (b"{not json", "body is not valid JSON"),
+    (b"[1, 2]", "body is not a JSON object"),
     (json.dumps({**review(), "apiVersion": "admission.k8s.io/v1beta1"}).encode(), "admission.k8s.io/v1"),
     (json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}).encode(), "no request"),
     (json.dumps({**review(), "request": {"operation": "CREATE"}}).encode(), "no uid"),
-    (b"\xff\xfe\x00garbage", "body is not JSON"),
+    (b"\xff\xfe\x00garbage", "body is not valid JSON"),
+    # issue 33: decoded under accelnode.decode.ADMISSION_REVIEW, checked before anything is parsed
+    (json.dumps({**review(), "pad": [0]}).encode().replace(b"[0]", b"[" * 600 + b"0" + b"]" * 600),
+     "nests arrays and objects 601 deep, over the budget of 500"),
 ])
 def test_malformed_reviews_are_400_with_a_message(server, tls, body, fragment):
     status, out = post(server, tls[0], "/mutate", body)

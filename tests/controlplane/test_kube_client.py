@@ -113,6 +113,26 @@ def test_list_pages_through_a_collection_as_one_snapshot(control_plane, kube_nam
     assert names(admin.list(path, query={"labelSelector": f"{LABEL}=yes"})["items"])[-1] == "zz-late"
 
 
+def test_a_page_over_its_budget_is_asked_again_with_fewer_items(control_plane, kube_namespace, monkeypatch):
+    """Issue 33: every answer is decoded under a budget (accelnode.decode), a list page under
+    KUBE_LIST_PAGE. A page over it is asked again (same continue token) with fewer items (what
+    would fit of the objects it read), so that what one page makes the process hold is bounded whatever the objects
+    weigh, and the list still comes whole. Six 300 KB ConfigMaps, a page budget of 1 MiB: three
+    objects a page."""
+    from accelnode import decode
+    from accelnode.kube import client as kube_client
+
+    admin = Client(config(control_plane))
+    path = f"/api/v1/namespaces/{kube_namespace}/configmaps"
+    for i in range(6):
+        admin.request("POST", path, body={**configmap(f"big-{i}"), "data": {"d": "x" * 300_000}})
+    monkeypatch.setattr(kube_client, "KUBE_LIST_PAGE", decode.Budget(1 << 20, 1_000_000, decode.KUBE_DEPTH))
+    c = Recording(config(control_plane))
+    doc = c.list(path, query={"labelSelector": f"{LABEL}=yes"})
+    assert names(doc["items"]) == [f"big-{i}" for i in range(6)]
+    assert [(q["limit"], "continue" in q) for _, _, q in c.asked] == [("500", False), ("3", False), ("3", True)]
+
+
 def test_the_default_page_size_is_client_gos_and_bad_sizes_are_refused(control_plane):
     assert Client(config(control_plane)).page_size == 500
     for bad in (0, -1, 2.5, "5", True):

@@ -50,6 +50,21 @@ class View:
 
 
 @fuzz_settings(ci_examples=300)
+@given(obj=caches)
+def test_the_agent_keeps_of_a_cache_only_what_it_reads(obj):
+    """Issue 33: the agent's copy of a cache object is what it reads (its image, workload
+    namespaces, node selector, pin and verdict), nothing a tenant may pad (a pod template's
+    affinity preserves unknown fields), and reads the same."""
+    from agent.nodestatus import Cache
+    from agent.reporter import _trim_cache
+
+    kept = _trim_cache(obj)
+    assert Cache.from_object(kept) == Cache.from_object(obj)
+    assert set(kept["spec"]) <= {"image", "workloadNamespaces", "podTemplate"}
+    assert set((kept["spec"].get("podTemplate") or {}).get("spec") or {}) <= {"nodeSelector"}
+
+
+@fuzz_settings(ci_examples=300)
 @given(obj=caches, policy=policy_objects, namespace=st.one_of(st.none(), text))
 def test_cache_objects(obj, policy, namespace):
     cluster = obj["kind"] == "ClusterGKMCache"
