@@ -1,6 +1,6 @@
 # A real Kubernetes control plane for the tests: etcd, kube-apiserver, kube-controller-manager, a
 # kubectl of the same minor, and the node side (kubelet; kubeadm for token discovery and joins),
-# built from the Go modules pinned in tools/k8s/go.mod (Kubernetes 1.35, etcd 3.6). Rebuilt only
+# built from the Go modules pinned in tools/k8s/go.mod (Kubernetes 1.37, etcd 3.7). Rebuilt only
 # when one is missing or when that go.mod/go.sum change. `make cluster` runs one in the foreground
 # for a person (tests/rigs/devcluster.py, docs/local-cluster.md).
 K8S_NAMES := etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kubeadm
