@@ -29,7 +29,7 @@ Why containerd 2 and not Debian's containerd 1.6.20 (the lane until Kubernetes 1
 CDI, so a DRA driver's devices (handed over only as CRI ``CDI_devices``) are dropped without an
 error; it has no ``RuntimeConfig`` CRI call, for which kubelet 1.37 only falls back with a
 warning (and counts ``kubelet_cri_losing_support{version="1.38.0"}``); it mounts no ``image``
-volumes. docs/local-cluster.md has the evidence.
+volumes. docs/deploy.md has the evidence.
 
 Stopping kills kubelet, then every container and sandbox containerd still runs, then
 containerd, unmounts whatever is left under the work directory and removes it.
