@@ -52,7 +52,7 @@ class JoinNode(Node):
         self.etc_kubernetes = self.workdir / "etc-kubernetes"
         self.root_dir = self.workdir / "var-lib-kubelet"  # the VM's /var/lib/kubelet
         self.device_plugins = self.root_dir / "device-plugins"
-        self.bin = self.workdir / "bin"  # first on the VM's PATH: systemctl
+        self.bin = self.workdir / "bin"  # first on the VM's PATH: systemctl, kubelet
         self.units = self.workdir / "units"
         self.unit_state = self.workdir / "units-state"
         self.patches = self.workdir / "kubeadm-patches"
@@ -73,6 +73,9 @@ class JoinNode(Node):
             self._start_namespace()
             shutil.copytree(UNITS, self.units, ignore=shutil.ignore_patterns("*.sh"))
             unitctl.install(self.bin, self.units, self.unit_state, self.tools_bin)
+            # kubelet on the VM's PATH, as node-startup.sh installs it (/usr/local/bin): kubeadm
+            # 1.37's KubeletVersion preflight runs `kubelet --version` and fails the join without it
+            (self.bin / "kubelet").symlink_to(self.tools_bin / "kubelet")
             self.patches.mkdir(parents=True, exist_ok=True)
             (self.patches / "kubeletconfiguration+merge.yaml").write_text(yaml.safe_dump(self.kubelet_patch()))
             self.start_containerd()
