@@ -1,4 +1,4 @@
-"""TPUs through DRA on the containerd 2 lane (tests/rigs/containerd2.py; root, kubelet lock):
+"""TPUs through DRA on the containerd 2 lane (tests/rigs/dralane.py; root, kubelet lock):
 
 - ``prepare_p50_ms``/``prepare_p99_ms``: NodePrepareResources of one fresh claim (the plugin reads
   the claim from the API server, writes its CDI spec and checkpoint), called as kubelet calls it;
@@ -46,7 +46,7 @@ def main() -> None:
     from accelnode.kube.client import Client, Config
     from device_plugin.dra import api
     from tests.rigs import image as images
-    from tests.rigs.containerd2 import DRIVER, DRALane, claim_pod, claim_template
+    from tests.rigs.dralane import DRIVER, DRALane, claim_pod, claim_template
     from tests.rigs.devcluster import _Proc
     from tests.rigs.node import DEVICE_PLUGINS
     from tests.rigs.simhost import SimHost

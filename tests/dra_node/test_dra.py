@@ -1,4 +1,4 @@
-"""TPUs through DRA on a real kubelet and containerd 2 (tests/rigs/containerd2.py), end to end:
+"""TPUs through DRA on a real kubelet and containerd 2 (tests/rigs/dralane.py), end to end:
 ``accelnode dra`` on a simulated v5e-4 host registers with kubelet and publishes its slice; the
 real scheduler allocates claims from ResourceClaimTemplates; kubelet calls NodePrepareResources and
 containerd 2 injects the claim's CDI devices. Run under ``flock /tmp/kubelet.lock``."""
@@ -15,8 +15,8 @@ import pytest
 
 from accelnode import IMAGE
 from tests.conftest import TOOLS_BIN, require
-from tests.rigs.containerd2 import claim_pod as pod
-from tests.rigs.containerd2 import claim_template as template
+from tests.rigs.dralane import claim_pod as pod
+from tests.rigs.dralane import claim_template as template
 from tests.rigs.node import TREE_PROBE
 # what a workload container got: device nodes and TPU env, as one JSON line
 PROBE = r"""
@@ -39,15 +39,15 @@ time.sleep(3600)  # hold the claim until the test deletes the pod
 
 @pytest.fixture(scope="module")
 def lane():
-    from tests.rigs import containerd2
+    from tests.rigs import dralane
     from tests.rigs import image as images
     from tests.rigs.node import prerequisites
 
-    for what in prerequisites(TOOLS_BIN) + containerd2.prerequisites(TOOLS_BIN):
+    for what in prerequisites(TOOLS_BIN):
         require(False, what)
     # short: kubelet's plugin sockets live under it (unix socket paths end at 107 bytes)
     workdir = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
-    world = containerd2.DRALane(workdir, TOOLS_BIN)
+    world = dralane.DRALane(workdir, TOOLS_BIN)
     try:
         world.start([images.build(log=lambda m: None)])
         yield world

@@ -1,4 +1,4 @@
-"""The node as users run it: a real kubelet with containerd + runc (tests/rigs/node.py),
+"""The node as users run it: a real kubelet with containerd 2 + runc (tests/rigs/node.py),
 its own control plane (Node authorizer, ServiceAccount admission), the accelnode image built here
 (tests/rigs/image.py) and ``daemonsets/`` applied with ``kubectl apply -k`` through an
 overlay that fits it to the loopback node and a simulated v5e-4 TPU host.

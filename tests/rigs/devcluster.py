@@ -479,6 +479,11 @@ class ControlPlane:
         ], self.workdir / "etcd.log")
         self._apiserver = _Proc("kube-apiserver", [
             apiserver, "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
+            # The `kubernetes` Service's endpoints would be the advertised 127.0.0.1, which an
+            # Endpoints object may not hold: 1.35 started with it, 1.37 refuses to start
+            # ("cannot use public IP 127.0.0.1 with endpoint reconciler"). Pods here reach the API
+            # at 127.0.0.1 through KUBERNETES_SERVICE_HOST (tests/rigs/node.py write_overlay).
+            "--endpoint-reconciler-type=none",
             f"--etcd-servers=http://127.0.0.1:{client}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={self._pki.serving[0]}", f"--tls-private-key-file={self._pki.serving[1]}",

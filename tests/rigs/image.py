@@ -315,9 +315,10 @@ def build_pause(root: Path = ROOT) -> Image:
     return Image(archive, PAUSE_NAME, key)
 
 
-def ctr_import(image: Image, address: str, namespace: str = "k8s.io") -> None:
-    """Import (and unpack) the archive into containerd at ``address``."""
-    _run(["ctr", "--address", address, "--namespace", namespace, "images", "import", image.archive], f"ctr images import {image.archive.name}")
+def ctr_import(image: Image, address: str, namespace: str = "k8s.io", ctr: str = "ctr") -> None:
+    """Import (and unpack) the archive into containerd at ``address`` with the ``ctr`` given (the
+    node's own: tests/rigs/node.py)."""
+    _run([ctr, "--address", address, "--namespace", namespace, "images", "import", image.archive], f"ctr images import {image.archive.name}")
 
 
 def push(image: Image, ref: str, options) -> str:

@@ -12,7 +12,8 @@ from the shipped unit files (``daemonsets/systemd/kubelet.service`` + ``kubelet.
 
 What differs from a VM is in :meth:`JoinNode.kubelet_patch`, handed to kubeadm as a patch of the
 cluster's KubeletConfiguration (``accelnode bootstrap --patches``): no systemd, so the cgroupfs
-driver; this host's cgroup v1; loopback listeners on free ports; logs in the work directory.
+driver; this host's cgroup v1 (where it is); loopback listeners on free ports; logs in the work
+directory.
 """
 
 from __future__ import annotations
@@ -29,21 +30,20 @@ import yaml
 from tests.rigs import image as images
 from tests.rigs import unitctl
 from tests.rigs.devcluster import ControlPlane
-from tests.rigs.node import Node, NodeError, _kubepods_cgroups, prerequisites, SYSCTLS
+from tests.rigs.node import CGROUP_V1, SYSCTLS, Node, NodeError, _kubepods_cgroups, prerequisites
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "daemonsets" / "systemd"
 BOUND = (Path("/etc/kubernetes"), Path("/var/lib/kubelet"))  # the VM's own, in its mount namespace
 
 # kubeadm preflight checks this rig fails, each ignored and why (the same for accelnode bootstrap
-# and for kubeadm by hand); kubeadm only warns about an unresolvable node name (Hostname) and a
-# containerd without the RuntimeConfig CRI call (ContainerRuntimeVersion).
-#   SystemVerification: this host has cgroup v1; kubeadm 1.35 fails it unless skipped (and the
-#     patch sets kubelet's failCgroupV1: false). Not needed on a cgroup v2 VM.
+# and for kubeadm by hand); kubeadm only warns about an unresolvable node name (Hostname).
+#   SystemVerification, on a cgroup v1 host only (tests.rigs.node.CGROUP_V1, which also gives
+#     kubelet failCgroupV1: false): kubeadm 1.35+ fails it there. Passes on a cgroup v2 VM.
 #   FileContent--proc-sys-net-ipv4-ip_forward: the host's sysctl is 0 and is not the rig's to
 #     change (its network namespace is the host's; pods use the host's network, nothing is
 #     routed). A VM gets it from node-startup.sh (/etc/sysctl.d/99-kubernetes.conf).
-IGNORED_PREFLIGHT = ("SystemVerification", "FileContent--proc-sys-net-ipv4-ip_forward")
+IGNORED_PREFLIGHT = (*(("SystemVerification",) if CGROUP_V1 else ()), "FileContent--proc-sys-net-ipv4-ip_forward")
 
 
 class JoinNode(Node):
@@ -52,7 +52,7 @@ class JoinNode(Node):
         self.etc_kubernetes = self.workdir / "etc-kubernetes"
         self.root_dir = self.workdir / "var-lib-kubelet"  # the VM's /var/lib/kubelet
         self.device_plugins = self.root_dir / "device-plugins"
-        self.bin = self.workdir / "bin"  # first on the VM's PATH: systemctl
+        self.bin = self.workdir / "bin"  # first on the VM's PATH: systemctl, kubelet
         self.units = self.workdir / "units"
         self.unit_state = self.workdir / "units-state"
         self.patches = self.workdir / "kubeadm-patches"
@@ -73,29 +73,21 @@ class JoinNode(Node):
             self._start_namespace()
             shutil.copytree(UNITS, self.units, ignore=shutil.ignore_patterns("*.sh"))
             unitctl.install(self.bin, self.units, self.unit_state, self.tools_bin)
+            # kubelet on the VM's PATH, as node-startup.sh installs it (/usr/local/bin): kubeadm
+            # 1.37's KubeletVersion preflight runs `kubelet --version` and fails the join without it
+            (self.bin / "kubelet").symlink_to(self.tools_bin / "kubelet")
             self.patches.mkdir(parents=True, exist_ok=True)
             (self.patches / "kubeletconfiguration+merge.yaml").write_text(yaml.safe_dump(self.kubelet_patch()))
             self.start_containerd()
-            for img in (images.build_pause(), *import_images):
-                self.log(f"node: importing {img.name} into containerd")
-                images.ctr_import(img, str(self.socket))
+            self.import_images(import_images)
         except BaseException:
             self.stop()
             raise
 
     def kubelet_patch(self) -> dict:
-        """This node's changes to the cluster's KubeletConfiguration (kube-system/kubelet-config)."""
-        self.pod_logs.mkdir(parents=True, exist_ok=True)
-        return {
-            "cgroupDriver": "cgroupfs", "failCgroupV1": False, "failSwapOn": False, "oomScoreAdj": 0,
-            "address": "127.0.0.1", "port": self.kubelet_port,
-            "healthzBindAddress": "127.0.0.1", "healthzPort": self.healthz_port,
-            "podLogsDir": str(self.pod_logs), "resolvConf": "/etc/resolv.conf",
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
-                             "nodefs.inodesFree": "1%"},
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "maxPods": 30, "nodeStatusUpdateFrequency": "2s", "syncFrequency": "5s",
-        }
+        """This node's changes to the cluster's KubeletConfiguration (kube-system/kubelet-config):
+        the settings every rig kubelet has (:meth:`Node.kubelet_settings`)."""
+        return self.kubelet_settings()
 
     def vm_argv(self, argv: list[str]) -> list[str]:
         assert self._holder is not None, "start() first"

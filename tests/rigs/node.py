@@ -1,24 +1,35 @@
-"""A real node on loopback: containerd + runc + CNI plugins (Debian packages) and kubelet (built
-from the same Kubernetes module as the control plane), under one work directory.
+"""A real node on loopback: containerd 2 (built by tools/mk/containerd2.mk) + Debian's runc and CNI
+plugins, and kubelet (built from the same Kubernetes module as the control plane), under one work
+directory.
 
-Used by the end-to-end tests (``tests/node/``), ``make demo`` and ``bench/bench_e2e.py``. What
-one :class:`Node` does, and undoes on :meth:`Node.stop`:
+Used by the end-to-end tests (``tests/node/``, ``tests/dra_node/``, the join lane of
+``tests/rigs/joinnode.py``), ``make demo`` and the benches. What one :class:`Node` does, and
+undoes on :meth:`Node.stop`:
 
-- containerd with its root, state, socket, CNI config and ``/opt`` plugin dir in the work
-  directory; the CRI plugin takes its sandbox image from us (``localhost/accelnode/pause``, Debian's
-  static catatonit) and sets ``restrict_oom_score_adj`` (root without CAP_SYS_RESOURCE cannot
-  lower a process's oom_score_adj: runc's "can't get final child's PID from pipe");
+- containerd 2 (daemon, runc shim and ctr from ``.tools/containerd2/bin``, named by full path so
+  nothing on PATH changes) with its root, state, socket, CNI config, ``/opt`` plugin dir and CDI
+  spec directory (:attr:`Node.cdi_dir`, where a DRA plugin under test writes) in the work
+  directory; the CRI plugin pins its sandbox image (``localhost/accelnode/pause``, Debian's static
+  catatonit), reads registry hosts from :attr:`Node.hosts_dir` and sets ``restrict_oom_score_adj``
+  (root without CAP_SYS_RESOURCE cannot lower a process's oom_score_adj: runc's "can't get final
+  child's PID from pipe");
 - a bridge CNI conflist (containerd reports the network ready only with one; our pods use the
   host's network, so the bridge is never made);
 - kubelet with ``--root-dir`` in the work directory, ``--hostname-override``, its server and
   healthz on free loopback ports (kubelet refuses a loopback node IP: the Node's InternalIP is the
-  host's, where nothing of ours listens), ``cgroupDriver: cgroupfs``,
-  ``failCgroupV1: false`` (cgroup v1 hosts), ``oomScoreAdj: 0`` (as above), container logs in
-  the work directory, x509 client authentication with the control plane's CA;
+  host's, where nothing of ours listens), the settings of :meth:`Node.kubelet_settings` (the
+  cgroupfs driver, ``oomScoreAdj: 0`` as above, :data:`CGROUP_V1`'s ``failCgroupV1: false``,
+  container logs in the work directory), x509 client authentication with the control plane's CA;
 - what kubelet changes outside the work directory is recorded first and put back: the sysctls
   ``vm.overcommit_memory``, ``kernel.panic``, ``kernel.panic_on_oops``;
   ``/var/lib/kubelet/device-plugins`` (a fixed path in kubelet; removed if it did not exist);
   ``/var/log/containers`` links; the ``kubepods`` cgroups.
+
+Why containerd 2 and not Debian's containerd 1.6.20 (the lane until Kubernetes 1.35): 1.6 has no
+CDI, so a DRA driver's devices (handed over only as CRI ``CDI_devices``) are dropped without an
+error; it has no ``RuntimeConfig`` CRI call, for which kubelet 1.37 only falls back with a
+warning (and counts ``kubelet_cri_losing_support{version="1.38.0"}``); it mounts no ``image``
+volumes. docs/deploy.md has the evidence.
 
 Stopping kills kubelet, then every container and sandbox containerd still runs, then
 containerd, unmounts whatever is left under the work directory and removes it.
@@ -43,10 +54,21 @@ DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")  # kubelet's, not confi
 CONTAINER_LOGS = Path("/var/log/containers")  # kubelet's links to the pod logs
 SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
 NAMESPACE = "k8s.io"  # containerd namespace of the CRI plugin
+CONTAINERD_NAMES = ("containerd", "containerd-shim-runc-v2", "ctr")  # tools/mk/containerd2.mk
+# This host's cgroup hierarchy. kubelet 1.35+ refuses cgroup v1 unless its configuration says
+# failCgroupV1: false (KEP-5573; still honoured in 1.37, to be removed later), and kubeadm's
+# SystemVerification preflight fails on it (tests/rigs/joinnode.py). The only place the rigs
+# allow cgroup v1; production nodes run cgroup v2 (docs/deploy.md).
+CGROUP_V1 = not Path("/sys/fs/cgroup/cgroup.controllers").exists()
 
 
 class NodeError(RuntimeError):
     """The node could not start (the message names the step and the log tail)."""
+
+
+def containerd_bin(tools_bin: Path) -> Path:
+    """Where tools/mk/containerd2.mk installs containerd 2: beside ``.tools/bin``, not in it."""
+    return Path(tools_bin).parent / "containerd2" / "bin"
 
 
 def prerequisites(tools_bin: Path) -> list[str]:
@@ -56,7 +78,9 @@ def prerequisites(tools_bin: Path) -> list[str]:
         missing.append("root (containers, mounts, cgroups)")
     if not os.access(tools_bin / "kubelet", os.X_OK):
         missing.append(f"kubelet in {tools_bin} (make tools; tools/mk/k8s.mk)")
-    for exe in ("containerd", "ctr", "runc", "mmdebstrap", "catatonit"):
+    d = containerd_bin(tools_bin)
+    missing += [f"{d / n} (make tools; tools/mk/containerd2.mk)" for n in CONTAINERD_NAMES if not (d / n).exists()]
+    for exe in ("runc", "mmdebstrap", "catatonit"):
         if not shutil.which(exe):
             missing.append(f"{exe} (Debian packages in tools/apt/kubelet.txt: make system-deps)")
     if not os.path.exists("/usr/lib/cni/bridge"):
@@ -75,6 +99,8 @@ class Node:
         self.log = log
         self.root_dir = self.workdir / "kubelet"  # kubelet --root-dir
         self.containerd_dir = self.workdir / "containerd"
+        self.containerd_bin = containerd_bin(self.tools_bin)
+        self.cdi_dir = self.workdir / "cdi"  # containerd's CDI spec directory (a DRA plugin writes there)
         # containerd's registry hosts (hosts.toml per registry): containerd's config_path, and the
         # agent's /etc/containerd/certs.d (write_overlay), so both read the same mirrors
         self.hosts_dir = self.workdir / "certs.d"
@@ -107,10 +133,7 @@ class Node:
         self._cgroups_before = set(_kubepods_cgroups())
         try:
             self.start_containerd()
-            pause = images.build_pause()
-            for img in (pause, *import_images):
-                self.log(f"node: importing {img.name} into containerd")
-                images.ctr_import(img, str(self.socket))
+            self.import_images(import_images)
             self.start_kubelet()
             self.wait_ready()
         except BaseException:
@@ -121,51 +144,70 @@ class Node:
         d = self.containerd_dir
         for sub in ("root", "state", "opt", "net.d", "cni-state"):
             (d / sub).mkdir(parents=True, exist_ok=True)
+        self.cdi_dir.mkdir(parents=True, exist_ok=True)
         self.hosts_dir.mkdir(parents=True, exist_ok=True)
-        cri = 'plugins."io.containerd.grpc.v1.cri"'
-        (d / "config.toml").write_text(f"""version = 2
-root = "{d / 'root'}"
-state = "{d / 'state'}"
+        runtime, images_ = "plugins.'io.containerd.cri.v1.runtime'", "plugins.'io.containerd.cri.v1.images'"
+        (d / "config.toml").write_text(f"""version = 3
+root = '{d / 'root'}'
+state = '{d / 'state'}'
 [grpc]
-  address = "{self.socket}"
+  address = '{self.socket}'
 [ttrpc]
-  address = "{self.socket}.ttrpc"
+  address = '{self.socket}.ttrpc'
 [debug]
-  address = ""
+  address = ''
 [metrics]
-  address = ""
-[plugins."io.containerd.internal.v1.opt"]
-  path = "{d / 'opt'}"
-[{cri}]
-  sandbox_image = "{images.PAUSE_NAME}"
+  address = ''
+[plugins.'io.containerd.internal.v1.opt']
+  path = '{d / 'opt'}'
+[{images_}]
+  snapshotter = 'overlayfs'
+  [{images_}.pinned_images]
+    sandbox = '{images.PAUSE_NAME}'
+  [{images_}.registry]
+    config_path = '{self.hosts_dir}'
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = '127.0.0.1'
+  stream_server_port = '0'
+[{runtime}]
   restrict_oom_score_adj = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  enable_cdi = false
-  [{cri}.registry]
-    config_path = "{self.hosts_dir}"
-  [{cri}.cni]
-    bin_dir = "/usr/lib/cni"
-    conf_dir = "{d / 'net.d'}"
-  [{cri}.containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [{cri}.containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [{cri}.containerd.runtimes.runc.options]
+  enable_cdi = true
+  cdi_spec_dirs = ['{self.cdi_dir}']
+  [{runtime}.cni]
+    bin_dirs = ['/usr/lib/cni']
+    conf_dir = '{d / 'net.d'}'
+  [{runtime}.containerd]
+    default_runtime_name = 'runc'
+    [{runtime}.containerd.runtimes.runc]
+      runtime_type = 'io.containerd.runc.v2'
+      runtime_path = '{self.containerd_bin / 'containerd-shim-runc-v2'}'
+      [{runtime}.containerd.runtimes.runc.options]
         SystemdCgroup = false
-        BinaryName = "{shutil.which('runc')}"
+        BinaryName = '{shutil.which('runc')}'
 """)
         (d / "net.d" / "10-accelnode.conflist").write_text(json.dumps({
             "cniVersion": "0.4.0", "name": "accelnode-e2e",
             "plugins": [{"type": "bridge", "bridge": "accelnode0", "isGateway": False, "ipMasq": False,
                          "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.123.0/24"}]],
                                   "dataDir": str(d / "cni-state")}}]}))
-        self._containerd = _Proc("containerd", self.vm_argv(["containerd", "--config", str(d / "config.toml"),
-                                                             "--log-level", "warn"]), self.workdir / "containerd.log")
+        self._containerd = _Proc("containerd", self.vm_argv([str(self.containerd_bin / "containerd"), "--config",
+                                                             str(d / "config.toml"), "--log-level", "warn"]),
+                                 self.workdir / "containerd.log")
         self._containerd.start()
         self._poll(lambda: self.ctr("version", check=False).returncode == 0, self._containerd, "containerd answering",
                    30)
+
+    def import_images(self, import_images: list[images.Image]) -> None:
+        """The sandbox image and ``import_images`` into containerd's CRI namespace."""
+        for img in (images.build_pause(), *import_images):
+            self.log(f"node: importing {img.name} into containerd")
+            images.ctr_import(img, str(self.socket), ctr=str(self.containerd_bin / "ctr"))
+
+    def plain_http_registry(self, host: str) -> None:
+        """Pull from ``host`` (``127.0.0.1:PORT``, a test registry) over plain HTTP; read at each pull."""
+        (self.hosts_dir / host).mkdir(parents=True, exist_ok=True)
+        (self.hosts_dir / host / "hosts.toml").write_text(
+            f"server = 'http://{host}'\n[host.'http://{host}']\n  capabilities = ['pull', 'resolve']\n")
 
     def vm_argv(self, argv: list[str]) -> list[str]:
         """How a process of this node is started (a subclass runs it in the node's namespace)."""
@@ -173,25 +215,16 @@ state = "{d / 'state'}"
 
     def start_kubelet(self) -> None:
         self.root_dir.mkdir(parents=True, exist_ok=True)
-        self.pod_logs.mkdir(parents=True, exist_ok=True)
         (self.workdir / "volume-plugins").mkdir(exist_ok=True)
         config = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-            "address": "127.0.0.1", "port": self.kubelet_port, "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1", "healthzPort": self.healthz_port,
+            **self.kubelet_settings(), "readOnlyPort": 0,
             "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False},
                                "x509": {"clientCAFile": str(self.cp.ca_file)}},
             "authorization": {"mode": "AlwaysAllow"},  # x509 from the control plane's CA only, on loopback
-            "cgroupDriver": "cgroupfs", "failCgroupV1": False, "oomScoreAdj": 0, "failSwapOn": False,
             "containerRuntimeEndpoint": f"unix://{self.socket}",
-            "podLogsDir": str(self.pod_logs),
             "volumePluginDir": str(self.workdir / "volume-plugins"),
-            "resolvConf": "/etc/resolv.conf",
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
-                             "nodefs.inodesFree": "1%"},
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "serializeImagePulls": False, "maxPods": 30,
-            "nodeStatusUpdateFrequency": "2s", "syncFrequency": "5s",
+            "serializeImagePulls": False,
         }
         path = self.workdir / "kubelet-config.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -202,6 +235,24 @@ state = "{d / 'state'}"
                 "--v=1", *([f"--node-labels={labels}"] if labels else [])]
         self._kubelet = _Proc("kubelet", argv, self.workdir / "kubelet.log")
         self._kubelet.start()
+
+    def kubelet_settings(self) -> dict:
+        """What every kubelet of the rigs sets (this one's config, the join lane's kubeadm patch):
+        loopback listeners on free ports, no systemd (the cgroupfs driver, as containerd's runc
+        options), this host's cgroup v1 (:data:`CGROUP_V1`), logs in the work directory, eviction
+        and image GC that never act on a busy test host, fast status updates."""
+        self.pod_logs.mkdir(parents=True, exist_ok=True)
+        return {
+            "cgroupDriver": "cgroupfs", **({"failCgroupV1": False} if CGROUP_V1 else {}),
+            "failSwapOn": False, "oomScoreAdj": 0,
+            "address": "127.0.0.1", "port": self.kubelet_port,
+            "healthzBindAddress": "127.0.0.1", "healthzPort": self.healthz_port,
+            "podLogsDir": str(self.pod_logs), "resolvConf": "/etc/resolv.conf",
+            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
+                             "nodefs.inodesFree": "1%"},
+            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
+            "maxPods": 30, "nodeStatusUpdateFrequency": "2s", "syncFrequency": "5s",
+        }
 
     def stop_kubelet(self) -> None:
         if self._kubelet is not None:
@@ -226,8 +277,8 @@ state = "{d / 'state'}"
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["ctr", "--address", str(self.socket), "--namespace", NAMESPACE, *args],
-                              capture_output=True, text=True, timeout=120, check=check)
+        return subprocess.run([str(self.containerd_bin / "ctr"), "--address", str(self.socket),
+                               "--namespace", NAMESPACE, *args], capture_output=True, text=True, timeout=120, check=check)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ---\n{_tail(p, 30)}" for p in (self.workdir / "kubelet.log",

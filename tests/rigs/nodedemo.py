@@ -2,7 +2,7 @@
 
 Step by step: the accelnode image built here without a container engine; a local control plane
 (etcd, kube-apiserver, kube-controller-manager, kube-scheduler); a simulated v5e-4 TPU host;
-containerd + runc and a real kubelet; ``kubectl apply -k daemonsets/`` (through an overlay that fits
+containerd 2 + runc and a real kubelet; ``kubectl apply -k daemonsets/`` (through an overlay that fits
 it to this loopback node); a kernel cache pushed to a local registry (Debian's docker-registry) and
 named by a GKMCache; a workload pod asking for ``google.com/tpu: 2`` with that cache mounted, which
 reports from inside what it got. Everything lives in a temporary directory and is removed at the
@@ -99,7 +99,7 @@ class Demo:
         host = SimHost.preset(self.workdir / "host", "v5e-4")
         print(f"   chips {', '.join(host.chips())} under {host.root}")
 
-        say("4. the node: containerd + runc + CNI (Debian), kubelet, our image imported with `ctr images import`")
+        say("4. the node: containerd 2 (built here) + runc and CNI (Debian), kubelet, our image imported with `ctr images import`")
         t0 = time.monotonic()
         self.node = Node(self.workdir / "node", self.tools_bin, self.cp, labels=LABELS,
                          log=lambda m: print(f"   {m}", flush=True))

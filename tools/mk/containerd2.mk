@@ -1,7 +1,6 @@
-# containerd 2 for the second node lane (DRA with CDI, image volumes): containerd, its runc shim
-# and ctr from the module pinned in tools/containerd2/go.mod. Debian's containerd 1.6.20 stays the
-# runtime of the device-plugin lane; it has no CDI (tests/rigs/containerd2.py says why this lane
-# exists). One `go build` for the three so the packages they share compile once; CGO_ENABLED=0
+# containerd 2, the runtime of every real-kubelet lane (device plugin, CSI, DRA with CDI, join,
+# demo; tests/rigs/node.py says why not Debian's containerd 1.6.20): containerd, its runc shim and
+# ctr from the module pinned in tools/containerd2/go.mod; Debian's runc runs the containers. One `go build` for the three so the packages they share compile once; CGO_ENABLED=0
 # drops only the btrfs snapshotter. Installed under .tools/containerd2/bin, apart from .tools/bin,
 # so nothing on PATH changes: the rig names the binaries by full path. Rebuilt only when one is
 # missing or when that go.mod/go.sum change.
