@@ -70,6 +70,7 @@ def run(args) -> int:
 
     from ..nodefacts import NodeFacts
     from ..topology import NodeConfig
+    from . import exclusive
     from .server import Driver, NameTaken
 
     if not _DRIVER.match(args.driver_name):
@@ -103,11 +104,16 @@ def run(args) -> int:
                     dev_root=dev, cdi_dir=Path(args.cdi_dir), state_dir=state,
                     log_dir=Path(args.libtpu_log_dir) if args.libtpu_log_dir else None, config=facts,
                     tick=args.health_interval, pod_uid=args.pod_uid, health=health)
+    try:  # one owner per node: not while a device plugin offers the chips (exclusive.py)
+        exclusive.check(client, args.node_name)
+    except exclusive.DevicePluginServes as e:
+        raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
     facts.on_change = driver.facts_changed
     facts.watch_node(client, args.node_name)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    guard = exclusive.Guard(client, args.node_name, lambda reason: stop.set())
     http = None
     try:
         if args.metrics_address:
@@ -116,10 +122,16 @@ def run(args) -> int:
             driver.start()
         except (NameTaken, OSError) as e:  # the name is another plugin's, or a socket path is not ours
             raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
+        guard.start()
         stop.wait()
     finally:
+        guard.stop()
         driver.stop()
+        if guard.reason is not None:  # a device plugin took the node: no claim may get these chips
+            driver.publisher.delete()
         facts.stop()
         if http is not None:
             http.stop()
+    if guard.reason is not None:
+        raise exitcodes.CLIError(guard.reason, exitcodes.PREREQUISITE)
     return exitcodes.OK
