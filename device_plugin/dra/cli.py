@@ -20,8 +20,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "dra",
         help="kubelet DRA plugin for TPU chips (ResourceSlices, CDI per claim)",
-        description="Publish this node's healthy TPU chips as a ResourceSlice (resource.k8s.io/v1, one device per "
-        "chip), register with kubelet as a DRA plugin, and prepare claims by writing a CDI spec per claim (device "
+        description="Publish this node's healthy TPU chips as ResourceSlices (resource.k8s.io/v1: a counter per chip, a device per ICI block of the host consuming its chips' counters), refuse a node a device plugin serves (google.com/tpu allocatable), register with kubelet as a DRA plugin, and prepare claims by writing a CDI spec per claim (device "
         "nodes, TPU env, libtpu log mount). Needs a CDI-capable runtime (containerd 1.7.2+, 2.x). Runs until "
         "SIGTERM/SIGINT.")
     p.add_argument("--driver-name", default="tpu.google.com",

@@ -215,7 +215,7 @@ def test_mixed_claims_never_overlap_and_googles_claims_share_the_counters(api, n
     assert allocated(api, ns, "last") == ["tpu-1"]
 
 
-def test_a_whole_host_claim_as_googles_readme_writes_it(api, ns, tpu_node):
+def test_a_whole_host_claim_as_googles_tutorials_write_it(api, ns, tpu_node):
     node = "all-v6e-8"
     tpu_node(node, "v6e-8")
     claim(api, ns, "all", {"deviceClassName": DRIVER, "allocationMode": "All"})
@@ -244,3 +244,65 @@ def test_a_google_com_tpu_pod_is_served_through_the_driver(api, ns, tpu_node):
     block_claim(api, ns, "more", 1)
     pod(api, ns, "more", node, claim_name="more")
     assert "cannot allocate all claims" in unschedulable(api, ns, "more")
+
+
+# kubernetes-sigs/dra-driver-google-tpu demo/specs/multi-tpu-pod.yaml (2026-08), its claim template as written
+GOOGLE_MULTI_TPU = """
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  namespace: tpu-test
+  name: multi-tpu
+spec:
+  spec:
+    devices:
+      requests:
+      - name: tpus
+        exactly:
+          deviceClassName: tpu.google.com
+          count: 4
+"""
+
+
+def test_googles_demo_claim_and_implicit_extended_resource_run_unchanged(sched, api, tpu_node):
+    import yaml
+
+    node = "google-v6e-8"
+    tpu_node(node, "v6e-8")
+    if not _get(api, "/api/v1/namespaces/tpu-test"):
+        api.request("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace",
+                                                        "metadata": {"name": "tpu-test"}})
+        eventually(lambda: _get(api, "/api/v1/namespaces/tpu-test/serviceaccounts/default"), "the default account")
+    tmpl = yaml.safe_load(GOOGLE_MULTI_TPU)
+    api.request("POST", "/apis/resource.k8s.io/v1/namespaces/tpu-test/resourceclaimtemplates", body=tmpl)
+    # their pod (ctr0 holding claim `tpus` from the template), pinned to this node
+    pod_body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "multi-tpu-pod", "labels": {"app": "pod"}},
+                "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "tolerations": [{"operator": "Exists"}],
+                         "containers": [{"name": "ctr0", "image": IMAGE, "resources": {"claims": [{"name": "tpus"}]}}],
+                         "resourceClaims": [{"name": "tpus", "resourceClaimTemplateName": "multi-tpu"}]}}
+    api.request("POST", "/api/v1/namespaces/tpu-test/pods", body=pod_body)
+
+    def claim_name():
+        st = api.request("GET", "/api/v1/namespaces/tpu-test/pods/multi-tpu-pod").get("status") or {}
+        return next((s.get("resourceClaimName") for s in st.get("resourceClaimStatuses") or []), None)
+    got = allocated(api, "tpu-test", eventually(claim_name, "the pod's claim"))
+    assert got == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"]  # four chips (Google's driver: any four)
+    # the implicit extended resource of the class, as their README names it: 2 chips of the 4 left
+    ns = "tpu-test"
+    c = {"name": "ctr0", "image": IMAGE, "resources": {"limits": {"deviceclass.resource.kubernetes.io/tpu.google.com": "2"}}}
+    api.request("POST", f"/api/v1/namespaces/{ns}/pods", body={
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "implicit"},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "tolerations": [{"operator": "Exists"}],
+                 "containers": [c]}})
+
+    def ext_claim():
+        st = api.request("GET", f"/api/v1/namespaces/{ns}/pods/implicit").get("status") or {}
+        return (st.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+    assert allocated(api, ns, eventually(ext_claim, "the implicit extended-resource claim")) == ["tpu-4", "tpu-5"]
+    # a 4-chip block no longer fits (4-7 is half taken), a 2-chip one does: 6-7
+    block_claim(api, ns, "quad", 4)
+    pod(api, ns, "quad", node, claim_name="quad")
+    assert "cannot allocate all claims" in unschedulable(api, ns, "quad")
+    block_claim(api, ns, "pair", 2)
+    pod(api, ns, "pair", node, claim_name="pair")
+    assert allocated(api, ns, "pair") == ["tpu-6-7"]
