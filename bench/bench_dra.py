@@ -92,7 +92,8 @@ def main() -> None:
             admin.request("DELETE", f"{claims}/c{i}")  # allocated devices stay taken until the claim goes
 
         # -- the slice after a kubelet restart (watch events: deleted -> added)
-        (before,) = lane.slices()
+        # the pool's two slices: watch from the later write (the devices slice follows the counters)
+        before = max(lane.slices(), key=lambda x: int(x["metadata"]["resourceVersion"]))
         seen: dict[str, float] = {}
         stop = threading.Event()
 
@@ -100,7 +101,8 @@ def main() -> None:
             for ev in admin.watch("/apis/resource.k8s.io/v1/resourceslices",
                                   {"fieldSelector": f"spec.nodeName={node}",
                                    "resourceVersion": before["metadata"]["resourceVersion"]}, 60):
-                if ev["type"] in ("DELETED", "ADDED"):
+                # deleted: the first of the pool's slices to go; added: the devices slice back
+                if ev["type"] == "DELETED" or (ev["type"] == "ADDED" and "devices" in ev["object"]["spec"]):
                     seen.setdefault(ev["type"], time.monotonic())
                 if "ADDED" in seen or stop.is_set():
                     return
@@ -115,15 +117,8 @@ def main() -> None:
         with contextlib.redirect_stdout(sys.stderr):
             lane.node.wait_ready()
 
-        # -- pod Running: a claim vs the device plugin, on the same node
-        host2 = SimHost.preset(workdir / "host2", "v5e-4")
-        dp = _Proc("accelnode device-plugin", [
-            sys.executable, "-m", "accelnode", "device-plugin", "--kubelet-dir", str(DEVICE_PLUGINS),
-            "--sysfs-root", str(host2.sysfs_root), "--dev-root", str(host2.dev_root), "--metrics-address", "",
-            "--topology", "2x2"], workdir / "device-plugin.log")
-        dp.start()
-        lane.wait(lambda: lane.get("node", node)["status"].get("allocatable", {}).get("google.com/tpu") == "4",
-                  "google.com/tpu: 4 allocatable")
+        # -- pod Running: a claim vs the device plugin, on the same node, one after the other: the
+        # DRA plugin stands down once a device plugin serves the node (device_plugin/dra/exclusive.py)
         lane.apply(claim_template("two", ns, 2))
 
         def running(doc: dict) -> float:
@@ -148,6 +143,15 @@ def main() -> None:
         dra_t, dp_t = [], []
         for i in range(RUNS):
             dra_t.append(running(claim_pod(f"dra-{i}", ns, "two", SLEEP)))
+        host2 = SimHost.preset(workdir / "host2", "v5e-4")
+        dp = _Proc("accelnode device-plugin", [
+            sys.executable, "-m", "accelnode", "device-plugin", "--kubelet-dir", str(DEVICE_PLUGINS),
+            "--sysfs-root", str(host2.sysfs_root), "--dev-root", str(host2.dev_root), "--metrics-address", "",
+            "--topology", "2x2"], workdir / "device-plugin.log")
+        dp.start()
+        lane.wait(lambda: lane.get("node", node)["status"].get("allocatable", {}).get("google.com/tpu") == "4",
+                  "google.com/tpu: 4 allocatable")
+        for i in range(RUNS):
             dp_t.append(running(dp_pod(f"dp-{i}")))
     finally:
         with contextlib.redirect_stdout(sys.stderr):

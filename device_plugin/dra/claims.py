@@ -4,8 +4,9 @@ Preparing a claim reads its allocation from the API server (the devices of our d
 pool), then writes, each atomically (temporary file, fsync, rename):
 
 1. the claim's **CDI spec** (not fsynced: it lives in /var/run) ``<cdi-dir>/<vendor>-<class>_<claim UID>.json``, kind
-   ``k8s.<driver>/tpu``: one CDI device ``<claim UID>-tpu-<index>`` per chip with its device
-   nodes, and spec-wide edits applied once per container: ``/dev/vfio/vfio`` (VFIO generations),
+   ``k8s.<driver>/tpu``: one CDI device ``<claim UID>-<device>`` per allocated device (a chip
+   ``tpu-<index>`` or an ICI block ``tpu-<first>-<last>``, device_plugin/dra/slices.py) with its
+   chips' device nodes, and spec-wide edits applied once per container: ``/dev/vfio/vfio`` (VFIO generations),
    the TPU env of exactly these chips (the device plugin's table, device_plugin/topology.py) and
    libtpu's log directory: a tmpfs the runtime mounts per container (``size=``, ``nr_inodes=``:
    bounded; ``mode=1777``: writable by whatever user the pod runs as; nothing of it on the host,
@@ -38,7 +39,7 @@ from accelnode.log import kv
 
 from .. import topology
 from ..health import ChipState
-from .slices import device_name
+from .slices import device_chips, device_name
 
 log = logging.getLogger("accelnode.dra")
 
@@ -110,16 +111,18 @@ class Claims:
                 if devs is not None:
                     return devs
             results = self._allocation(namespace, name, uid)
-            by_name = {device_name(s.chip.index): s for s in self.states()}
-            chips = []
+            states = {s.chip.index: s for s in self.states()}
+            devices = {}  # allocated device -> its chips (one chip, or an ICI block)
             for r in results:
-                s = by_name.get(r["device"])
-                if s is None:
+                indices = device_chips(r["device"])
+                if indices is None or not set(indices) <= states.keys():
                     raise ClaimError(f"claim {namespace}/{name}: device {r['device']} is not on this node")
-                if s.problem is not None:
-                    raise ClaimError(f"claim {namespace}/{name}: chip {r['device']} is Unhealthy: {s.problem}")
-                chips.append(s.chip)
-            spec = self.spec(uid, chips, len(by_name))
+                for i in indices:
+                    if states[i].problem is not None:
+                        raise ClaimError(f"claim {namespace}/{name}: chip {device_name(i)} is Unhealthy: "
+                                         f"{states[i].problem}")
+                devices[r["device"]] = [states[i].chip for i in indices]
+            spec = self.spec(uid, devices, len(states))
             # the spec need not survive a reboot (/var/run; the containers do not either), the
             # checkpoint must: it is what tells a restarted plugin the claim is prepared
             atomic.write(self.spec_path(uid), json.dumps(spec, indent=1).encode(), durable=False)
@@ -178,13 +181,15 @@ class Claims:
             raise ClaimError(f"claim {namespace}/{name} has no device of {self.driver} in pool {self.node}")
         return ours
 
-    def spec(self, uid: str, chips, host_chips: int) -> dict:
-        """The claim's CDI spec."""
+    def spec(self, uid: str, devices: dict, host_chips: int) -> dict:
+        """The claim's CDI spec: one CDI device per allocated device (``{name: [Chip, ...]}``) with
+        its chips' nodes; the env of all the claim's chips together (one block: that block's env)."""
         def node(p: str) -> dict:
             return {"path": "/dev/" + os.path.relpath(p, self.dev_root), "hostPath": p, "permissions": "rw"}
 
+        chips = sorted((c for cs in devices.values() for c in cs), key=lambda c: c.index)
         shared = {p for c in chips for p in c.dev_paths if p.endswith("/vfio/vfio")}
-        env = topology.container_env(sorted(chips, key=lambda c: c.index), host_chips, self.config())
+        env = topology.container_env(chips, host_chips, self.config())
         edits: dict = {"env": [f"{k}={v}" for k, v in sorted(env.items())],
                        "deviceNodes": [node(p) for p in sorted(shared)]}
         if self.log_size:
@@ -193,10 +198,11 @@ class Claims:
                                 "options": ["nosuid", "nodev", "noexec", f"size={self.log_size}",
                                             f"nr_inodes={inodes}", "mode=1777"]}]
         return {"cdiVersion": CDI_VERSION, "kind": self.kind, "containerEdits": edits,
-                "devices": [{"name": f"{uid}-{device_name(c.index)}",
-                             "containerEdits": {"deviceNodes": [node(p) for p in c.dev_paths if p not in shared],
-                                                "env": [f"TPU_DEVICE_{c.index}_RESOURCE_CLAIM={uid}"]}}
-                            for c in chips]}
+                "devices": [{"name": f"{uid}-{dev}",
+                             "containerEdits": {"deviceNodes": [node(p) for c in cs for p in c.dev_paths
+                                                                if p not in shared],
+                                                "env": [f"TPU_DEVICE_{c.index}_RESOURCE_CLAIM={uid}" for c in cs]}}
+                            for dev, cs in devices.items()]}
 
 
 def _check_uid(uid: str) -> None:

@@ -33,8 +33,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "dra",
         help="kubelet DRA plugin for TPU chips (ResourceSlices, CDI per claim)",
-        description="Publish this node's healthy TPU chips as a ResourceSlice (resource.k8s.io/v1, one device per "
-        "chip), register with kubelet as a DRA plugin, and prepare claims by writing a CDI spec per claim (device "
+        description="Publish this node's healthy TPU chips as ResourceSlices (resource.k8s.io/v1: a counter per chip, a device per ICI block of the host consuming its chips' counters), refuse a node a device plugin serves (google.com/tpu allocatable), register with kubelet as a DRA plugin, and prepare claims by writing a CDI spec per claim (device "
         "nodes, TPU env, libtpu log mount). Needs a CDI-capable runtime (containerd 1.7.2+, 2.x). Runs until "
         "SIGTERM/SIGINT.")
     p.add_argument("--driver-name", default="tpu.google.com",
@@ -84,6 +83,7 @@ def run(args) -> int:
 
     from ..nodefacts import NodeFacts
     from ..topology import NodeConfig
+    from . import exclusive
     from .server import Driver, NameTaken
 
     if not _DRIVER.match(args.driver_name):
@@ -117,11 +117,16 @@ def run(args) -> int:
                     dev_root=dev, cdi_dir=Path(args.cdi_dir), state_dir=state,
                     log_size=args.libtpu_log_size, config=facts,
                     tick=args.health_interval, pod_uid=args.pod_uid, health=health)
+    try:  # one owner per node: not while a device plugin offers the chips (exclusive.py)
+        exclusive.check(client, args.node_name)
+    except exclusive.DevicePluginServes as e:
+        raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
     facts.on_change = driver.facts_changed
     facts.watch_node(client, args.node_name)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    guard = exclusive.Guard(client, args.node_name, lambda reason: stop.set())
     http = None
     try:
         if args.metrics_address:
@@ -130,10 +135,16 @@ def run(args) -> int:
             driver.start()
         except (NameTaken, OSError) as e:  # the name is another plugin's, or a socket path is not ours
             raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
+        guard.start()
         stop.wait()
     finally:
+        guard.stop()
         driver.stop()
+        if guard.reason is not None:  # a device plugin took the node: no claim may get these chips
+            driver.publisher.delete()
         facts.stop()
         if http is not None:
             http.stop()
+    if guard.reason is not None:
+        raise exitcodes.CLIError(guard.reason, exitcodes.PREREQUISITE)
     return exitcodes.OK

@@ -167,7 +167,7 @@ class Driver:
                                 f"({sock}, endpoint {info.endpoint}); choose another --driver-name or stop it")
 
     def facts_changed(self) -> None:
-        self.publisher.set_devices(slices.devices(self._states, self.config(), self.sysfs_root))
+        self.publisher.set_pool(*slices.pool(self._states, self.config(), self.sysfs_root))
 
     def _on_devices(self, states: tuple[ChipState, ...]) -> None:
         before = {s.chip.bdf: s.problem for s in self._states}
@@ -176,7 +176,7 @@ class Driver:
                 (log.warning if s.problem else log.info)("chip health changed", extra=kv(
                     chip=s.chip.id, index=s.chip.index, health=s.health, **({"reason": s.problem} if s.problem else {})))
         self._states = states
-        self.publisher.set_devices(slices.devices(states, self.config(), self.sysfs_root))
+        self.publisher.set_pool(*slices.pool(states, self.config(), self.sysfs_root))
 
     def _check_sockets(self) -> None:
         """Serve the registration socket again when it was removed (kubelet then registers us anew)."""

@@ -1,24 +1,37 @@
-"""This node's ResourceSlice (``resource.k8s.io/v1``): one device per healthy chip.
+"""This node's ResourceSlices (``resource.k8s.io/v1``): its chips as partitionable devices.
 
-Device names are ``tpu-<index>`` (PCI order, as the device plugin numbers chips). Attributes,
-unqualified names being the driver's own domain:
+The node's pool holds two slices (an API rule: a slice carries shared counters or devices, not
+both):
+
+* ``<node>-<driver>-chips``: one counter set, ``chips``, with one counter ``chip-<index>`` of value
+  1 per chip of the host (healthy or not: the set is the host);
+* ``<node>-<driver>``: the devices. Each is a valid ICI sub-topology of the host (the aligned
+  blocks of device_plugin/topology.py: every 1-, 2-, 4- and 8-chip block that fits the host, the
+  whole host among them) whose chips are all healthy, and consumes its chips' counters. The
+  scheduler allocates a device only while all its counters are free, so it never hands out
+  overlapping or non-contiguous parts of a host, whichever claims ask.
+
+Device names: ``tpu-<index>`` for one chip (PCI order, as the device plugin numbers chips),
+``tpu-<first>-<last>`` for a block. Attributes, unqualified names being the driver's own domain:
 
 * what Google's TPU DRA driver publishes, same names and types, so a claim written for it
-  selects the same chips here: ``index`` (int), ``uuid`` (string: ours is the chip's stable ID
-  ``tpu-<PCI address>``), ``tpuGen`` (string, GKE's spelling: ``v5litepod`` for v5e), ``brand``
-  (``Google``), ``chipCount`` (int: chips on this host), and when the node's slice facts know them
-  ``accelerator`` (GKE's accelerator label) and ``topology``;
-* what only we know: ``iciX``/``iciY`` (the chip's place on the host's ICI mesh,
-  device_plugin/topology.py), ``iciBlock2``/``iciBlock4``/``iciBlock8`` (which aligned ICI block of
-  that many chips it sits in: a claim's ``matchAttribute`` constraint on one of them asks for an
-  ICI-contiguous part of the host), ``numaNode`` (when the kernel knows it), ``pciAddress``,
-  ``healthy`` (true: an unhealthy chip leaves the slice) and the standard
-  ``resource.kubernetes.io/pcieRoot``.
+  selects the same chips here: ``index`` (int: the chip, or a block's first chip), ``uuid``
+  (string: the chip's stable ID ``tpu-<PCI address>``; a block's ends ``-x<chips>``), ``tpuGen``
+  (string, GKE's spelling: ``v5litepod`` for v5e), ``brand`` (``Google``), ``chipCount`` (int:
+  chips on this host), and when the node's slice facts know them ``accelerator`` (GKE's
+  accelerator label) and ``topology``;
+* what only we know: ``chips`` (int: chips in this device; the DeviceClass ``tpu.google.com``
+  selects the 1-chip devices, ``ici-block.tpu.google.com`` the blocks), ``iciShape`` (``1x2``,
+  ``2x2``, ...), on 1-chip devices ``iciX``/``iciY`` (the chip's place on the host's ICI mesh) and
+  ``iciBlock2``/``iciBlock4``/``iciBlock8`` (which aligned block of that many chips it sits in),
+  ``numaNode`` and the standard ``resource.kubernetes.io/pcieRoot`` when all its chips share one,
+  ``pciAddress`` (1-chip devices) and ``healthy`` (true: a block with an unhealthy chip leaves the
+  slice).
 
-The slice is named ``<node>-<driver>``, has pool ``<node>``, is owned by the Node (deleted with
-it) and gets a new pool generation whenever its devices change. :class:`Publisher` keeps it so:
-it watches the node's slices of our driver, so a slice kubelet deleted at its start (it wipes the
-node's slices) or anyone changed is put back within one watch event.
+Both slices are owned by the Node (deleted with it) and get a new pool generation whenever the
+devices change. :class:`Publisher` keeps them so: it watches the node's slices of our driver, so
+slices kubelet deleted at its start (it wipes the node's slices) or anyone changed are put back
+within one watch event.
 """
 
 from __future__ import annotations
@@ -44,8 +57,39 @@ TPU_GEN = {"v5e": "v5litepod"}
 _ROOT_COMPLEX = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 
 
-def device_name(index: int) -> str:
-    return f"tpu-{index}"
+COUNTER_SET = "chips"
+# the API's limits: devices of a slice when they consume counters, counters of a set
+MAX_DEVICES, MAX_COUNTERS = 64, 32
+
+
+def device_name(first: int, size: int = 1) -> str:
+    """``tpu-<index>`` for one chip, ``tpu-<first>-<last>`` for a block."""
+    return f"tpu-{first}" if size == 1 else f"tpu-{first}-{first + size - 1}"
+
+
+_DEVICE = re.compile(r"^tpu-(0|[1-9][0-9]{0,2})(?:-(0|[1-9][0-9]{0,2}))?$")
+
+
+def device_chips(name: str) -> tuple[int, ...] | None:
+    """The chip indices a device name stands for; None when it is not one of ours (or not a block)."""
+    m = _DEVICE.match(name)
+    if not m:
+        return None
+    first = int(m.group(1))
+    size = int(m.group(2)) - first + 1 if m.group(2) else 1
+    if size not in topology.BLOCK_BOUNDS or first % size:
+        return None
+    return tuple(range(first, first + size))
+
+
+def counter(index: int) -> str:
+    return f"chip-{index}"
+
+
+def blocks(chips: int) -> list[tuple[int, ...]]:
+    """Every aligned ICI block of a host of ``chips`` chips, small to large (the whole host last)."""
+    return [tuple(range(start, start + size)) for size in sorted(topology.BLOCK_BOUNDS) if size <= chips
+            for start in range(0, chips - size + 1, size)]
 
 
 def pcie_root(sysfs_root: Path, bdf: str) -> str | None:
@@ -58,50 +102,77 @@ def pcie_root(sysfs_root: Path, bdf: str) -> str | None:
     return parts[0] if parts and _ROOT_COMPLEX.match(parts[0]) else None
 
 
+def counter_sets(states: tuple[ChipState, ...]) -> list[dict]:
+    """The host's counter set: one counter per chip."""
+    if len(states) > MAX_COUNTERS:
+        raise ValueError(f"{len(states)} chips on one host: a counter set holds at most {MAX_COUNTERS}")
+    return [{"name": COUNTER_SET, "counters": {counter(s.chip.index): {"value": "1"} for s in states}}]
+
+
 def devices(states: tuple[ChipState, ...], config: topology.NodeConfig, sysfs_root: Path) -> list[dict]:
-    """The slice's devices: the healthy chips, with their attributes."""
+    """The slice's devices: each block of healthy chips, with its attributes and counters."""
+    by_index = {s.chip.index: s for s in states}
+    roots = {i: pcie_root(sysfs_root, s.chip.bdf) for i, s in by_index.items()}
     out = []
-    for s in states:
-        if s.problem is not None:
+    for block in blocks(len(states)):
+        if any(i not in by_index or by_index[i].problem is not None for i in block):
             continue
-        c = s.chip
-        x, y = topology.position(c.index)
-        attrs = {"index": {"int": c.index}, "uuid": {"string": c.id},
-                 "tpuGen": {"string": TPU_GEN.get(c.generation, c.generation)}, "brand": {"string": "Google"},
-                 "chipCount": {"int": len(states)}, "iciX": {"int": x}, "iciY": {"int": y},
-                 **{f"iciBlock{n}": {"int": c.index // n} for n in (2, 4, 8)},
-                 "pciAddress": {"string": c.bdf}, "healthy": {"bool": True}}
+        chips = [by_index[i].chip for i in block]
+        first = chips[0]
+        w, h, _ = topology.bounds(block)
+        attrs = {"index": {"int": first.index},
+                 "uuid": {"string": first.id if len(chips) == 1 else f"{first.id}-x{len(chips)}"},
+                 "tpuGen": {"string": TPU_GEN.get(first.generation, first.generation)}, "brand": {"string": "Google"},
+                 "chipCount": {"int": len(states)}, "chips": {"int": len(chips)}, "iciShape": {"string": f"{w}x{h}"},
+                 "healthy": {"bool": True}}
+        if len(chips) == 1:
+            x, y = topology.position(first.index)
+            attrs.update({"iciX": {"int": x}, "iciY": {"int": y}, "pciAddress": {"string": first.bdf},
+                          **{f"iciBlock{n}": {"int": first.index // n} for n in (2, 4, 8)}})
         if config.accelerator:
             attrs["accelerator"] = {"string": config.accelerator}
         if config.topology:
             attrs["topology"] = {"string": config.topology}
-        if c.numa_node is not None:
-            attrs["numaNode"] = {"int": c.numa_node}
-        root = pcie_root(sysfs_root, c.bdf)
-        if root:
-            attrs[PCIE_ROOT] = {"string": root}
-        out.append({"name": device_name(c.index), "attributes": attrs})
+        if len({c.numa_node for c in chips}) == 1 and first.numa_node is not None:
+            attrs["numaNode"] = {"int": first.numa_node}
+        if len({roots[i] for i in block}) == 1 and roots[first.index]:
+            attrs[PCIE_ROOT] = {"string": roots[first.index]}
+        out.append({"name": device_name(first.index, len(chips)), "attributes": attrs,
+                    "consumesCounters": [{"counterSet": COUNTER_SET,
+                                          "counters": {counter(i): {"value": "1"} for i in block}}]})
+    assert len(out) <= MAX_DEVICES  # 15 on the largest host (8 chips)
     return out
+
+
+def pool(states: tuple[ChipState, ...], config: topology.NodeConfig, sysfs_root: Path) -> tuple[list[dict], list[dict]]:
+    """(counter sets, devices) of this node's pool."""
+    return counter_sets(states), devices(states, config, sysfs_root)
 
 
 def slice_name(node: str, driver: str) -> str:
     return f"{node}-{driver}"
 
 
+def counters_slice_name(node: str, driver: str) -> str:
+    return f"{node}-{driver}-chips"
+
+
 class Publisher:
-    """Keeps ``<node>-<driver>`` equal to the latest devices: on :meth:`set_devices`, and after
-    every change the watch reports (kubelet wiping the node's slices at its start included)."""
+    """Keeps the pool's two slices (``<node>-<driver>-chips``: counters, ``<node>-<driver>``:
+    devices) equal to the latest pool: on :meth:`set_pool`, and after every change the watch
+    reports (kubelet wiping the node's slices at its start included)."""
 
     def __init__(self, client: Client, node: str, driver: str):
         from accelnode.kube.reflector import Reflector
 
         self.client, self.node, self.driver = client, node, driver
         self.name = slice_name(node, driver)
-        self._devices: list[dict] | None = None  # None: not known yet, publish nothing
+        self.counters_name = counters_slice_name(node, driver)
+        self._pool: tuple[list[dict], list[dict]] | None = None  # None: not known yet, publish nothing
         self._owner: dict | None = None
         self._kick = threading.Event()
         self._stop = threading.Event()
-        self.published = threading.Event()  # set while the slice in the API is ours and current
+        self.published = threading.Event()  # set while the slices in the API are ours and current
         self.reflector = Reflector(client, API, on_change=self._kick.set,
                                    query={"fieldSelector": f"spec.nodeName={node},spec.driver={driver}"})
         self._threads = [threading.Thread(target=self.reflector.run, args=(self._stop,), name="slices-watch",
@@ -121,8 +192,8 @@ class Publisher:
             if t.is_alive():
                 t.join(5)
 
-    def set_devices(self, devs: list[dict]) -> None:
-        self._devices = devs
+    def set_pool(self, counter_sets: list[dict], devs: list[dict]) -> None:
+        self._pool = (counter_sets, devs)
         self.published.clear()
         self._kick.set()
 
@@ -134,40 +205,45 @@ class Publisher:
         while not self._stop.is_set():
             self._kick.wait(retry)
             self._kick.clear()
-            if self._stop.is_set() or self._devices is None or not self.reflector.synced.is_set():
-                retry = None if self._devices is None else 0.2
+            if self._stop.is_set() or self._pool is None or not self.reflector.synced.is_set():
+                retry = None if self._pool is None else 0.2
                 continue
             try:
                 self.sync()
                 retry = None
             except (KubeError, OSError) as e:
                 if not is_conflict(e):
-                    log.warning("publishing the ResourceSlice failed; retrying", extra=kv(error=str(e)))
+                    log.warning("publishing the ResourceSlices failed; retrying", extra=kv(error=str(e)))
                 retry = min(5.0, (retry or 0.1) * 2)
 
     def sync(self) -> None:
-        """One pass: create, update or leave the slice, and delete our driver's other slices of this node."""
-        devs = self._devices
+        """One pass: create, update or leave the two slices, and delete our driver's other slices of this node."""
+        counter_sets, devs = self._pool
+        want = {self.counters_name: {"sharedCounters": counter_sets}, self.name: {"devices": devs}}
         have = {o["metadata"]["name"]: o for o in self.reflector.snapshot()}
-        for name in sorted(have.keys() - {self.name}):
+        for name in sorted(have.keys() - want.keys()):
             self.client.request("DELETE", f"{API}/{name}")
             log.info("removed a stale ResourceSlice", extra=kv(slice=name))
-        cur = have.get(self.name)
-        if cur is not None and cur["spec"].get("devices", []) == devs and cur["spec"]["pool"]["name"] == self.node:
+        gens = {o["spec"]["pool"]["generation"] for n, o in have.items() if n in want}
+        if len(gens) == 1 and all(n in have and _current(have[n]["spec"], body, self.node, len(want))
+                                  for n, body in want.items()):
             self.published.set()
             return
-        generation = cur["spec"]["pool"]["generation"] + 1 if cur else 1
-        body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                "metadata": {"name": self.name, "ownerReferences": [self.owner()]},
-                "spec": {"driver": self.driver, "nodeName": self.node, "devices": devs,
-                         "pool": {"name": self.node, "generation": generation, "resourceSliceCount": 1}}}
-        if cur is None:
-            self.client.request("POST", API, body=body)
-        else:
-            body["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"]
-            self.client.request("PUT", f"{API}/{self.name}", body=body)
+        generation = max(gens, default=0) + 1
+        for name, content in want.items():  # the counters first: a device never refers to a missing set
+            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                    "metadata": {"name": name, "ownerReferences": [self.owner()]},
+                    "spec": {"driver": self.driver, "nodeName": self.node, **content,
+                             "pool": {"name": self.node, "generation": generation, "resourceSliceCount": len(want)}}}
+            cur = have.get(name)
+            if cur is None:
+                self.client.request("POST", API, body=body)
+            else:
+                body["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"]
+                self.client.request("PUT", f"{API}/{name}", body=body)
         self.published.set()
-        log.info("ResourceSlice published", extra=kv(slice=self.name, generation=generation, devices=len(devs)))
+        log.info("ResourceSlices published", extra=kv(slice=self.name, generation=generation, devices=len(devs),
+                                                      chips=len(counter_sets[0]["counters"])))
 
     def owner(self) -> dict:
         if self._owner is None:
@@ -177,8 +253,15 @@ class Publisher:
         return self._owner
 
     def delete(self) -> None:
-        try:
-            self.client.request("DELETE", f"{API}/{self.name}")
-        except KubeError as e:
-            if not is_not_found(e):
-                raise
+        for name in (self.name, self.counters_name):
+            try:
+                self.client.request("DELETE", f"{API}/{name}")
+            except KubeError as e:
+                if not is_not_found(e):
+                    raise
+
+
+def _current(spec: dict, want: dict, node: str, count: int) -> bool:
+    """Whether a slice's spec already holds ``want`` in this node's pool of ``count`` slices."""
+    return (spec["pool"]["name"] == node and spec["pool"].get("resourceSliceCount") == count
+            and all(spec.get(k, []) == v for k, v in want.items()))

@@ -18,14 +18,21 @@ ACCEL, TOPO = "cloud.google.com/gke-tpu-accelerator", "cloud.google.com/gke-tpu-
 
 
 def the_slice(admin, node, want=lambda s: True, timeout=20.0):
+    """The node's devices slice, once the pool's two slices are there and it satisfies ``want``."""
     def get():
-        items = node_slices(admin, node)
-        return items[0] if len(items) == 1 and want(items[0]) else None
-    return eventually(get, f"the ResourceSlice of {node}", timeout=timeout)
+        items = {s["metadata"]["name"]: s for s in node_slices(admin, node)}
+        s = items.get(f"{node}-{DRIVER}")
+        return s if len(items) == 2 and f"{node}-{DRIVER}-chips" in items and want(s) else None
+    return eventually(get, f"the ResourceSlices of {node}", timeout=timeout)
 
 
 def names(s) -> list[str]:
     return [d["name"] for d in s["spec"]["devices"]]
+
+
+def chips(s) -> list[str]:
+    """The 1-chip devices of a slice."""
+    return [d["name"] for d in s["spec"]["devices"] if d["attributes"]["chips"] == {"int": 1}]
 
 
 def test_the_slice_follows_the_chips_and_comes_back_when_deleted(control_plane, admin, node, tpu_host, dra):
@@ -33,9 +40,14 @@ def test_the_slice_follows_the_chips_and_comes_back_when_deleted(control_plane, 
     n = node("dra-slices", {ACCEL: "tpu-v5-lite-podslice", TOPO: "2x2"})
     d = dra(host, n, control_plane.kubeconfig("admin"))
     d.start()
-    s = the_slice(admin, n, lambda s: names(s) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"])
+    s = the_slice(admin, n, lambda s: names(s) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3", "tpu-0-1", "tpu-2-3",
+                                                   "tpu-0-3"])
     assert s["metadata"]["name"] == f"{n}-{DRIVER}" and s["spec"]["driver"] == DRIVER
-    assert s["spec"]["pool"] == {"name": n, "generation": 1, "resourceSliceCount": 1}
+    assert s["spec"]["pool"] == {"name": n, "generation": 1, "resourceSliceCount": 2}
+    (counters,) = [x for x in node_slices(admin, n) if x["metadata"]["name"] == f"{n}-{DRIVER}-chips"]
+    assert counters["spec"]["pool"] == s["spec"]["pool"] and "devices" not in counters["spec"]
+    assert counters["spec"]["sharedCounters"] == [
+        {"name": "chips", "counters": {f"chip-{i}": {"value": "1"} for i in range(4)}}]
     (owner,) = s["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"]) == ("Node", n)
     attrs = s["spec"]["devices"][0]["attributes"]
@@ -46,13 +58,15 @@ def test_the_slice_follows_the_chips_and_comes_back_when_deleted(control_plane, 
     back = the_slice(admin, n, lambda x: x["metadata"]["uid"] != s["metadata"]["uid"])
     assert names(back) == names(s)
 
-    # a chip turns unhealthy: it leaves the slice, in a new pool generation; and returns
+    # a chip turns unhealthy: it and the blocks holding it leave the slice, in a new pool
+    # generation of both slices; and return
     chip = host.chips()[1]
     host.bump_aer_fatal(chip)
-    sick = the_slice(admin, n, lambda x: names(x) == ["tpu-0", "tpu-2", "tpu-3"])
+    sick = the_slice(admin, n, lambda x: names(x) == ["tpu-0", "tpu-2", "tpu-3", "tpu-2-3"])
     assert sick["spec"]["pool"]["generation"] == back["spec"]["pool"]["generation"] + 1
+    assert {x["spec"]["pool"]["generation"] for x in node_slices(admin, n)} == {sick["spec"]["pool"]["generation"]}
     host.reset_aer(chip)
-    the_slice(admin, n, lambda x: names(x) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"])
+    the_slice(admin, n, lambda x: chips(x) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"] and len(names(x)) == 7)
 
 
 def test_registration_info_and_a_second_plugin_of_the_same_name_is_refused(control_plane, admin, node, tpu_host, dra):

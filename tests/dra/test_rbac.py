@@ -120,5 +120,5 @@ def test_the_real_plugin_runs_with_exactly_these_rights(control_plane, admin, no
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
     d = dra(tpu_host("v5e-4"), n, kubeconfig)
     p = d.start()
-    eventually(lambda: len(node_slices(admin, n)) == 1, "its slice published under its own account", timeout=30)
+    eventually(lambda: len(node_slices(admin, n)) == 2, "its slices published under its own account", timeout=30)
     assert "Forbidden" not in p.log() and "forbidden" not in p.log(), p.log()

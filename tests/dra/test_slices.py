@@ -11,46 +11,74 @@ from device_plugin.topology import NodeConfig
 GOOGLE = {"index": "int", "uuid": "string", "tpuGen": "string", "brand": "string", "chipCount": "int"}
 
 
-def test_one_device_per_chip_with_googles_attributes_and_ours(tpu_host):
+def test_one_device_per_ici_block_with_googles_attributes_and_ours(tpu_host):
     host = tpu_host("v5e-4")
     states = Inventory(host.sysfs_root, host.dev_root).scan()
     config = NodeConfig(accelerator="tpu-v5-lite-podslice", topology="2x2")
     devs = slices.devices(states, config, host.sysfs_root)
-    assert [d["name"] for d in devs] == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"]
-    for i, d in enumerate(devs):
+    # every chip, pair and the whole host, each consuming exactly its chips' counters
+    assert [d["name"] for d in devs] == ["tpu-0", "tpu-1", "tpu-2", "tpu-3", "tpu-0-1", "tpu-2-3", "tpu-0-3"]
+    assert [sorted(d["consumesCounters"][0]["counters"]) for d in devs] == [
+        ["chip-0"], ["chip-1"], ["chip-2"], ["chip-3"], ["chip-0", "chip-1"], ["chip-2", "chip-3"],
+        ["chip-0", "chip-1", "chip-2", "chip-3"]]
+    assert {d["consumesCounters"][0]["counterSet"] for d in devs} == {"chips"}
+    assert slices.counter_sets(states) == [{"name": "chips", "counters": {f"chip-{i}": {"value": "1"}
+                                                                          for i in range(4)}}]
+    for d in devs:
         a = d["attributes"]
         assert {k: next(iter(a[k])) for k in GOOGLE} == GOOGLE
-        assert (a["index"], a["tpuGen"], a["brand"], a["chipCount"]) == (
-            {"int": i}, {"string": "v5litepod"}, {"string": "Google"}, {"int": 4})
+        assert (a["tpuGen"], a["brand"], a["chipCount"]) == ({"string": "v5litepod"}, {"string": "Google"}, {"int": 4})
         assert a["accelerator"] == {"string": "tpu-v5-lite-podslice"} and a["topology"] == {"string": "2x2"}
         assert a["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:00"}
         assert a["numaNode"] == {"int": 0} and a["healthy"] == {"bool": True}
-        assert a["uuid"]["string"] == states[i].chip.id and a["pciAddress"]["string"] == states[i].chip.bdf
         assert len(a) <= 32  # the API's limit of attributes + capacities per device
+        assert slices.device_chips(d["name"]) == tuple(int(c[5:]) for c in d["consumesCounters"][0]["counters"])
+    for i, d in enumerate(devs[:4]):
+        a = d["attributes"]
+        assert (a["index"], a["chips"], a["iciShape"]) == ({"int": i}, {"int": 1}, {"string": "1x1"})
+        assert a["uuid"]["string"] == states[i].chip.id and a["pciAddress"]["string"] == states[i].chip.bdf
+    assert [(d["attributes"]["chips"]["int"], d["attributes"]["iciShape"]["string"], d["attributes"]["index"]["int"])
+            for d in devs[4:]] == [(2, "1x2", 0), (2, "1x2", 2), (4, "2x2", 0)]
+    assert devs[6]["attributes"]["uuid"]["string"] == states[0].chip.id + "-x4"
     # ICI: the pairs {0,1} {2,3} share iciBlock2, all four iciBlock4; coordinates as the device plugin's
-    assert [d["attributes"]["iciBlock2"]["int"] for d in devs] == [0, 0, 1, 1]
-    assert {d["attributes"]["iciBlock4"]["int"] for d in devs} == {0}
-    assert [(d["attributes"]["iciX"]["int"], d["attributes"]["iciY"]["int"]) for d in devs] == [
+    assert [d["attributes"]["iciBlock2"]["int"] for d in devs[:4]] == [0, 0, 1, 1]
+    assert {d["attributes"]["iciBlock4"]["int"] for d in devs[:4]} == {0}
+    assert [(d["attributes"]["iciX"]["int"], d["attributes"]["iciY"]["int"]) for d in devs[:4]] == [
         (0, 0), (0, 1), (1, 0), (1, 1)]
     # no slice facts: no accelerator/topology attributes (as Google's driver: only when known)
     bare = slices.devices(states, NodeConfig(), host.sysfs_root)[0]["attributes"]
     assert "topology" not in bare and "accelerator" not in bare
 
 
-def test_an_unhealthy_chip_leaves_the_slice(tpu_host):
-    host = tpu_host("v5e-4")
+def test_the_blocks_of_each_host_shape():
+    assert slices.blocks(1) == [(0,)]
+    assert slices.blocks(2) == [(0,), (1,), (0, 1)]
+    eight = slices.blocks(8)
+    assert len(eight) == 15 and eight[-1] == tuple(range(8)) and (4, 5, 6, 7) in eight and (2, 3, 4, 5) not in eight
+    # names map back to their chips; anything else (unaligned, not a block) is not ours
+    assert [slices.device_chips(n) for n in ("tpu-3", "tpu-4-5", "tpu-0-7")] == [(3,), (4, 5), tuple(range(8))]
+    assert [slices.device_chips(n) for n in ("tpu-1-2", "tpu-0-2", "tpu-01", "gpu-0", "tpu-2-1")] == [None] * 5
+
+
+def test_an_unhealthy_chip_leaves_the_slice_with_its_blocks(tpu_host):
+    host = tpu_host("v6e-8")
     inv = Inventory(host.sysfs_root, host.dev_root)
     inv.scan()
     host.bump_aer_fatal(host.chips()[1])
-    devs = slices.devices(inv.scan(), NodeConfig(), host.sysfs_root)
-    assert [d["name"] for d in devs] == ["tpu-0", "tpu-2", "tpu-3"]
-    assert devs[0]["attributes"]["chipCount"] == {"int": 4}  # the host still has four chips
+    states = inv.scan()
+    devs = slices.devices(states, NodeConfig(), host.sysfs_root)
+    assert [d["name"] for d in devs] == ["tpu-0", "tpu-2", "tpu-3", "tpu-4", "tpu-5", "tpu-6", "tpu-7",
+                                         "tpu-2-3", "tpu-4-5", "tpu-6-7", "tpu-4-7"]
+    assert devs[0]["attributes"]["chipCount"] == {"int": 8}  # the host still has eight chips
+    assert len(slices.counter_sets(states)[0]["counters"]) == 8  # and eight counters
 
 
 def test_numa_of_a_v7x_host(tpu_host):
     host = tpu_host("v7x-4")
     devs = slices.devices(Inventory(host.sysfs_root, host.dev_root).scan(), NodeConfig(), host.sysfs_root)
-    assert [d["attributes"]["numaNode"]["int"] for d in devs] == [0, 0, 1, 1]
+    numa = {d["name"]: d["attributes"].get("numaNode", {}).get("int") for d in devs}
+    # a pair sits on one NUMA node; the whole host spans two, so it names none
+    assert numa == {"tpu-0": 0, "tpu-1": 0, "tpu-2": 1, "tpu-3": 1, "tpu-0-1": 0, "tpu-2-3": 1, "tpu-0-3": None}
     assert devs[0]["attributes"]["tpuGen"] == {"string": "v7x"}
 
 
@@ -62,10 +90,15 @@ def test_the_cdi_spec_of_a_claim_holds_its_chips_env_and_log_mount(tpu_host, tmp
                     config=lambda: NodeConfig(accelerator="tpu-v5-lite-podslice", topology="2x2"),
                     log_size=64 << 20)
     uid = "0f0e0d0c-0000-4000-8000-000000000001"
-    spec = claims.spec(uid, [states[2].chip, states[3].chip], 4)
+    spec = claims.spec(uid, {"tpu-2": [states[2].chip], "tpu-3": [states[3].chip]}, 4)
     assert spec["kind"] == "k8s.tpu.google.com/tpu" and spec["cdiVersion"] == "0.6.0"
     assert claims.spec_path(uid).name == f"k8s.tpu.google.com-tpu_{uid}.json"
     assert [d["name"] for d in spec["devices"]] == [f"{uid}-tpu-2", f"{uid}-tpu-3"]
+    # the same chips as one ICI block: one CDI device with both chips' nodes, the same env
+    block = claims.spec(uid, {"tpu-2-3": [states[2].chip, states[3].chip]}, 4)
+    (bdev,) = block["devices"]
+    assert bdev["name"] == f"{uid}-tpu-2-3" and block["containerEdits"] == spec["containerEdits"]
+    assert bdev["containerEdits"]["deviceNodes"] == [n for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]]
     nodes = [n for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]]
     assert [n["hostPath"] for n in nodes] == [p for s in states[2:] for p in s.chip.dev_paths if "vfio/vfio" not in p]
     assert all(n["path"] == "/dev/" + str(Path(n["hostPath"]).relative_to(host.dev_root)) for n in nodes)

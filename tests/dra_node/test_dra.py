@@ -70,6 +70,12 @@ def report(lane, ns: str, name: str) -> dict:
     return json.loads(out.splitlines()[-1])
 
 
+def free_all_chips(lane) -> None:
+    """Delete the pods earlier tests left (their claims, and so their chips, go with them)."""
+    lane.kubectl("delete", "pods", "--all", "-A", "--grace-period=1", "--timeout=120s")
+    lane.wait(lambda: not lane.get("resourceclaims", "-A")["items"], "the claims gone with their pods")
+
+
 def chip_indices(lane, devices: list[str]) -> list[int]:
     """The host chips whose VFIO group nodes a container holds (the simulated host numbers groups in reverse)."""
     from device_plugin.health import Inventory
@@ -118,13 +124,56 @@ def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
     assert len(report(lane, ns, "c")["devices"]) == 3
 
 
+def test_a_two_chip_block_claim_gets_its_blocks_nodes_and_env(lane):
+    """The DeviceClass for ICI blocks: one device of 2 chips is an aligned pair (never 1+2)."""
+    free_all_chips(lane)
+    ns = namespace(lane)
+    sel = [{"cel": {"expression": 'device.attributes["tpu.google.com"].chips == 2'}}]
+    lane.apply({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "block", "namespace": ns},
+                "spec": {"spec": {"devices": {"requests": [{"name": "tpu", "exactly": {
+                    "deviceClassName": "ici-block.tpu.google.com", "count": 1, "selectors": sel}}]}}}})
+    lane.apply(pod("blk", ns, "block", PROBE))
+    r = report(lane, ns, "blk")
+    claim = lane.get("pod", "blk", "-n", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    (res,) = lane.get("resourceclaim", claim, "-n", ns)["status"]["allocation"]["devices"]["results"]
+    first, last = (int(v) for v in res["device"].split("-")[1:])
+    assert last == first + 1 and first % 2 == 0, res
+    assert chip_indices(lane, r["devices"]) == [first, last] and len(r["devices"]) == 3, r
+    env = r["tpu_env"]
+    assert (env["TPU_TOPOLOGY"], env["TPU_CHIPS_PER_HOST_BOUNDS"], env["TPU_HOST_BOUNDS"]) == ("2x2", "1,2,1", "2,1,1")
+    assert {k for k in env if k.endswith("_RESOURCE_CLAIM")} == {f"TPU_DEVICE_{i}_RESOURCE_CLAIM" for i in (first, last)}
+    lane.kubectl("delete", "pod", "blk", "-n", ns, "--grace-period=1")
+
+
+def test_a_google_com_tpu_pod_runs_through_the_driver(lane):
+    """An unchanged device-plugin pod (``resources.limits: google.com/tpu: 4``) on this DRA node:
+    the scheduler serves it from the DeviceClass's extendedResourceName, kubelet prepares the claim
+    it made, and the container gets the host's chips and the env the device plugin would give."""
+    free_all_chips(lane)
+    ns = namespace(lane)
+    spec = pod("old", ns, "unused", PROBE)
+    del spec["spec"]["resourceClaims"]
+    spec["spec"]["containers"][0]["resources"] = {"limits": {"google.com/tpu": "4"}}
+    lane.apply(spec)
+    r = report(lane, ns, "old")
+    assert chip_indices(lane, r["devices"]) == [0, 1, 2, 3] and "/dev/vfio/vfio" in r["devices"], r
+    env = r["tpu_env"]
+    assert (env["TPU_TOPOLOGY"], env["TPU_CHIPS_PER_HOST_BOUNDS"], env["TPU_HOST_BOUNDS"]) == ("2x2", "2,2,1", "1,1,1")
+    assert (env["TPU_WORKER_ID"], env["TPU_ACCELERATOR_TYPE"]) == ("0", "v5litepod-4")
+    status = lane.get("pod", "old", "-n", ns)["status"]["extendedResourceClaimStatus"]
+    assert status["requestMappings"][0]["resourceName"] == "google.com/tpu"
+    lane.kubectl("delete", "pod", "old", "-n", ns, "--grace-period=1")
+
+
 def test_the_slice_is_republished_after_kubelet_restarts(lane):
-    (before,) = lane.slices()
+    before = {s["metadata"]["uid"] for s in lane.slices()}
+    assert len(before) == 2  # the pool: counters and devices
     lane.node.restart_kubelet()
-    lane.wait(lambda: [s for s in lane.slices() if s["metadata"]["uid"] != before["metadata"]["uid"]],
-              "a new slice after kubelet restarted")
+    lane.wait(lambda: len(new := {s["metadata"]["uid"] for s in lane.slices()}) == 2 and not new & before,
+              "new slices after kubelet restarted")
     lane.node.wait_ready()
-    assert len(lane.slice_devices()) == 4
+    assert len(lane.chip_devices()) == 4 and len(lane.slice_devices()) == 7
 
 
 IMAGE_VOLUME_PROBE = TREE_PROBE + """

@@ -53,7 +53,7 @@ class DRALane:
             self.plugin.start()
             self.kubectl("apply", "-f", str(DEVICE_CLASS))
             chips = len(self.host.chips())
-            self.wait(lambda: len(self.slice_devices()) == chips, f"the node's ResourceSlice with {chips} chips")
+            self.wait(lambda: len(self.chip_devices()) == chips, f"the node's ResourceSlice with {chips} chips")
         except BaseException:
             self.stop()
             raise
@@ -92,7 +92,11 @@ class DRALane:
         return self.get("resourceslices", "--field-selector", f"spec.nodeName={self.node.name}")["items"]
 
     def slice_devices(self) -> list[str]:
-        return [d["name"] for s in self.slices() for d in s["spec"]["devices"]]
+        return [d["name"] for s in self.slices() for d in s["spec"].get("devices", [])]
+
+    def chip_devices(self) -> list[str]:
+        """The 1-chip devices (``tpu-<index>``; blocks are ``tpu-<first>-<last>``)."""
+        return [d for d in self.slice_devices() if d.count("-") == 1]
 
     def diagnose(self) -> str:
         return "\n".join([self.kubectl("get", "pods,resourceclaims", "-A", "-o", "wide", check=False).stdout,
