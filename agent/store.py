@@ -255,7 +255,7 @@ class CacheStore:
                        progress) -> Installed:
         layers, kind, targets, labels = read_config(reg, ref, manifest, image, self.limits)
         need = declared_size(layers, kind, labels)
-        self.make_room(need, image)
+        self.make_room(need, image, stated=stated_size(kind, labels))
         started = time.monotonic()
         try:
             stage = Path(tempfile.mkdtemp(prefix=digest.split(":")[1] + ".", dir=self.root / "tmp"))
@@ -380,14 +380,17 @@ class CacheStore:
         st = os.statvfs(self.root)
         return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
-    def make_room(self, need: int, image: str) -> None:
+    def make_room(self, need: int, image: str, *, stated: int | None = None) -> None:
         """Before a pull of ``need`` bytes (what the image declares, which nothing checked): refuse
         with :class:`NoSpace` before anything is collected when the store cannot hold it (beyond
         --max-image-size, or beyond its file system's free space plus what collection may remove,
         keeping the headroom); else collect only what makes the room (down to the low watermark
-        when the pull passes the high one), and refuse if it still does not fit."""
+        when the pull passes the high one), and refuse if it still does not fit. ``stated``: the
+        content bytes the image's label states, held to --max-image-size (``need`` also counts
+        compressed layers, whose tar headers and incompressible data may exceed the content)."""
         headroom = self.capacity.headroom_bytes
-        if need > self.limits.max_bytes:
+        if (stated or 0) > self.limits.max_bytes or need > self.limits.max_tar_bytes:
+            need = max(stated or 0, need)
             raise NoSpace(f"the image declares {_mib(need)}, beyond the {_mib(self.limits.max_bytes)} this store "
                           "takes of one image (--max-image-size); nothing was collected", image)
         _, total, free = self.usage()
@@ -648,15 +651,19 @@ class CacheStore:
         return inst
 
 
+def stated_size(kind: str | None, labels: dict) -> int | None:
+    """The content bytes an image's ``cache-size-bytes`` label states (None: no usable label)."""
+    label = labels.get(fmt.label(kind, "cache-size-bytes"), "") if kind else ""
+    if not (isinstance(label, str) and label.isascii() and label.isdigit()):
+        return None
+    return int(label) if len(label) <= 20 else 10 ** 20  # more than any disk either way
+
+
 def declared_size(layers: list[dict], kind: str | None, labels: dict) -> int:
     """What a pull will need on disk, as the image says: its ``cache-size-bytes`` label, and at
     least the sum of its layer sizes (an image may under-state it: unpacking then stops cleanly
     at a full disk)."""
-    label = labels.get(fmt.label(kind, "cache-size-bytes"), "") if kind else ""
-    compressed = sum(d["size"] for d in layers)
-    if not (isinstance(label, str) and label.isascii() and label.isdigit()):
-        return compressed
-    return max(compressed, int(label) if len(label) <= 20 else 10 ** 20)  # more than any disk either way
+    return max(sum(d["size"] for d in layers), stated_size(kind, labels) or 0)
 
 
 def _is_full(e: BaseException) -> bool:
