@@ -1,7 +1,9 @@
 """NodePrepareResources / NodeUnprepareResources: a CDI spec per claim, state on disk.
 
-Preparing a claim reads its allocation from the API server (the devices of our driver in our
-pool), then writes, each atomically (temporary file, fsync, rename):
+Preparing a claim reads its allocation (the devices of our driver in our pool) from the
+:class:`ClaimWatch`, a watch-fed copy of the claims allocated on this node, or with a GET of the
+claim where the copy cannot answer (its watch is down, or has not yet brought the claim, its UID
+or its allocation), then writes, each atomically (temporary file, rename), neither fsynced:
 
 1. the claim's **CDI spec** (not fsynced: it lives in /var/run) ``<cdi-dir>/<vendor>-<class>_<claim UID>.json``, kind
    ``k8s.<driver>/tpu``: one CDI device ``<claim UID>-<device>`` per allocated device (a chip
@@ -12,6 +14,11 @@ pool), then writes, each atomically (temporary file, fsync, rename):
    bounded; ``mode=1777``: writable by whatever user the pod runs as; nothing of it on the host,
    so nothing is left behind when the claim goes);
 2. the claim's **checkpoint** ``<state-dir>/<claim UID>.json``: the answer given to kubelet.
+   It is answered from only while the claim's spec exists too, and the spec lives in /var/run:
+   a checkpoint that outlives a reboot is never answered from (kubelet prepares the claim again
+   and it is read anew), while within one boot the page cache holds it for a restarted plugin.
+   An fsync (of the file and its directory) would buy nothing and cost the most of a prepare
+   under load; a node crash that leaves it torn or empty is the unreadable case below.
 
 A claim with both files is prepared: preparing it again returns the checkpoint without asking
 the API server (kubelet repeats calls after its own restarts). A crash between 1 and 2 leaves a
@@ -34,7 +41,9 @@ from typing import Callable
 
 from accelnode import atomic
 from accelnode.decode import FILE, read_file
+from accelnode.health import NOBEAT, Heartbeat
 from accelnode.kube.client import Client, KubeError, is_not_found
+from accelnode.kube.reflector import Reflector
 from accelnode.log import kv
 
 from .. import topology
@@ -49,6 +58,59 @@ LOG_DIR_IN_CONTAINER = "/tmp/tpu_logs"  # where libtpu writes its logs
 LOG_SIZE = 64 << 20  # bytes of a claim's container's log tmpfs (--libtpu-log-size)
 LOG_BYTES_PER_INODE = 16384  # files it may hold: one per this many bytes of its size, at least 1024
 _UID = re.compile(r"^[0-9a-fA-F-]{1,64}$")
+CLAIMS = "/apis/resource.k8s.io/v1/resourceclaims"
+RESULT_KEYS = ("request", "driver", "pool", "device")  # what a prepare reads of an allocation result
+
+
+def our_results(claim: dict, driver: str, pool: str) -> list[dict]:
+    """The allocation results of ``claim`` that are ``driver``'s devices in ``pool`` (trimmed to
+    :data:`RESULT_KEYS`); none when it is not allocated."""
+    alloc = (claim.get("status") or {}).get("allocation") or {}
+    return [{k: r.get(k) for k in RESULT_KEYS} for r in (alloc.get("devices") or {}).get("results") or []
+            if isinstance(r, dict) and r.get("driver") == driver and r.get("pool") == pool]
+
+
+class ClaimWatch:
+    """The ResourceClaims allocated on this node, from one list+watch of all claims (kubelet's
+    NodePrepareResources names a claim but does not carry its allocation; a GET per prepare was
+    most of its time). Each claim is kept trimmed to its name, UID and the results of our driver
+    in our pool (about 200 bytes for a claim of another node), so memory follows the claims of
+    the cluster, not their size. :meth:`allocation` answers only while the watch is open and only
+    a claim it holds under kubelet's UID with results of ours: anything else (a watch that is
+    down or not yet listed, a claim allocated a moment ago whose event has not arrived, RBAC
+    without list/watch) is a miss, and the caller GETs the claim."""
+
+    def __init__(self, client: Client, driver: str, node: str, beat: Heartbeat = NOBEAT):
+        self.driver, self.node = driver, node
+        self.reflector = Reflector(client, CLAIMS, trim=self._trim, beat=beat)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _trim(self, claim: dict) -> dict:
+        md = claim.get("metadata") or {}
+        return {"metadata": {k: md[k] for k in ("namespace", "name", "uid", "resourceVersion") if k in md},
+                "ours": our_results(claim, self.driver, self.node)}
+
+    def start(self) -> "ClaimWatch":
+        self._thread = threading.Thread(target=self.reflector.run, args=(self._stop,), name="claim watch",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.reflector.interrupt()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def allocation(self, namespace: str, name: str, uid: str) -> list[dict] | None:
+        """The claim's results of ours as the watch has them; None: ask the API server."""
+        if self.reflector.out_of_sync_for() != 0.0:
+            return None
+        kept = self.reflector.get(namespace, name)
+        if kept is None or kept["metadata"].get("uid") != uid or not kept["ours"]:
+            return None
+        return kept["ours"]
 
 
 class ClaimError(Exception):
@@ -58,8 +120,9 @@ class ClaimError(Exception):
 class Claims:
     def __init__(self, *, client: Client, driver: str, node: str, cdi_dir: Path, state_dir: Path, dev_root: Path,
                  states: Callable[[], tuple[ChipState, ...]], config: Callable[[], topology.NodeConfig],
-                 log_size: int = LOG_SIZE):
-        self.client, self.driver, self.node = client, driver, node
+                 log_size: int = LOG_SIZE, watch: ClaimWatch | None = None):
+        """``watch``: where allocations are read first (None: a GET per prepare)."""
+        self.client, self.driver, self.node, self.watch = client, driver, node, watch
         self.cdi_dir, self.state_dir, self.dev_root = cdi_dir, state_dir, dev_root
         self.states, self.config, self.log_size = states, config, log_size
         self.kind = f"k8s.{driver}/{CDI_CLASS}"
@@ -128,7 +191,8 @@ class Claims:
             atomic.write(self.spec_path(uid), json.dumps(spec, indent=1).encode(), durable=False)
             devs = [{"request_names": [r["request"]], "pool_name": r["pool"], "device_name": r["device"],
                      "cdi_device_ids": [f"{self.kind}={uid}-{r['device']}"]} for r in results]
-            atomic.write(ck, json.dumps({"namespace": namespace, "name": name, "uid": uid, "devices": devs}).encode())
+            atomic.write(ck, json.dumps({"namespace": namespace, "name": name, "uid": uid, "devices": devs}).encode(),
+                         durable=False)  # see the module's docstring
             log.info("claim prepared", extra=kv(claim=f"{namespace}/{name}", uid=uid,
                                                 devices=",".join(r["device"] for r in results)))
             return devs
@@ -164,6 +228,10 @@ class Claims:
             return None
 
     def _allocation(self, namespace: str, name: str, uid: str) -> list[dict]:
+        if self.watch is not None:
+            ours = self.watch.allocation(namespace, name, uid)
+            if ours is not None:
+                return ours
         try:
             claim = self.client.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
         except KubeError as e:
@@ -172,11 +240,9 @@ class Claims:
             raise ClaimError(f"claim {namespace}/{name}: reading it failed: {e}") from None
         if claim["metadata"].get("uid") != uid:
             raise ClaimError(f"claim {namespace}/{name} has UID {claim['metadata'].get('uid')}, kubelet asked for {uid}")
-        alloc = (claim.get("status") or {}).get("allocation")
-        if not alloc:
+        if not (claim.get("status") or {}).get("allocation"):
             raise ClaimError(f"claim {namespace}/{name} is not allocated")
-        ours = [r for r in (alloc.get("devices") or {}).get("results") or []
-                if r.get("driver") == self.driver and r.get("pool") == self.node]
+        ours = our_results(claim, self.driver, self.node)
         if not ours:
             raise ClaimError(f"claim {namespace}/{name} has no device of {self.driver} in pool {self.node}")
         return ours

@@ -56,6 +56,10 @@ def register(sub) -> None:
                    help="size of the tmpfs mounted at /tmp/tpu_logs in each of a claim's containers for libtpu's logs "
                    "(writable by any user, one file per 16Ki of it; gone with the container); 0: no mount "
                    "(default: %(default)s)")
+    p.add_argument("--no-claim-watch", dest="claim_watch", action="store_false",
+                   help="read each claim's allocation with a GET when kubelet prepares it, instead of from a watch "
+                   "of all ResourceClaims (the faster default; needs list and watch on resourceclaims, which "
+                   "overlays/dra grants)")
     p.add_argument("--sysfs-root", default="/sys", help="where sysfs is mounted (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="where device nodes live (default: %(default)s)")
     p.add_argument("--tpu-env", choices=RECIPES, default="gke",
@@ -107,7 +111,7 @@ def run(args) -> int:
         raise exitcodes.CLIError(f"--sysfs-root {sysfs} has no bus/pci/devices: not a sysfs tree",
                                  exitcodes.PREREQUISITE)
     try:
-        client = Client(Config.load(args.kubeconfig), user_agent="accelnode-dra", max_connections=4)
+        client = Client(Config.load(args.kubeconfig), user_agent="accelnode-dra", max_connections=6)  # 4 watches, 2 calls
     except (ValueError, OSError) as e:
         raise exitcodes.CLIError(f"the API server: {e}", exitcodes.PREREQUISITE) from None
     facts = NodeFacts(config)
@@ -116,7 +120,7 @@ def run(args) -> int:
     driver = Driver(driver=args.driver_name, node=args.node_name, client=client, kubelet_root=root, sysfs_root=sysfs,
                     dev_root=dev, cdi_dir=Path(args.cdi_dir), state_dir=state,
                     log_size=args.libtpu_log_size, config=facts,
-                    tick=args.health_interval, pod_uid=args.pod_uid, health=health)
+                    tick=args.health_interval, pod_uid=args.pod_uid, health=health, watch_claims=args.claim_watch)
     try:  # one owner per node: not while a device plugin offers the chips (exclusive.py)
         exclusive.check(client, args.node_name)
     except exclusive.DevicePluginServes as e:

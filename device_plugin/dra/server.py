@@ -27,7 +27,7 @@ from ..events import Watcher
 from ..server import file_identity
 from ..health import ChipState, Inventory
 from . import api, slices
-from .claims import ClaimError, Claims
+from .claims import ClaimError, Claims, ClaimWatch
 
 log = logging.getLogger("accelnode.dra")
 
@@ -89,7 +89,8 @@ class RegistrationService(api.RegistrationServicer):
 class Driver:
     def __init__(self, *, driver: str, node: str, client, kubelet_root: Path, sysfs_root: Path, dev_root: Path,
                  cdi_dir: Path, state_dir: Path, log_size: int, config, tick: float,
-                 pod_uid: str | None = None, health: Health | None = None, grace: float = GRACE_DEFAULT):
+                 pod_uid: str | None = None, health: Health | None = None, grace: float = GRACE_DEFAULT,
+                 watch_claims: bool = True):
         self.driver, self.node, self.pod_uid = driver, node, pod_uid
         self.health = health or Health()
         self.registry_dir = kubelet_root / "plugins_registry"
@@ -101,8 +102,11 @@ class Driver:
         self.sysfs_root = sysfs_root
         self._states: tuple[ChipState, ...] = ()
         self.publisher = slices.Publisher(client, node, driver)
+        self.claim_watch = ClaimWatch(client, driver, node, self.health.heartbeat("claim watch", grace)) \
+            if watch_claims else None
         self.claims = Claims(client=client, driver=driver, node=node, cdi_dir=cdi_dir, state_dir=state_dir,
-                             dev_root=dev_root, states=lambda: self._states, config=self.config, log_size=log_size)
+                             dev_root=dev_root, states=lambda: self._states, config=self.config, log_size=log_size,
+                             watch=self.claim_watch)
         self.registration = RegistrationService(driver, self.endpoint, self.publisher.kick)
         self.watcher = Watcher(Inventory(sysfs_root, dev_root), self.registry_dir, self._on_devices, self._check_sockets,
                                tick, self.health.heartbeat("device watcher", tick + grace), grace)
@@ -125,6 +129,8 @@ class Driver:
             d.mkdir(parents=True, exist_ok=True)
         self.refuse_taken_name()
         self.watcher.start()  # scans once and hands the chips to _on_devices before it returns
+        if self.claim_watch is not None:
+            self.claim_watch.start()
 
         def add(server):
             for pb, pb_grpc in api.SERVICES.values():
@@ -139,6 +145,8 @@ class Driver:
     def stop(self) -> None:
         self.watcher.stop()
         self.publisher.stop()
+        if self.claim_watch is not None:
+            self.claim_watch.stop()
         with self._lock:
             for server, path, ident in ((self._reg_server, self.reg_socket, self._reg_ident),
                                         (self._dra_server, self.endpoint, None)):

@@ -193,3 +193,52 @@ def test_a_checkpoint_that_does_not_parse_fails_no_other_claim(control_plane, ad
             "tpu-1"]
     assert json.loads((claims / f"{a}.json").read_text())["uid"] == a
     assert "claim checkpoint unreadable" in d.procs[-1].log()
+
+
+def test_prepare_reads_the_allocation_from_the_claim_watch(control_plane, admin, node, tpu_host, dra, tmp_path,
+                                                           kube_namespace):
+    """The plugin follows this node's claims with a watch and prepares from it, without a GET per
+    call: under an account that may list and watch claims but not get one, a claim allocated on
+    its node is prepared (once the watch has brought it), while a claim the watch cannot answer
+    for (not allocated here) falls back to the GET, which that account is refused."""
+    sa, ns = "dra-watch-only", kube_namespace
+    rules = [{"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
+              "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+             {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["list", "watch"]},
+             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "watch"]}]
+    admin.request("POST", f"/api/v1/namespaces/{ns}/serviceaccounts", body={
+        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}})
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    admin.request("POST", f"{rbac}/clusterroles", body={
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": sa}, "rules": rules})
+    admin.request("POST", f"{rbac}/clusterrolebindings", body={
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": sa},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
+        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]})
+    try:
+        token = admin.request("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token", body={
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 3600}})["status"]["token"]
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{control_plane.port}",
+                                                   "certificate-authority": str(control_plane.ca_file)}}],
+            "users": [{"name": "u", "user": {"token": token}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+        n = node("dra-watched")
+        d = dra(tpu_host("v5e-4"), n, kubeconfig)
+        d.start()
+        uid = allocated_claim(admin, ns, "seen", n, ["tpu-0", "tpu-1"])
+        (got,) = eventually(lambda: [r for r in [d.prepare(ns, "seen", uid)] if r.error == ""],
+                            "the claim prepared from the watch", timeout=20)
+        assert [(x.pool_name, x.device_name, list(x.request_names)) for x in got.devices] == [
+            (n, "tpu-0", ["tpu"]), (n, "tpu-1", ["tpu"])]
+        assert os.path.exists(d.cdi / f"k8s.{DRIVER}-tpu_{uid}.json")
+        elsewhere = allocated_claim(admin, ns, "elsewhere", "another-node", ["tpu-2"])
+        why = d.prepare(ns, "elsewhere", elsewhere).error
+        assert "reading it failed" in why and "403" in why, why  # the fallback GET, refused to this account
+        assert d.unprepare(ns, "seen", uid).error == ""
+    finally:
+        admin.request("DELETE", f"{rbac}/clusterrolebindings/{sa}")
+        admin.request("DELETE", f"{rbac}/clusterroles/{sa}")
