@@ -1,7 +1,9 @@
 """TPUs through DRA on the containerd 2 lane (tests/rigs/dralane.py; root, kubelet lock):
 
 - ``prepare_p50_ms``/``prepare_p99_ms``: NodePrepareResources of one fresh claim (the plugin reads
-  the claim from the API server, writes its CDI spec and checkpoint), called as kubelet calls it;
+  its allocation from its claim watch, or the API server, writes its CDI spec and checkpoint),
+  called as kubelet calls it: on a connection already open (kubelet keeps one per plugin), so the
+  channel's connect is not counted in the first call;
   ``unprepare_p50_ms`` likewise;
 - ``republish_s``: kubelet restarts and deletes the node's slices; the time from that deletion
   to the plugin's slice being back (from the API server's watch events);
@@ -24,9 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 G = "dra"
-TARGETS = {"prepare_p50_ms": "<=5", "republish_s": "<=1", "pod_running_ratio": "<=1.0"}
-CLAIMS = 40
-RUNS = 3
+TARGETS = {"prepare_p50_ms": "<=5", "prepare_p99_ms": "<=5", "republish_s": "<=1", "pod_running_ratio": "<=1.0"}
+CLAIMS = 100  # p99 of 100 calls is their second slowest, not the slowest
+RUNS = 5
 SLEEP = "import time; time.sleep(3600)"
 
 
@@ -68,6 +70,7 @@ def main() -> None:
         claims = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
         pb, pb_grpc = api.SERVICES["v1.DRAPlugin"]
         stub = pb_grpc.DRAPluginStub(grpcutil.unix_channel(lane.node.root_dir / "plugins" / DRIVER / "dra.sock"))
+        stub.NodePrepareResources(pb.NodePrepareResourcesRequest(), timeout=45)  # connect (kubelet's is open)
         uids = []
         for i in range(CLAIMS):
             c = admin.request("POST", claims, body={
@@ -159,6 +162,7 @@ def main() -> None:
                 dp.stop()
             lane.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+    print("prepare ms, slowest:", [round(x * 1000, 2) for x in sorted(prep)[-5:]], file=sys.stderr)
     emit("prepare_p50_ms", pct(prep, 50) * 1000)
     emit("prepare_p99_ms", pct(prep, 99) * 1000)
     emit("unprepare_p50_ms", pct(unprep, 50) * 1000)
