@@ -123,6 +123,19 @@ class Reflector:
         """End the watch in flight (after setting :meth:`run`'s ``stop``, so it returns promptly)."""
         _shutdown(self._resp)
 
+    def follow(self, name: str) -> Callable[[float], None]:
+        """:meth:`run` on a daemon thread called ``name``; returns the function that stops it
+        (and waits up to its argument, in seconds, for the thread to end)."""
+        stop = threading.Event()
+        thread = threading.Thread(target=self.run, args=(stop,), name=name, daemon=True)
+        thread.start()
+
+        def end(timeout: float) -> None:
+            stop.set()
+            self.interrupt()
+            thread.join(timeout)
+        return end
+
     def run(self, stop: threading.Event) -> None:
         self._run(stop)
         self.beat.close()  # stopped on purpose (an exception out of _run leaves the heartbeat dead)

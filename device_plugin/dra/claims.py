@@ -83,8 +83,7 @@ class ClaimWatch:
     def __init__(self, client: Client, driver: str, node: str, beat: Heartbeat = NOBEAT):
         self.driver, self.node = driver, node
         self.reflector = Reflector(client, CLAIMS, trim=self._trim, beat=beat)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._end = lambda timeout: None
 
     def _trim(self, claim: dict) -> dict:
         md = claim.get("metadata") or {}
@@ -92,16 +91,11 @@ class ClaimWatch:
                 "ours": our_results(claim, self.driver, self.node)}
 
     def start(self) -> "ClaimWatch":
-        self._thread = threading.Thread(target=self.reflector.run, args=(self._stop,), name="claim watch",
-                                        daemon=True)
-        self._thread.start()
+        self._end = self.reflector.follow("claim watch")
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self.reflector.interrupt()
-        if self._thread is not None:
-            self._thread.join(10)
+        self._end(10)
 
     def allocation(self, namespace: str, name: str, uid: str) -> list[dict] | None:
         """The claim's results of ours as the watch has them; None: ask the API server."""
