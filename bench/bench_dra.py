@@ -96,6 +96,9 @@ def main() -> None:
         # reported now: the lanes below share kubelet's fixed device-plugins directory with any other
         # kubelet on the machine, and a failure there must not lose these
         print("prepare ms, slowest:", [round(x * 1000, 2) for x in sorted(prep)[-5:]], file=sys.stderr)
+        log = (workdir / "dra.log").read_text(errors="replace")
+        print("allocations read from the watch:", log.count("allocation_from=watch"), "from the API server:",
+              log.count("allocation_from=api"), file=sys.stderr)
         emit("prepare_p50_ms", pct(prep, 50) * 1000)
         emit("prepare_p99_ms", pct(prep, 99) * 1000)
         emit("unprepare_p50_ms", pct(unprep, 50) * 1000)

@@ -235,6 +235,7 @@ def test_prepare_reads_the_allocation_from_the_claim_watch(control_plane, admin,
         assert [(x.pool_name, x.device_name, list(x.request_names)) for x in got.devices] == [
             (n, "tpu-0", ["tpu"]), (n, "tpu-1", ["tpu"])]
         assert os.path.exists(d.cdi / f"k8s.{DRIVER}-tpu_{uid}.json")
+        assert "allocation_from=watch" in d.procs[-1].log()
         elsewhere = allocated_claim(admin, ns, "elsewhere", "another-node", ["tpu-2"])
         why = d.prepare(ns, "elsewhere", elsewhere).error
         assert "reading it failed" in why and "403" in why, why  # the fallback GET, refused to this account
