@@ -5,7 +5,7 @@ Preparing a claim reads its allocation (the devices of our driver in our pool) f
 claim where the copy cannot answer (its watch is down, or has not yet brought the claim, its UID
 or its allocation), then writes, each atomically (temporary file, rename), neither fsynced:
 
-1. the claim's **CDI spec** (not fsynced: it lives in /var/run) ``<cdi-dir>/<vendor>-<class>_<claim UID>.json``, kind
+1. the claim's **CDI spec** ``<cdi-dir>/<vendor>-<class>_<claim UID>.json`` (in /var/run), kind
    ``k8s.<driver>/tpu``: one CDI device ``<claim UID>-<device>`` per allocated device (a chip
    ``tpu-<index>`` or an ICI block ``tpu-<first>-<last>``, device_plugin/dra/slices.py) with its
    chips' device nodes, and spec-wide edits applied once per container: ``/dev/vfio/vfio`` (VFIO generations),
