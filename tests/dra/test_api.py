@@ -43,9 +43,9 @@ def test_the_slice_follows_the_chips_and_comes_back_when_deleted(control_plane, 
     s = the_slice(admin, n, lambda s: names(s) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3", "tpu-0-1", "tpu-2-3",
                                                    "tpu-0-3"])
     assert s["metadata"]["name"] == f"{n}-{DRIVER}" and s["spec"]["driver"] == DRIVER
-    assert s["spec"]["pool"] == {"name": n, "generation": 1, "resourceSliceCount": 2}
+    assert (s["spec"]["pool"]["name"], s["spec"]["pool"]["resourceSliceCount"]) == (n, 2)
     (counters,) = [x for x in node_slices(admin, n) if x["metadata"]["name"] == f"{n}-{DRIVER}-chips"]
-    assert counters["spec"]["pool"] == s["spec"]["pool"] and "devices" not in counters["spec"]
+    assert counters["spec"]["pool"]["name"] == n and "devices" not in counters["spec"]
     assert counters["spec"]["sharedCounters"] == [
         {"name": "chips", "counters": {f"chip-{i}": {"value": "1"} for i in range(4)}}]
     (owner,) = s["metadata"]["ownerReferences"]
@@ -62,9 +62,11 @@ def test_the_slice_follows_the_chips_and_comes_back_when_deleted(control_plane, 
     # generation of both slices; and return
     chip = host.chips()[1]
     host.bump_aer_fatal(chip)
-    sick = the_slice(admin, n, lambda x: names(x) == ["tpu-0", "tpu-2", "tpu-3", "tpu-2-3"])
-    assert sick["spec"]["pool"]["generation"] == back["spec"]["pool"]["generation"] + 1
-    assert {x["spec"]["pool"]["generation"] for x in node_slices(admin, n)} == {sick["spec"]["pool"]["generation"]}
+    # both slices of the pool in one new generation (written one after the other: waited for; the
+    # re-publish after the delete may itself have moved the generation on meanwhile)
+    sick = the_slice(admin, n, lambda x: names(x) == ["tpu-0", "tpu-2", "tpu-3", "tpu-2-3"] and {
+        y["spec"]["pool"]["generation"] for y in node_slices(admin, n)} == {x["spec"]["pool"]["generation"]})
+    assert sick["spec"]["pool"]["generation"] > back["spec"]["pool"]["generation"]
     host.reset_aer(chip)
     the_slice(admin, n, lambda x: chips(x) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"] and len(names(x)) == 7)
 
