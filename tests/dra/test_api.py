@@ -136,7 +136,7 @@ def test_claims_that_cannot_be_prepared_say_why_and_write_nothing(control_plane,
     assert "has no device of tpu.google.com in pool dra-refuse" in d.prepare(ns, "elsewhere", other).error
     assert "not found" in d.prepare(ns, "missing", "0f0e0d0c-0000-4000-8000-00000000000f").error
     wrong = allocated_claim(admin, ns, "wrong-uid", n, ["tpu-0"])
-    assert "kubelet asked for" in d.prepare(ns, "wrong-uid", wrong[:-1] + "0").error
+    assert "kubelet asked for" in d.prepare(ns, "wrong-uid", wrong[:-1] + ("1" if wrong.endswith("0") else "0")).error
     assert "not a UID" in d.prepare(ns, "wrong-uid", "../../etc/passwd").error
     absent = allocated_claim(admin, ns, "absent", n, ["tpu-7"])
     assert "device tpu-7 is not on this node" in d.prepare(ns, "absent", absent).error
