@@ -63,6 +63,8 @@ def test_a_failing_chip_is_tainted_and_new_claims_avoid_it(api, ns, tpu_node):
     eventually(lambda: taints(api, node).get("tpu-2-3") == [("off-bus", "NoExecute")], "2-3 tainted NoExecute",
                timeout=15)
     assert taints(api, node)["tpu-3"] == [("off-bus", "NoExecute")] and "tpu-2" not in taints(api, node)
+    # and kube-controller-manager's device-taint eviction takes the pod holding 2-3 off its gone chip
+    eventually(lambda: _evicted(api, ns, "pair"), "pod pair evicted", timeout=30)
     # chip 2's function leaves the bus altogether: its devices stay, NoExecute, and chip 3 keeps its name
     host.remove_chip(host.chips()[2])
     eventually(lambda: taints(api, node).get("tpu-2") == [("off-bus", "NoExecute")], "a gone chip tainted NoExecute",
@@ -73,6 +75,16 @@ def test_a_failing_chip_is_tainted_and_new_claims_avoid_it(api, ns, tpu_node):
     host.reset_aer(host.chips()[1])
     eventually(lambda: "tpu-1" not in taints(api, node), "chip 1's taint lifted", timeout=15)
     assert taints(api, node)["tpu-0-1"] == [("failing", "NoSchedule")]
+
+
+def _evicted(api, ns: str, name: str) -> bool:
+    from accelnode.kube.client import KubeError, is_not_found
+
+    try:
+        p = api.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
+    except KubeError as e:
+        return is_not_found(e)
+    return any(c["type"] == "DisruptionTarget" and c["status"] == "True" for c in p["status"].get("conditions") or [])
 
 
 def _stream(endpoint, version: str, seen: list, stop: threading.Event):
