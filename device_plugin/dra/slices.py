@@ -44,6 +44,7 @@ import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 from accelnode.kube.client import Client, KubeError, is_conflict, is_not_found
@@ -66,6 +67,8 @@ COUNTER_SET = "chips"
 TAINT_NAME = "unhealthy"
 # the API's limits: devices of a slice when they consume counters, counters of a set
 MAX_DEVICES, MAX_COUNTERS = 64, 32
+# how long a sync waits for the watch to show the slices it just wrote
+SETTLE_S = 1.0
 
 
 def device_name(first: int, size: int = 1) -> str:
@@ -210,6 +213,10 @@ class Publisher:
         self._owner: dict | None = None
         self._kick = threading.Event()
         self._stop = threading.Event()
+        # our last writes: slice -> resourceVersion it had before (None: we created it), and until when
+        # (monotonic) a sync waits for the watch to show them rather than republish from a stale copy
+        self._wrote: dict[str, str | None] = {}
+        self._settle_until = 0.0
         self.published = threading.Event()  # set while the slices in the API are ours and current
         self.reflector = Reflector(client, API, on_change=self._kick.set,
                                    query={"fieldSelector": f"spec.nodeName={node},spec.driver={driver}"})
@@ -246,6 +253,9 @@ class Publisher:
             if self._stop.is_set() or self._pool is None or not self.reflector.synced.is_set():
                 retry = None if self._pool is None else 0.2
                 continue
+            if not self._settled():
+                retry = 0.02
+                continue
             try:
                 self.sync()
                 retry = None
@@ -253,6 +263,17 @@ class Publisher:
                 if not is_conflict(e):
                     log.warning("publishing the ResourceSlices failed; retrying", extra=kv(error=str(e)))
                 retry = min(5.0, (retry or 0.1) * 2)
+
+    def _settled(self) -> bool:
+        """Whether the watch has shown our last writes (or anything newer), or the wait for it is over.
+        A copy still holding what we replaced would read as not current and republish in vain."""
+        if time.monotonic() >= self._settle_until:
+            return True
+        for name, before in self._wrote.items():
+            seen = self.reflector.get(None, name)
+            if (seen and seen["metadata"]["resourceVersion"]) == before:
+                return False
+        return True
 
     def sync(self) -> None:
         """One pass: create, update or leave the two slices, and delete our driver's other slices of this node."""
@@ -269,6 +290,7 @@ class Publisher:
             self.published.set()
             return
         generation = max(gens, default=0) + 1
+        self._wrote = {}
         for name, content in want.items():  # the counters first: a device never refers to a missing set
             body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
                     "metadata": {"name": name, "ownerReferences": [self.owner()]},
@@ -277,9 +299,12 @@ class Publisher:
             cur = have.get(name)
             if cur is None:
                 self.client.request("POST", API, body=body)
+                self._wrote[name] = None
             else:
                 body["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"]
                 self.client.request("PUT", f"{API}/{name}", body=body)
+                self._wrote[name] = cur["metadata"]["resourceVersion"]
+        self._settle_until = time.monotonic() + SETTLE_S
         self.published.set()
         log.info("ResourceSlices published", extra=kv(slice=self.name, generation=generation, devices=len(devs),
                                                       chips=len(counter_sets[0]["counters"])))
