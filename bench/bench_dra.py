@@ -192,10 +192,10 @@ def health_runs(lane, admin, ns: str) -> tuple[list[float], list[float]]:
     pod = f"/api/v1/namespaces/{ns}/pods/h"
     lane.wait(lambda: admin.request("GET", pod).get("status", {}).get("phase") == "Running", "pod h Running", timeout=180)
     claim = admin.request("GET", pod)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
-    (res,) = admin.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{claim}")[
-        "status"]["allocation"]["devices"]["results"]
+    obj = admin.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{claim}")
+    (res,) = obj["status"]["allocation"]["devices"]["results"]
     device, chip = res["device"], lane.host.chips()[int(res["device"].split("-")[1])]
-    resource_id = f"{DRIVER}/{res['pool']}/{device}"
+    resource_id = f"k8s.{DRIVER}/tpu={obj['metadata']['uid']}-{device}"  # kubelet names it by its CDI device ID
 
     def tainted() -> bool:
         return any(d["name"] == device and d.get("taints") for s in lane.slices() for d in s["spec"].get("devices", []))

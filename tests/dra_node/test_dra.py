@@ -181,9 +181,11 @@ def test_a_running_pods_status_shows_its_chip_failing(lane):
     lane.apply(pod("h", ns, "one", PROBE))
     report(lane, ns, "h")
     claim = lane.get("pod", "h", "-n", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
-    (res,) = lane.get("resourceclaim", claim, "-n", ns)["status"]["allocation"]["devices"]["results"]
+    obj = lane.get("resourceclaim", claim, "-n", ns)
+    (res,) = obj["status"]["allocation"]["devices"]["results"]
     chip = lane.host.chips()[int(res["device"].split("-")[1])]
-    resource_id = f"{DRIVER}/{res['pool']}/{res['device']}"
+    # kubelet names the device by the CDI device ID the plugin returned for it
+    resource_id = f"k8s.{DRIVER}/tpu={obj['metadata']['uid']}-{res['device']}"
 
     def health():
         st = lane.get("pod", "h", "-n", ns)["status"]["containerStatuses"][0]
