@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 from accelnode import atomic
+from accelnode.decode import CONFIG, MANIFEST, SMALL, read_file
+from accelnode.decode import Budget as DocBudget
 from accelnode.log import kv
 
 from accelnode.oci import cacheformat as fmt
@@ -44,12 +46,29 @@ from accelnode.oci.reference import DIGEST, Reference, check_digest
 from accelnode.oci.registry import INDEX_TYPES, MANIFEST_TYPES, Deadline, Registry, RegistryOptions
 
 from .errors import Busy, NoSpace, StoreCorrupt
-from .extract import Budget, Entry, Layer, Refused, check_symlinks, extract_layer, merge, mkdir
+from .extract import PATH_MAX, Budget, Entry, Layer, Refused, check_symlinks, extract_layer, merge, mkdir
 
 log = logging.getLogger("accelnode.agent.store")
 _libc = ctypes.CDLL(None, use_errno=True)
 STALE_WRITE_SECONDS = 600.0  # a temporary file this old is no live write's (start-up sweep)
 MAX_CACHES = 2048  # caches one store holds: ListCaches and the node's status stay bounded
+# The store's own files are decoded under what the store itself writes within its Limits
+# (accelnode.decode): a file changed on disk is refused by name, never parsed past that.
+REFERENCE = SMALL  # refs/*.json: {"holder", "digest", "meta"}, meta a volume's publish context
+
+
+def meta_budget(limits: Limits) -> DocBudget:
+    """caches/*/meta.json: an image's config labels and targets (its config is at most
+    ``max_config_bytes``, written with one space a level), ``max_layers`` layer digests."""
+    return DocBudget(2 * limits.max_config_bytes + limits.max_layers * 128 + 64 * 1024,
+                     CONFIG.max_values + limits.max_layers + 100, CONFIG.max_depth + 2)
+
+
+def files_budget(limits: Limits) -> DocBudget:
+    """caches/*/files.json: ``{path: [type, mode, size, sha256 or link target]}``, at most
+    ``max_files`` entries (six values each) of names and link targets at most PATH_MAX bytes,
+    each escaped to at most six bytes a byte."""
+    return DocBudget(limits.max_files * (12 * PATH_MAX + 128) + 2, 6 * limits.max_files + 1, 3)
 
 
 @dataclass(frozen=True)
@@ -100,7 +119,7 @@ class CacheStore:
     def installed(self, digest: str) -> Installed | None:
         check_digest(digest)
         try:
-            meta = json.loads((self._dir(digest) / "meta.json").read_bytes())
+            meta = read_file(self._dir(digest) / "meta.json", meta_budget(self.limits))
         except FileNotFoundError:
             return None
         return self._from_meta(digest, meta)
@@ -225,7 +244,7 @@ class CacheStore:
         found = self._use(digest)
         if found is None:
             try:
-                index = json.loads(self._index_path(digest).read_bytes())
+                index = read_file(self._index_path(digest), MANIFEST.bytes(self.limits.max_manifest_bytes))
             except FileNotFoundError:
                 return None
             found = self._use(self._choose(index, image, accelerators)["digest"])
@@ -485,7 +504,7 @@ class CacheStore:
         with self._store_lock():
             path = self._ref_path(holder)
             try:
-                digest = json.loads(path.read_bytes())["digest"]
+                digest = read_file(path, REFERENCE)["digest"]
                 path.unlink()
             except FileNotFoundError:
                 return
@@ -496,7 +515,7 @@ class CacheStore:
         out = {}
         for p in sorted((self.root / "refs").glob("*.json")):
             try:
-                doc = json.loads(p.read_bytes())
+                doc = read_file(p, REFERENCE)
                 out[doc["holder"]] = {**doc["meta"], "digest": check_digest(doc["digest"])}
             except FileNotFoundError:
                 continue
@@ -515,7 +534,8 @@ class CacheStore:
         problems = []
         for d in todo:
             try:
-                want = {p: Entry.from_json(v) for p, v in json.loads((self._dir(d) / "files.json").read_bytes()).items()}
+                want = {p: Entry.from_json(v)
+                        for p, v in read_file(self._dir(d) / "files.json", files_budget(self.limits)).items()}
             except (OSError, ValueError) as e:
                 problems.append(f"{d}: file list unreadable: {e}")
                 continue

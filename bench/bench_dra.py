@@ -7,6 +7,11 @@
   ``unprepare_p50_ms`` likewise;
 - ``republish_s``: kubelet restarts and deletes the node's slices; the time from that deletion
   to the plugin's slice being back (from the API server's watch events);
+- ``failure_to_taint_p99_s`` / ``failure_to_status_p99_s``: a chip of a running pod's claim fails
+  on the simulated host (alternately its AER fatal count rises, seen by the sysfs tick, and its
+  device node vanishes, seen by inotify); the time until its device is tainted on the slice, and
+  until kubelet shows it Unhealthy in the pod's ``allocatedResourcesStatus`` (from our
+  DRAResourceHealth stream); each run recovers the chip and waits for both to clear;
 - ``pod_running_dra_s`` vs ``pod_running_device_plugin_s``: a pod holding 2 chips through a
   ResourceClaimTemplate vs one asking ``google.com/tpu: 2`` of the device plugin (on a second
   simulated host of the same node), created to Running, medians of alternating runs; their ratio.
@@ -26,7 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 G = "dra"
-TARGETS = {"prepare_p50_ms": "<=5", "prepare_p99_ms": "<=5", "republish_s": "<=1", "pod_running_ratio": "<=1.0"}
+TARGETS = {"prepare_p50_ms": "<=5", "prepare_p99_ms": "<=5", "republish_s": "<=1", "pod_running_ratio": "<=1.0",
+           "failure_to_taint_p99_s": "<=1.0", "failure_to_status_p99_s": "<=1.0"}
+HEALTH_RUNS = 10
 CLAIMS = 100  # p99 of 100 calls is their second slowest, not the slowest
 RUNS = 5
 SLEEP = "import time; time.sleep(3600)"
@@ -129,6 +136,9 @@ def main() -> None:
         with contextlib.redirect_stdout(sys.stderr):
             lane.node.wait_ready()
 
+        # -- a chip failing under a running pod: taint on the slice, Unhealthy in the pod's status
+        taint_t, status_t = health_runs(lane, admin, ns)
+
         # -- pod Running: a claim vs the device plugin, on the same node, one after the other: the
         # DRA plugin stands down once a device plugin serves the node (device_plugin/dra/exclusive.py)
         lane.apply(claim_template("two", ns, 2))
@@ -173,9 +183,58 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     emit("republish_s", seen["ADDED"] - seen["DELETED"])
     emit("kubelet_restart_to_slice_s", seen["ADDED"] - t_restart)
+    emit("failure_to_taint_p50_s", pct(taint_t, 50))
+    emit("failure_to_taint_p99_s", pct(taint_t, 99))
+    emit("failure_to_status_p50_s", pct(status_t, 50))
+    emit("failure_to_status_p99_s", pct(status_t, 99))
     emit("pod_running_dra_s", statistics.median(dra_t))
     emit("pod_running_device_plugin_s", statistics.median(dp_t))
     emit("pod_running_ratio", statistics.median(dra_t) / statistics.median(dp_t))
+
+
+def health_runs(lane, admin, ns: str) -> tuple[list[float], list[float]]:
+    """(chip failure -> taint on the slice, -> Unhealthy in the pod's status) seconds, HEALTH_RUNS each."""
+    from tests.rigs.dralane import DRIVER, claim_pod, claim_template
+
+    lane.apply(claim_template("one", ns, 1))
+    lane.apply(claim_pod("h", ns, "one", SLEEP))
+    pod = f"/api/v1/namespaces/{ns}/pods/h"
+    lane.wait(lambda: admin.request("GET", pod).get("status", {}).get("phase") == "Running", "pod h Running", timeout=180)
+    claim = admin.request("GET", pod)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    obj = admin.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{claim}")
+    (res,) = obj["status"]["allocation"]["devices"]["results"]
+    device, chip = res["device"], lane.host.chips()[int(res["device"].split("-")[1])]
+    resource_id = f"k8s.{DRIVER}/tpu={obj['metadata']['uid']}-{device}"  # kubelet names it by its CDI device ID
+
+    def tainted() -> bool:
+        return any(d["name"] == device and d.get("taints") for s in lane.slices() for d in s["spec"].get("devices", []))
+
+    def health() -> str | None:
+        st = (admin.request("GET", pod).get("status") or {}).get("containerStatuses") or [{}]
+        return next((r.get("health") for a in st[0].get("allocatedResourcesStatus") or []
+                     for r in a.get("resources") or [] if r["resourceID"] == resource_id), None)
+
+    lane.wait(lambda: health() == "Healthy", "the chip Healthy in the pod's status", timeout=60)
+    taint_t, status_t = [], []
+    for i in range(HEALTH_RUNS):
+        aer = i % 2 == 0
+        t0 = time.monotonic()
+        lane.host.bump_aer_fatal(chip) if aer else lane.host.remove_dev_node(chip)
+        t_taint = t_status = None
+        while t_taint is None or t_status is None:
+            if time.monotonic() - t0 > 60:
+                raise RuntimeError(f"chip failure not seen in 60 s (taint {t_taint}, status {t_status})")
+            if t_taint is None and tainted():
+                t_taint = time.monotonic() - t0
+            if t_status is None and health() == "Unhealthy":
+                t_status = time.monotonic() - t0
+            time.sleep(0.01)
+        taint_t.append(t_taint)
+        status_t.append(t_status)
+        lane.host.reset_aer(chip) if aer else lane.host.restore_dev_node(chip)
+        lane.wait(lambda: not tainted() and health() == "Healthy", "the chip recovered", timeout=60)
+    lane.kubectl("delete", "pod", "h", "-n", ns, "--grace-period=0", "--force", "--wait=true")
+    return taint_t, status_t
 
 
 if __name__ == "__main__":

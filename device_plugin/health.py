@@ -17,6 +17,7 @@ from pathlib import Path
 from accelnode.hw.tpu import (GENERATIONS, PCI_DEVICES, VENDOR_GOOGLE, Chip, aer_fatal_total, numbered, pci_addresses,
                               probe, read_hex)
 
+OFF_BUS = "vendor reads 0xffff (chip fell off the bus)"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
@@ -25,6 +26,7 @@ UNHEALTHY = "Unhealthy"
 class ChipState:
     chip: Chip
     problem: str | None = None  # why the chip is unhealthy; None when healthy
+    off_bus: bool = False  # the chip left the PCI bus (vendor reads 0xffff, or its function is gone)
 
     @property
     def health(self) -> str:
@@ -49,7 +51,7 @@ def _vendor_problem(pci: Path) -> str | None:
     except OSError as e:
         return f"vendor attribute unreadable: {e.strerror}"
     if vendor.lower() == "0xffff":
-        return "vendor reads 0xffff (chip fell off the bus)"
+        return OFF_BUS
     if vendor.lower() != f"0x{VENDOR_GOOGLE:04x}":
         return f"vendor reads {vendor!r}, expected 0x{VENDOR_GOOGLE:04x}"
     return None
@@ -86,12 +88,15 @@ class Inventory:
             # else: a known chip that no longer probes (vendor 0xffff), kept and unhealthy below,
             # or a function that can't be identified yet, probed again next scan
         chips = numbered(self._chips.values())
-        return tuple(ChipState(c, self._problem(c, vendor_ok=c.bdf in probed)) for c in chips)
+        return tuple(self._state(c, vendor_ok=c.bdf in probed) for c in chips)
 
-    def _problem(self, chip: Chip, vendor_ok: bool) -> str | None:
+    def _state(self, chip: Chip, vendor_ok: bool) -> ChipState:
         pci = self.sysfs_root / PCI_DEVICES / chip.bdf
         if not vendor_ok and (problem := _vendor_problem(pci)):
-            return problem
+            return ChipState(chip, problem, off_bus=problem == OFF_BUS)
+        return ChipState(chip, self._problem(chip, pci))
+
+    def _problem(self, chip: Chip, pci: Path) -> str | None:
         if not os.path.lexists(pci / "driver"):
             return "no driver bound"
         if not chip.dev_paths:

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from accelnode.decode import SMALL, decode
+
 VENDOR_GOOGLE = "0x1ae0"
 PASS, FAIL, NO_JAX = 0, 1, 3
 # run in a child process: what JAX sees, as JSON
@@ -75,7 +77,7 @@ def probe(env: dict, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"JAX did not answer within {timeout:g}s"}
     try:
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return decode(out.stdout.strip().splitlines()[-1], SMALL, "the JAX probe's answer")
     except (IndexError, ValueError):
         return {"error": f"exit {out.returncode}: {out.stderr.strip()[-2000:]}"}
 

@@ -28,6 +28,7 @@ UPSTREAM = {
     "pluginregistration.Registration": ["GetInfo", "NotifyRegistrationStatus"],
     **{f"k8s.io.kubelet.pkg.apis.dra.{v}.DRAPlugin": ["NodePrepareResources", "NodeUnprepareResources"]
        for v in ("v1", "v1beta1")},
+    **{f"{v}.DRAResourceHealth": ["NodeWatchResources"] for v in ("v1", "v1alpha1")},
     "csi.v1.Identity": ["GetPluginInfo", "GetPluginCapabilities", "Probe"],
     "csi.v1.Controller": ["CreateVolume", "DeleteVolume", "ControllerPublishVolume", "ControllerUnpublishVolume",
                           "ValidateVolumeCapabilities", "ListVolumes", "GetCapacity", "ControllerGetCapabilities",
@@ -41,9 +42,11 @@ UPSTREAM = {
 }
 # kubelet's APIs are ours in full: every upstream RPC must be there, with upstream streaming
 COMPLETE = {"v1beta1.Registration", "v1beta1.DevicePlugin", "pluginregistration.Registration",
-            "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin", "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"}
+            "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin", "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"}
 SERVER_STREAMING = {"/v1beta1.DevicePlugin/ListAndWatch", "/csi.v1.SnapshotMetadata/GetMetadataAllocated",
-                    "/csi.v1.SnapshotMetadata/GetMetadataDelta"}
+                    "/csi.v1.SnapshotMetadata/GetMetadataDelta",
+                    "/v1.DRAResourceHealth/NodeWatchResources", "/v1alpha1.DRAResourceHealth/NodeWatchResources"}
 OWN_PREFIX = "accelnode."
 
 # message -> {field: number} for the kubelet APIs (wire compatibility beyond the paths)
@@ -84,6 +87,16 @@ for _v in ("v1", "v1beta1"):
         f"{_p}.NodeUnprepareResourcesResponse": {"claims": 1},
         f"{_p}.NodeUnprepareResourceResponse": {"error": 1},
         f"{_p}.Claim": {"namespace": 1, "uid": 2, "name": 3},
+    })
+# the DRA health API (k8s.io/kubelet/pkg/apis/dra-health/{v1,v1alpha1}/api.proto at v0.37.2): the
+# same messages in both versions
+for _v in ("v1", "v1alpha1"):
+    FIELDS.update({
+        f"{_v}.NodeWatchResourcesRequest": {},
+        f"{_v}.DeviceIdentifier": {"pool_name": 1, "device_name": 2},
+        f"{_v}.DeviceHealth": {"device": 1, "health": 2, "last_updated_time": 3, "health_check_timeout_seconds": 4,
+                               "message": 5},
+        f"{_v}.NodeWatchResourcesResponse": {"devices": 1},
     })
 
 PROTOS = sorted(PROTO_DIR.glob("*.proto"))
@@ -126,9 +139,13 @@ def test_every_rpc_has_the_upstream_method_path(proto):
 def test_kubelet_field_numbers():
     from google.protobuf import descriptor_pool
 
-    for proto in ("deviceplugin", "pluginregistration", "dra_v1", "dra_v1beta1"):
+    for proto in ("deviceplugin", "pluginregistration", "dra_v1", "dra_v1beta1", "dra_health_v1",
+                  "dra_health_v1alpha1"):
         importlib.import_module(f"accelnode.pb.{proto}_pb2")  # adds its messages to the pool
     pool = descriptor_pool.Default()
     for message, fields in FIELDS.items():
         desc = pool.FindMessageTypeByName(message)
         assert {f.name: f.number for f in desc.fields} == fields, message
+    for v in ("v1", "v1alpha1"):  # kubelet maps these numbers to Unknown, Healthy, Unhealthy
+        status = pool.FindEnumTypeByName(f"{v}.HealthStatus")
+        assert {e.name: e.number for e in status.values} == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}

@@ -40,6 +40,8 @@ log = logging.getLogger("accelnode.kube")
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
+# An answer of the object's metadata alone (the API server's PartialObjectMetadata), for any verb
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 WATCH_READ_SLACK = 30  # seconds a watch may stay silent past its server-side timeout before it is dropped
 
 class KubeError(Exception):
@@ -257,8 +259,8 @@ class Client:
             cached = self._token = (Path(self.config.token_file).read_text().strip(), time.monotonic())
         return cached[0]
 
-    def _headers(self, has_body: bool, method: str = "GET") -> dict:
-        h = {"Accept": "application/json", "User-Agent": self.user_agent}
+    def _headers(self, has_body: bool, method: str = "GET", metadata_only: bool = False) -> dict:
+        h = {"Accept": METADATA_ONLY if metadata_only else "application/json", "User-Agent": self.user_agent}
         if has_body:  # a PATCH body is a JSON merge patch (RFC 7386)
             h["Content-Type"] = "application/merge-patch+json" if method == "PATCH" else "application/json"
         token = self._bearer()
@@ -267,14 +269,14 @@ class Client:
         return h
 
     def _open(self, method: str, path: str, query: dict | None, body, timeout,
-              stream: bool, deadline: float | None = None) -> urllib3.BaseHTTPResponse:
+              stream: bool, deadline: float | None = None, metadata_only: bool = False) -> urllib3.BaseHTTPResponse:
         url = self.config.server + path + ("?" + urlencode(query) if query else "")
         data = json.dumps(body).encode() if body is not None else None
         for retry in itertools.count():
             with self._count:
                 self.sent += 1
             try:  # the body is read by the caller, within its budget (never preloaded whole)
-                resp = self._http.request(method, url, body=data, headers=self._headers(body is not None, method),
+                resp = self._http.request(method, url, body=data, headers=self._headers(body is not None, method, metadata_only),
                                           timeout=timeout, preload_content=False)
             except urllib3.exceptions.HTTPError as e:
                 raise Unreachable(f"{method} {path}: {e}") from None
@@ -306,13 +308,15 @@ class Client:
         raise AssertionError("unreachable")
 
     def request(self, method: str, path: str, *, query: dict | None = None, body=None,
-                timeout: float | None = None, budget: Budget = KUBE_OBJECT) -> dict:
+                timeout: float | None = None, budget: Budget = KUBE_OBJECT, metadata_only: bool = False) -> dict:
         """One call with an optional JSON body; the answer's JSON object, decoded under ``budget``
         (:class:`accelnode.decode.DocumentError`, a ValueError, past it). ``timeout`` (seconds)
-        bounds this call instead of the client's default, Retry-After waits included."""
+        bounds this call instead of the client's default, Retry-After waits included.
+        ``metadata_only``: the answer is the object's metadata alone (a ``PartialObjectMetadata``,
+        whatever the rest weighs), for a write whose caller keeps only what it reads."""
         deadline = None if timeout is None else time.monotonic() + timeout
         resp = self._open(method, path, query, body, self.timeout if timeout is None else timeout,
-                          stream=False, deadline=deadline)
+                          stream=False, deadline=deadline, metadata_only=metadata_only)
         what = f"the answer to {method} {path}"
         try:
             data = _read(resp, budget.max_bytes, what)

@@ -22,10 +22,10 @@ from accelnode.kube.client import Client, KubeError, custom_path, is_conflict, i
 from accelnode.log import kv
 
 from controller.caches import volumes as co
-from controller.caches.reconciler import Mentions, trim_cache, now_rfc3339
+from controller.caches.reconciler import Mentions, now_rfc3339, trim_cache, without_managed_fields
 from controller.caches.pinning import GROUP, VERSION
 from controller.runtime.reconciler import Reconciler, Result, Watch, object_key, split_key
-from controller.runtime.writes import ReadYourWrites, update_if_changed, update_status
+from controller.runtime.writes import ReadYourWrites, patch_if_changed, patch_status
 
 log = logging.getLogger("accelnode.controller")
 
@@ -67,8 +67,10 @@ class ClaimsReconciler(Reconciler):
         self.pvcs, self.pvs = Mentions(), Mentions()  # object key -> the cache key it was made for
         self.watches = [
             Watch(self.caches_path, trim=trim_cache),
-            Watch(PVCS, query=selected, keys=lambda o: self._claim_changed(PVCS, self.pvcs, o), trim=trim_cache),
-            Watch(PVS, query=selected, keys=lambda o: self._claim_changed(PVS, self.pvs, o), trim=trim_cache),
+            Watch(PVCS, query=selected, keys=lambda o: self._claim_changed(PVCS, self.pvcs, o),
+                  trim=without_managed_fields),
+            Watch(PVS, query=selected, keys=lambda o: self._claim_changed(PVS, self.pvs, o),
+                  trim=without_managed_fields),
         ]
         if cluster:  # a GKMCache's namespace exists while it does; a terminating one refuses the claim
             self.watches.append(Watch(NAMESPACES, keys=self._namespace_changed, trim=trim_namespace))
@@ -187,7 +189,7 @@ class ClaimsReconciler(Reconciler):
         else:
             wanted = co.pv_wants_update(pv, cache, wns, uid, capacity)
             if wanted is not None:
-                pv = trim_cache(self.client.request("PUT", pv_path(pv["metadata"]["name"]), body=wanted))
+                pv = without_managed_fields(self.client.request("PUT", pv_path(pv["metadata"]["name"]), body=wanted))
                 log.info("claim volume updated", extra=kv(reconciler=self.name, cache=cache.key, namespace=wns,
                                                           pv=pv["metadata"]["name"], capacity=capacity))
         return co.binding(pv, pvc)
@@ -221,7 +223,7 @@ class ClaimsReconciler(Reconciler):
                     self._conflicts.discard((cache.key, wns))
                 log.info("claim made", extra=kv(reconciler=self.name, cache=cache.key, namespace=wns,
                                                 pvc=cache.name, pv=co.pv_name(cache, wns)))
-                return trim_cache(made), None
+                return without_managed_fields(made), None
         if co.is_ours(existing, cache):
             with self._lock:
                 self._conflicts.discard((cache.key, wns))
@@ -239,7 +241,7 @@ class ClaimsReconciler(Reconciler):
 
     def _get(self, path: str) -> dict | None:
         try:
-            return trim_cache(self.client.request("GET", path))
+            return without_managed_fields(self.client.request("GET", path))
         except KubeError as e:
             if is_not_found(e):
                 return None
@@ -250,7 +252,7 @@ class ClaimsReconciler(Reconciler):
         body = co.pv_body(cache, wns, pvc_uid, capacity)
         name = body["metadata"]["name"]
         try:
-            made = trim_cache(self.client.request("POST", PVS, body=body))
+            made = without_managed_fields(self.client.request("POST", PVS, body=body))
             log.info("claim volume made", extra=kv(reconciler=self.name, cache=cache.key, namespace=wns, pv=name))
             return made, None
         except KubeError as e:
@@ -262,7 +264,7 @@ class ClaimsReconciler(Reconciler):
         if co.is_ours(existing, cache):  # the watch has not brought it yet
             wanted = co.pv_wants_update(existing, cache, wns, pvc_uid, capacity)
             if wanted is not None:
-                existing = trim_cache(self.client.request("PUT", pv_path(name), body=wanted))
+                existing = without_managed_fields(self.client.request("PUT", pv_path(name), body=wanted))
             return existing, None
         return None, (co.REASON_CONFLICT, f"PersistentVolume {name} exists and was not made by the controller for "
                                           f"{cache}; it is left as it is")
@@ -326,14 +328,14 @@ class ClaimsReconciler(Reconciler):
             else:
                 o["metadata"].pop("finalizers", None)
 
-        written = update_if_changed(self.client, self._path(key), obj, mutate)
+        written = patch_if_changed(self.client, self._path(key), obj, mutate)
         if written is not None:
             log.info("cache finalizer " + ("added" if present else "removed"),
                      extra=kv(reconciler=self.name, key=key, finalizer=co.FINALIZER))
         return self._remember(key, obj, written)
 
     def _write_status(self, key: str, obj: dict, status: dict) -> None:
-        written = update_status(self.client, self._path(key), obj, status)
+        written = patch_status(self.client, self._path(key), obj, status)
         if written is not None:
             self._remember(key, obj, written)
             log.info("cache claims status written", extra=kv(

@@ -6,6 +6,11 @@ state with it; a write carries the object's ``resourceVersion``, so a stale read
 ``409 Conflict`` (a :class:`~accelnode.kube.client.KubeError`) instead of overwriting someone
 else's change. The reconciler raises it on; the core retries the key after its backoff, with a
 fresh read.
+
+Where a reconciler's watch cache keeps only what it reads of an object (a tenant's padding stays
+out of memory: the cache objects, controller.caches.reconciler.trim_cache), sending that copy
+back would drop the rest: :func:`patch_status` and :func:`patch_if_changed` write a JSON merge
+patch (RFC 7386) of what differs instead, held to the same ``resourceVersion``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,53 @@ def update_if_changed(client: Client, path: str, obj: dict, mutate: Callable[[di
     if wanted == obj:
         return None
     return client.request("PUT", path, body=wanted)
+
+
+_ABSENT = object()
+
+
+def merge_patch(old: dict, new: dict) -> dict:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``: members that changed
+    (objects patched member by member, anything else replaced whole), ``None`` for members
+    ``new`` lacks."""
+    patch: dict = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        was = old.get(k, _ABSENT)
+        if was != v:
+            patch[k] = merge_patch(was, v) if isinstance(was, dict) and isinstance(v, dict) else v
+    return patch
+
+
+def _conditional(obj: dict, patch: dict) -> dict:
+    """``patch`` held to ``obj``'s resourceVersion (a 409 when the object changed since)."""
+    rv = (obj.get("metadata") or {}).get("resourceVersion")
+    if rv:
+        patch["metadata"] = {**(patch.get("metadata") or {}), "resourceVersion": rv}
+    return patch
+
+
+def patch_status(client: Client, path: str, obj: dict, status: dict) -> dict | None:
+    """:func:`update_status` as a merge patch of ``status`` alone (``obj`` may be a trimmed
+    copy). The object as written: ``obj`` with ``status`` and the server's metadata (the answer
+    is the metadata alone: a padded object is not read back), or None when nothing was written."""
+    if obj.get("status") == status:
+        return None
+    patch = _conditional(obj, {"status": merge_patch(obj.get("status") or {}, status)})
+    written = client.request("PATCH", path + "/status", body=patch, metadata_only=True)
+    return {**obj, "status": status, "metadata": written.get("metadata") or {}}
+
+
+def patch_if_changed(client: Client, path: str, obj: dict, mutate: Callable[[dict], None]) -> dict | None:
+    """:func:`update_if_changed` as a merge patch of what ``mutate`` changed (``obj`` may be a
+    trimmed copy: what it lacks is left as the server has it). The object as written (the
+    server's metadata, ``obj``'s other fields as ``mutate`` left them), or None when nothing was
+    written."""
+    wanted = copy.deepcopy(obj)
+    mutate(wanted)
+    if wanted == obj:
+        return None
+    written = client.request("PATCH", path, body=_conditional(obj, merge_patch(obj, wanted)), metadata_only=True)
+    return {**wanted, "metadata": written.get("metadata") or {}}
 
 
 class ReadYourWrites:

@@ -3,7 +3,8 @@
 Sockets (kubelet 1.35): registration ``<kubelet root>/plugins_registry/<driver>-reg.sock``, or
 ``<driver>-<pod UID>-reg.sock`` with ``--pod-uid`` (rolling updates: old and new pod serve side by
 side, kubelet serialises them); the DRAPlugin endpoint ``<kubelet root>/plugins/<driver>/dra.sock``
-(``dra-<pod UID>.sock`` with ``--pod-uid``), serving ``v1.DRAPlugin`` and ``v1beta1.DRAPlugin``.
+(``dra-<pod UID>.sock`` with ``--pod-uid``), serving ``v1.DRAPlugin`` and ``v1beta1.DRAPlugin``, and
+kubelet's ``v1.DRAResourceHealth`` / ``v1alpha1.DRAResourceHealth`` (healthsvc.py).
 kubelet finds the registration socket itself (it watches the directory, also after its own
 restarts) and calls GetInfo, then NotifyRegistrationStatus.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -25,13 +27,16 @@ from accelnode.log import kv
 
 from ..events import Watcher
 from ..server import file_identity
+from accelnode.hw.tpu import numbered
+
 from ..health import ChipState, Inventory
-from . import api, slices
+from . import api, healthsvc, slices
 from .claims import ClaimError, Claims, ClaimWatch
 
 log = logging.getLogger("accelnode.dra")
 
 GETINFO_TIMEOUT = 1.0
+GONE = "the chip left the PCI bus (its function is gone)"
 
 
 class NameTaken(Exception):
@@ -73,7 +78,7 @@ class RegistrationService(api.RegistrationServicer):
 
     def GetInfo(self, request, context):  # noqa: N802
         return api.PluginInfo(type=api.PLUGIN_TYPE, name=self.driver, endpoint=str(self.endpoint),
-                              supported_versions=list(api.SERVICES))
+                              supported_versions=[*api.SERVICES, *api.HEALTH_SERVICES])
 
     def NotifyRegistrationStatus(self, request, context):  # noqa: N802
         if request.plugin_registered:
@@ -102,6 +107,7 @@ class Driver:
         self.sysfs_root = sysfs_root
         self._states: tuple[ChipState, ...] = ()
         self.publisher = slices.Publisher(client, node, driver)
+        self.health_feed = healthsvc.HealthFeed(pool=node)
         self.claim_watch = ClaimWatch(client, driver, node, self.health.heartbeat("claim watch", grace)) \
             if watch_claims else None
         self.claims = Claims(client=client, driver=driver, node=node, cdi_dir=cdi_dir, state_dir=state_dir,
@@ -135,8 +141,11 @@ class Driver:
         def add(server):
             for pb, pb_grpc in api.SERVICES.values():
                 pb_grpc.add_DRAPluginServicer_to_server(DRAService(pb, self.claims), server)
+            for pb, pb_grpc in api.HEALTH_SERVICES.values():
+                pb_grpc.add_DRAResourceHealthServicer_to_server(healthsvc.HealthService(pb, self.health_feed), server)
 
-        self._dra_server = grpcutil.serve_unix(self.endpoint, add, max_workers=8)
+        # 8 workers for prepare/unprepare besides the health streams, each of which holds one
+        self._dra_server = grpcutil.serve_unix(self.endpoint, add, max_workers=8 + healthsvc.MAX_STREAMS)
         log.info("serving the DRAPlugin API", extra=kv(socket=str(self.endpoint), services=",".join(api.SERVICES)))
         self.publisher.start()
         self._check_sockets()
@@ -145,6 +154,7 @@ class Driver:
     def stop(self) -> None:
         self.watcher.stop()
         self.publisher.stop()
+        self.health_feed.stop()
         if self.claim_watch is not None:
             self.claim_watch.stop()
         with self._lock:
@@ -175,16 +185,29 @@ class Driver:
                                 f"({sock}, endpoint {info.endpoint}); choose another --driver-name or stop it")
 
     def facts_changed(self) -> None:
-        self.publisher.set_pool(*slices.pool(self._states, self.config(), self.sysfs_root))
+        self.publisher.set_pool(*slices.pool(self._states, self.config(), self.sysfs_root, self.driver))
 
     def _on_devices(self, states: tuple[ChipState, ...]) -> None:
+        states = self._with_gone(states)
         before = {s.chip.bdf: s.problem for s in self._states}
         for s in states:
             if s.chip.bdf in before and before[s.chip.bdf] != s.problem:
                 (log.warning if s.problem else log.info)("chip health changed", extra=kv(
                     chip=s.chip.id, index=s.chip.index, health=s.health, **({"reason": s.problem} if s.problem else {})))
         self._states = states
-        self.publisher.set_pool(*slices.pool(states, self.config(), self.sysfs_root))
+        self.health_feed.set(slices.health(states))
+        self.publisher.set_pool(*slices.pool(states, self.config(), self.sysfs_root, self.driver))
+
+    def _with_gone(self, states: tuple[ChipState, ...]) -> tuple[ChipState, ...]:
+        """``states`` plus the chips seen before whose PCI function is gone now, unhealthy and off the
+        bus: their devices stay in the slice, tainted NoExecute, and the host keeps its numbering
+        (its other chips keep their indices) until the chip is back or the plugin restarts."""
+        here = {s.chip.bdf for s in states}
+        gone = [ChipState(s.chip, GONE, off_bus=True) for s in self._states if s.chip.bdf not in here]
+        if not gone:
+            return states
+        by_bdf = {s.chip.bdf: s for s in (*states, *gone)}
+        return tuple(replace(by_bdf[c.bdf], chip=c) for c in numbered(s.chip for s in by_bdf.values()))
 
     def _check_sockets(self) -> None:
         """Serve the registration socket again when it was removed (kubelet then registers us anew)."""

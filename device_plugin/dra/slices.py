@@ -7,7 +7,11 @@ both):
   1 per chip of the host (healthy or not: the set is the host);
 * ``<node>-<driver>``: the devices. Each is a valid ICI sub-topology of the host (the aligned
   blocks of device_plugin/topology.py: every 1-, 2-, 4- and 8-chip block that fits the host, the
-  whole host among them) whose chips are all healthy, and consumes its chips' counters. The
+  whole host among them) and consumes its chips' counters. A device holding an unhealthy chip
+  stays in the slice with the taint ``<driver>/unhealthy`` (device taints, KEP-5055, GA in 1.37):
+  effect NoSchedule (value ``failing``), or NoExecute (value ``off-bus``) once one of its chips left
+  the PCI bus; so its name stays valid for running claims and kubelet's health reports, and the
+  scheduler gives it to no new claim. The
   scheduler allocates a device only while all its counters are free, so it never hands out
   overlapping or non-contiguous parts of a host, whichever claims ask.
 
@@ -25,8 +29,7 @@ Device names: ``tpu-<index>`` for one chip (PCI order, as the device plugin numb
   ``2x2``, ...), on 1-chip devices ``iciX``/``iciY`` (the chip's place on the host's ICI mesh) and
   ``iciBlock2``/``iciBlock4``/``iciBlock8`` (which aligned block of that many chips it sits in),
   ``numaNode`` and the standard ``resource.kubernetes.io/pcieRoot`` when all its chips share one,
-  ``pciAddress`` (1-chip devices) and ``healthy`` (true: a block with an unhealthy chip leaves the
-  slice).
+  ``pciAddress`` (1-chip devices) and ``healthy`` (false while the device is tainted).
 
 Both slices are owned by the Node (deleted with it) and get a new pool generation whenever the
 devices change. :class:`Publisher` keeps them so: it watches the node's slices of our driver, so
@@ -36,10 +39,12 @@ within one watch event.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 from accelnode.kube.client import Client, KubeError, is_conflict, is_not_found
@@ -58,8 +63,12 @@ _ROOT_COMPLEX = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 
 
 COUNTER_SET = "chips"
+# a device holding an unhealthy chip carries the taint <driver>/unhealthy
+TAINT_NAME = "unhealthy"
 # the API's limits: devices of a slice when they consume counters, counters of a set
 MAX_DEVICES, MAX_COUNTERS = 64, 32
+# how long a sync waits for the watch to show the slices it just wrote
+SETTLE_S = 1.0
 
 
 def device_name(first: int, size: int = 1) -> str:
@@ -109,14 +118,42 @@ def counter_sets(states: tuple[ChipState, ...]) -> list[dict]:
     return [{"name": COUNTER_SET, "counters": {counter(s.chip.index): {"value": "1"} for s in states}}]
 
 
-def devices(states: tuple[ChipState, ...], config: topology.NodeConfig, sysfs_root: Path) -> list[dict]:
-    """The slice's devices: each block of healthy chips, with its attributes and counters."""
+def taint_key(driver: str) -> str:
+    return f"{driver}/{TAINT_NAME}"
+
+
+def block_problem(block: tuple[int, ...], by_index: dict[int, ChipState]) -> tuple[str | None, bool]:
+    """(why the device of these chips is unhealthy, or None; whether one of them left the PCI bus)."""
+    bad = [by_index[i] for i in block if by_index[i].problem is not None]
+    if not bad:
+        return None, False
+    why = bad[0].problem if len(block) == 1 else "; ".join(
+        f"chip {s.chip.index} ({s.chip.bdf}): {s.problem}" for s in bad)
+    return why, any(s.off_bus for s in bad)
+
+
+def taint(driver: str, off_bus: bool) -> dict:
+    """The taint of a device holding an unhealthy chip: NoSchedule (new claims avoid it), NoExecute
+    once a chip left the bus (the pods using it are evicted too: their chip is gone)."""
+    return {"key": taint_key(driver), "value": "off-bus" if off_bus else "failing",
+            "effect": "NoExecute" if off_bus else "NoSchedule"}
+
+
+def health(states: tuple[ChipState, ...]) -> list[tuple[str, str | None]]:
+    """(device name, why it is unhealthy or None) for every device of the slice, chips and blocks."""
+    by_index = {s.chip.index: s for s in states}
+    return [(device_name(b[0], len(b)), block_problem(b, by_index)[0]) for b in blocks(len(states))]
+
+
+def devices(states: tuple[ChipState, ...], config: topology.NodeConfig, sysfs_root: Path,
+            driver: str = "tpu.google.com") -> list[dict]:
+    """The slice's devices: every block, with its attributes and counters; a block holding an
+    unhealthy chip stays, tainted (:func:`taint`) and ``healthy: false``."""
     by_index = {s.chip.index: s for s in states}
     roots = {i: pcie_root(sysfs_root, s.chip.bdf) for i, s in by_index.items()}
     out = []
     for block in blocks(len(states)):
-        if any(i not in by_index or by_index[i].problem is not None for i in block):
-            continue
+        problem, off_bus = block_problem(block, by_index)
         chips = [by_index[i].chip for i in block]
         first = chips[0]
         w, h, _ = topology.bounds(block)
@@ -124,7 +161,7 @@ def devices(states: tuple[ChipState, ...], config: topology.NodeConfig, sysfs_ro
                  "uuid": {"string": first.id if len(chips) == 1 else f"{first.id}-x{len(chips)}"},
                  "tpuGen": {"string": TPU_GEN.get(first.generation, first.generation)}, "brand": {"string": "Google"},
                  "chipCount": {"int": len(states)}, "chips": {"int": len(chips)}, "iciShape": {"string": f"{w}x{h}"},
-                 "healthy": {"bool": True}}
+                 "healthy": {"bool": problem is None}}
         if len(chips) == 1:
             x, y = topology.position(first.index)
             attrs.update({"iciX": {"int": x}, "iciY": {"int": y}, "pciAddress": {"string": first.bdf},
@@ -137,16 +174,20 @@ def devices(states: tuple[ChipState, ...], config: topology.NodeConfig, sysfs_ro
             attrs["numaNode"] = {"int": first.numa_node}
         if len({roots[i] for i in block}) == 1 and roots[first.index]:
             attrs[PCIE_ROOT] = {"string": roots[first.index]}
-        out.append({"name": device_name(first.index, len(chips)), "attributes": attrs,
-                    "consumesCounters": [{"counterSet": COUNTER_SET,
-                                          "counters": {counter(i): {"value": "1"} for i in block}}]})
+        dev = {"name": device_name(first.index, len(chips)), "attributes": attrs,
+               "consumesCounters": [{"counterSet": COUNTER_SET,
+                                     "counters": {counter(i): {"value": "1"} for i in block}}]}
+        if problem is not None:
+            dev["taints"] = [taint(driver, off_bus)]
+        out.append(dev)
     assert len(out) <= MAX_DEVICES  # 15 on the largest host (8 chips)
     return out
 
 
-def pool(states: tuple[ChipState, ...], config: topology.NodeConfig, sysfs_root: Path) -> tuple[list[dict], list[dict]]:
+def pool(states: tuple[ChipState, ...], config: topology.NodeConfig, sysfs_root: Path,
+         driver: str) -> tuple[list[dict], list[dict]]:
     """(counter sets, devices) of this node's pool."""
-    return counter_sets(states), devices(states, config, sysfs_root)
+    return counter_sets(states), devices(states, config, sysfs_root, driver)
 
 
 def slice_name(node: str, driver: str) -> str:
@@ -172,6 +213,10 @@ class Publisher:
         self._owner: dict | None = None
         self._kick = threading.Event()
         self._stop = threading.Event()
+        # our last writes: slice -> resourceVersion it had before (None: we created it), and until when
+        # (monotonic) a sync waits for the watch to show them rather than republish from a stale copy
+        self._wrote: dict[str, str | None] = {}
+        self._settle_until = 0.0
         self.published = threading.Event()  # set while the slices in the API are ours and current
         self.reflector = Reflector(client, API, on_change=self._kick.set,
                                    query={"fieldSelector": f"spec.nodeName={node},spec.driver={driver}"})
@@ -208,6 +253,9 @@ class Publisher:
             if self._stop.is_set() or self._pool is None or not self.reflector.synced.is_set():
                 retry = None if self._pool is None else 0.2
                 continue
+            if not self._settled():
+                retry = 0.02
+                continue
             try:
                 self.sync()
                 retry = None
@@ -216,11 +264,23 @@ class Publisher:
                     log.warning("publishing the ResourceSlices failed; retrying", extra=kv(error=str(e)))
                 retry = min(5.0, (retry or 0.1) * 2)
 
+    def _settled(self) -> bool:
+        """Whether the watch has shown our last writes (or anything newer), or the wait for it is over.
+        A copy still holding what we replaced would read as not current and republish in vain."""
+        if time.monotonic() >= self._settle_until:
+            return True
+        for name, before in self._wrote.items():
+            seen = self.reflector.get(None, name)
+            if (seen and seen["metadata"]["resourceVersion"]) == before:
+                return False
+        return True
+
     def sync(self) -> None:
         """One pass: create, update or leave the two slices, and delete our driver's other slices of this node."""
         counter_sets, devs = self._pool
-        want = {self.counters_name: {"sharedCounters": counter_sets}, self.name: {"devices": devs}}
         have = {o["metadata"]["name"]: o for o in self.reflector.snapshot()}
+        devs = _keep_taint_times(devs, have.get(self.name, {}).get("spec", {}).get("devices") or [])
+        want = {self.counters_name: {"sharedCounters": counter_sets}, self.name: {"devices": devs}}
         for name in sorted(have.keys() - want.keys()):
             self.client.request("DELETE", f"{API}/{name}")
             log.info("removed a stale ResourceSlice", extra=kv(slice=name))
@@ -230,6 +290,7 @@ class Publisher:
             self.published.set()
             return
         generation = max(gens, default=0) + 1
+        self._wrote = {}
         for name, content in want.items():  # the counters first: a device never refers to a missing set
             body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
                     "metadata": {"name": name, "ownerReferences": [self.owner()]},
@@ -238,9 +299,12 @@ class Publisher:
             cur = have.get(name)
             if cur is None:
                 self.client.request("POST", API, body=body)
+                self._wrote[name] = None
             else:
                 body["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"]
                 self.client.request("PUT", f"{API}/{name}", body=body)
+                self._wrote[name] = cur["metadata"]["resourceVersion"]
+        self._settle_until = time.monotonic() + SETTLE_S
         self.published.set()
         log.info("ResourceSlices published", extra=kv(slice=self.name, generation=generation, devices=len(devs),
                                                       chips=len(counter_sets[0]["counters"])))
@@ -265,3 +329,13 @@ def _current(spec: dict, want: dict, node: str, count: int) -> bool:
     """Whether a slice's spec already holds ``want`` in this node's pool of ``count`` slices."""
     return (spec["pool"]["name"] == node and spec["pool"].get("resourceSliceCount") == count
             and all(spec.get(k, []) == v for k, v in want.items()))
+
+
+def _keep_taint_times(devs: list[dict], published: list[dict]) -> list[dict]:
+    """``devs`` with each taint's ``timeAdded``: the published one while the same taint stays (the
+    API server would stamp an update's taints anew, restarting NoExecute tolerations), else now."""
+    times = {(d["name"], t["key"], t.get("value"), t["effect"]): t.get("timeAdded")
+             for d in published for t in d.get("taints") or ()}
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return [{**d, "taints": [{**t, "timeAdded": times.get((d["name"], t["key"], t.get("value"), t["effect"])) or now}
+                             for t in d["taints"]]} if d.get("taints") else d for d in devs]

@@ -106,6 +106,8 @@ def test_padded_cache_objects_do_not_grow_the_agent(tmp_path, control_plane, clu
             "spec": {"image": "127.0.0.1:1/team/cache@sha256:" + "7" * 64, "podTemplate": {"spec": {
                 "affinity": pad, "nodeSelector": {"cloud.google.com/gke-tpu-topology": "2x2"}}}}},
             _request_timeout=60)
+        if last:  # only the controller's pin is prefetched
+            cluster.pin(kube_namespace, f"padded-{i}", "sha256:" + "7" * 64)
 
     for i in range(4):  # listed at start
         create(i)

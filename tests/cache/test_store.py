@@ -16,6 +16,7 @@ import pytest
 from accelnode.oci.build import build, push_index
 from accelnode.oci.errors import ImageNotFound, NoMatchingManifest
 from agent.errors import StoreCorrupt
+from accelnode.oci.limits import Limits
 from accelnode.oci.manifest import inspect
 from agent.store import CacheStore
 from tests.cache.helpers import GZ, TRITON_CONFIG, FaultProxy, tar
@@ -261,6 +262,27 @@ def test_reference_meta_cannot_override_the_digest_and_corrupt_refs_stop_gc(regi
     with pytest.raises(StoreCorrupt, match="broken.json is unreadable"):
         store.gc()
     assert [i.digest for i in store.list()] == [kept.digest]
+
+
+def test_store_files_are_decoded_under_the_stores_limits(registry, tmp_path):
+    """Issue 33: the store's own files are decoded under what the store writes within its Limits
+    (agent.store: REFERENCE, meta_budget, files_budget), never parsed whole whatever they hold:
+    a reference padded with {} stops gc by its name, as a garbled one does; a file list longer
+    than max_files allows is a problem verify names, not a parse of it."""
+    store = CacheStore(tmp_path / "store", registry=registry.options(), limits=Limits(max_files=40))
+    inst = store.ensure(registry.push(triton_tree(tmp_path / "a"), "store/budgets"))
+    assert store.verify(inst.digest) == []
+    files = tmp_path / "store" / "caches" / inst.digest.replace(":", "-", 1) / "files.json"
+    listed = json.loads(files.read_text())
+    files.write_text(json.dumps({**listed, **{f"pad/{i}": ["dir", 0o755, 0, ""] for i in range(40)}}))
+    (problem,) = store.verify(inst.digest)
+    assert problem.startswith(f"{inst.digest}: file list unreadable: {files} holds ") and "over the budget" in problem
+    store.acquire(inst.digest, "vol-1", {"pod_name": "p"})
+    ref = next((tmp_path / "store" / "refs").glob("*.json"))
+    ref.write_text(json.dumps({**json.loads(ref.read_text()), "pad": [{}] * 100_000}))
+    with pytest.raises(StoreCorrupt, match=rf"{ref.name} is unreadable \(DocumentError: .* over the budget"):
+        store.references()
+    assert [i.digest for i in store.list()] == [inst.digest]
 
 
 def test_strays_and_interrupted_gc_leftovers_are_ignored_or_cleaned(registry, tmp_path):

@@ -97,13 +97,13 @@ class World:
             self.objs.replace_cluster_custom_object_status(*GKM, plural, node, obj)
 
     def status_writes(self, name: str, namespace: str | None = None) -> int:
-        """Successful status updates of one cache by the controller identity (audit log)."""
+        """Successful status writes (merge patches) of one cache by the controller identity (audit log)."""
         n = 0
         for line in self.cp.audit_log.read_text().splitlines():
             ev = json.loads(line)
             ref = ev.get("objectRef") or {}
             if (ev.get("stage") == "ResponseComplete" and ev["user"]["username"] == CONTROLLER_USER
-                    and ev.get("verb") == "update" and ref.get("subresource") == "status"
+                    and ev.get("verb") == "patch" and ref.get("subresource") == "status"
                     and ref.get("name") == name and ref.get("namespace") == namespace
                     and (ev.get("responseStatus") or {}).get("code") == 200):
                 n += 1
@@ -373,7 +373,8 @@ def test_the_controller_may_not_write_node_objects_or_delete_caches(control_plan
              {"apiVersion": "gkm.io/v1alpha1", "kind": "GKMCacheNode", "metadata": {"name": "n"}}),
             ("DELETE", custom_path(*GKM, "gkmcaches", kube_namespace, "x"), None),
             ("GET", custom_path(*GKM, "gkmcaches", kube_namespace, "x"), None),
-            ("PATCH", custom_path(*GKM, "clustergkmcaches", None, "x"), {})):
+            ("PUT", custom_path(*GKM, "clustergkmcaches", None, "x"), {}),  # its writes are patches
+            ("PUT", custom_path(*GKM, "gkmcaches", kube_namespace, "x") + "/status", {})):
         with pytest.raises(KubeError) as err:
             me.request(method, path, body=body)
         assert err.value.code == 403, (method, path, err.value)

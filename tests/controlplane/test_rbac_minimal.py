@@ -37,8 +37,8 @@ NEEDS = {
         ("create", "coordination.k8s.io", "leases", NS, ""),
         ("get", "coordination.k8s.io", "leases", NS, "accelnode-controller"),
         ("update", "coordination.k8s.io", "leases", NS, "accelnode-controller"),
-        ("list", "gkm.io", "gkmcaches", "", ""), ("update", "gkm.io", "gkmcaches/status", "team-a", "c"),
-        ("update", "gkm.io", "clustergkmcaches/status", "", "c"), ("list", "gkm.io", "gkmcachenodes", "", ""),
+        ("list", "gkm.io", "gkmcaches", "", ""), ("patch", "gkm.io", "gkmcaches/status", "team-a", "c"),
+        ("patch", "gkm.io", "clustergkmcaches/status", "", "c"), ("list", "gkm.io", "gkmcachenodes", "", ""),
         ("create", "", "persistentvolumeclaims", "team-a", ""), ("delete", "", "persistentvolumeclaims", "team-a", "c"),
         ("create", "", "persistentvolumes", "", ""), ("list", "", "namespaces", "", ""),
         ("update", "apps", "statefulsets", "team-a", "s"),
@@ -78,6 +78,7 @@ DANGEROUS = [
     ("create", "", "serviceaccounts/token", NS, "accelnode-controller"),
     ("update", "certificates.k8s.io", "certificatesigningrequests/approval", "", "x"),
     ("delete", "gkm.io", "gkmcaches", "team-a", "c"), ("create", "gkm.io", "gkmcaches", "team-a", ""),
+    ("update", "gkm.io", "gkmcaches", "team-a", "c"),  # a whole cache written back from a trimmed copy
     ("update", "", "secrets", "kube-system", "any"), ("create", "", "secrets", "default", ""),
     ("update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "someone-elses"),
     ("delete", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "accelnode-gkm-caches"),

@@ -43,9 +43,9 @@ def test_the_slice_follows_the_chips_and_comes_back_when_deleted(control_plane, 
     s = the_slice(admin, n, lambda s: names(s) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3", "tpu-0-1", "tpu-2-3",
                                                    "tpu-0-3"])
     assert s["metadata"]["name"] == f"{n}-{DRIVER}" and s["spec"]["driver"] == DRIVER
-    assert s["spec"]["pool"] == {"name": n, "generation": 1, "resourceSliceCount": 2}
+    assert (s["spec"]["pool"]["name"], s["spec"]["pool"]["resourceSliceCount"]) == (n, 2)
     (counters,) = [x for x in node_slices(admin, n) if x["metadata"]["name"] == f"{n}-{DRIVER}-chips"]
-    assert counters["spec"]["pool"] == s["spec"]["pool"] and "devices" not in counters["spec"]
+    assert counters["spec"]["pool"]["name"] == n and "devices" not in counters["spec"]
     assert counters["spec"]["sharedCounters"] == [
         {"name": "chips", "counters": {f"chip-{i}": {"value": "1"} for i in range(4)}}]
     (owner,) = s["metadata"]["ownerReferences"]
@@ -58,15 +58,19 @@ def test_the_slice_follows_the_chips_and_comes_back_when_deleted(control_plane, 
     back = the_slice(admin, n, lambda x: x["metadata"]["uid"] != s["metadata"]["uid"])
     assert names(back) == names(s)
 
-    # a chip turns unhealthy: it and the blocks holding it leave the slice, in a new pool
-    # generation of both slices; and return
+    # a chip turns unhealthy: it and the blocks holding it stay, tainted, in a new pool
+    # generation of both slices; and the taints go when it recovers
     chip = host.chips()[1]
     host.bump_aer_fatal(chip)
-    sick = the_slice(admin, n, lambda x: names(x) == ["tpu-0", "tpu-2", "tpu-3", "tpu-2-3"])
-    assert sick["spec"]["pool"]["generation"] == back["spec"]["pool"]["generation"] + 1
-    assert {x["spec"]["pool"]["generation"] for x in node_slices(admin, n)} == {sick["spec"]["pool"]["generation"]}
+    # both slices of the pool in one new generation (written one after the other: waited for)
+    sick = the_slice(admin, n, lambda x: [d["name"] for d in x["spec"]["devices"] if d.get("taints")]
+                     == ["tpu-1", "tpu-0-1", "tpu-0-3"] and {
+        y["spec"]["pool"]["generation"] for y in node_slices(admin, n)} == {x["spec"]["pool"]["generation"]})
+    assert names(sick) == names(s)
+    assert sick["spec"]["pool"]["generation"] > back["spec"]["pool"]["generation"]
     host.reset_aer(chip)
-    the_slice(admin, n, lambda x: chips(x) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"] and len(names(x)) == 7)
+    the_slice(admin, n, lambda x: chips(x) == ["tpu-0", "tpu-1", "tpu-2", "tpu-3"] and len(names(x)) == 7
+              and not any(d.get("taints") for d in x["spec"]["devices"]))
 
 
 def test_registration_info_and_a_second_plugin_of_the_same_name_is_refused(control_plane, admin, node, tpu_host, dra):
@@ -77,7 +81,8 @@ def test_registration_info_and_a_second_plugin_of_the_same_name_is_refused(contr
     with grpcutil.unix_channel(d.reg_socket) as ch:
         info = api.RegistrationStub(ch).GetInfo(api.InfoRequest(), timeout=5)
     assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, str(d.endpoint))
-    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
+                                             "v1alpha1.DRAResourceHealth"]
     # a second instance in the same kubelet root, under its own rolling-update socket name: refused
     p2 = d.start("--pod-uid", "1234", wait=False)
     assert p2.proc.wait(30) == exitcodes.PREREQUISITE, p2.log()
@@ -134,12 +139,12 @@ def test_claims_that_cannot_be_prepared_say_why_and_write_nothing(control_plane,
     assert "has no device of tpu.google.com in pool dra-refuse" in d.prepare(ns, "elsewhere", other).error
     assert "not found" in d.prepare(ns, "missing", "0f0e0d0c-0000-4000-8000-00000000000f").error
     wrong = allocated_claim(admin, ns, "wrong-uid", n, ["tpu-0"])
-    assert "kubelet asked for" in d.prepare(ns, "wrong-uid", wrong[:-1] + "0").error
+    assert "kubelet asked for" in d.prepare(ns, "wrong-uid", wrong[:-1] + ("1" if wrong.endswith("0") else "0")).error
     assert "not a UID" in d.prepare(ns, "wrong-uid", "../../etc/passwd").error
     absent = allocated_claim(admin, ns, "absent", n, ["tpu-7"])
     assert "device tpu-7 is not on this node" in d.prepare(ns, "absent", absent).error
     host.bump_aer_fatal(host.chips()[0])
-    the_slice(admin, n, lambda x: "tpu-0" not in names(x))
+    the_slice(admin, n, lambda x: any(d["name"] == "tpu-0" and d.get("taints") for d in x["spec"]["devices"]))
     sick = allocated_claim(admin, ns, "sick", n, ["tpu-0"])
     assert "chip tpu-0 is Unhealthy" in d.prepare(ns, "sick", sick).error
     assert not list(d.cdi.glob("*.json"))

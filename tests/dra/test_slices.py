@@ -60,17 +60,31 @@ def test_the_blocks_of_each_host_shape():
     assert [slices.device_chips(n) for n in ("tpu-1-2", "tpu-0-2", "tpu-01", "gpu-0", "tpu-2-1")] == [None] * 5
 
 
-def test_an_unhealthy_chip_leaves_the_slice_with_its_blocks(tpu_host):
+def test_an_unhealthy_chip_taints_its_devices_instead_of_leaving_the_slice(tpu_host):
     host = tpu_host("v6e-8")
     inv = Inventory(host.sysfs_root, host.dev_root)
     inv.scan()
     host.bump_aer_fatal(host.chips()[1])
     states = inv.scan()
-    devs = slices.devices(states, NodeConfig(), host.sysfs_root)
-    assert [d["name"] for d in devs] == ["tpu-0", "tpu-2", "tpu-3", "tpu-4", "tpu-5", "tpu-6", "tpu-7",
-                                         "tpu-2-3", "tpu-4-5", "tpu-6-7", "tpu-4-7"]
+    devs = slices.devices(states, NodeConfig(), host.sysfs_root, "tpu.google.com")
+    assert len(devs) == 15  # every device stays: names valid for running claims and kubelet's health
+    tainted = {d["name"]: d["taints"] for d in devs if "taints" in d}
+    # chip 1 and every block holding it: NoSchedule, new claims avoid them
+    assert tainted == {n: [{"key": "tpu.google.com/unhealthy", "value": "failing", "effect": "NoSchedule"}]
+                       for n in ("tpu-1", "tpu-0-1", "tpu-0-3", "tpu-0-7")}
+    assert [d["name"] for d in devs if d["attributes"]["healthy"] == {"bool": False}] == list(tainted)
     assert devs[0]["attributes"]["chipCount"] == {"int": 8}  # the host still has eight chips
     assert len(slices.counter_sets(states)[0]["counters"]) == 8  # and eight counters
+    # kubelet's health list names the same devices, the reason with them
+    health = dict(slices.health(states))
+    assert list(health) == [d["name"] for d in devs] and {n for n, why in health.items() if why} == set(tainted)
+    assert "AER fatal errors rose" in health["tpu-1"] and health["tpu-0-1"].startswith(f"chip 1 ({host.chips()[1]}): AER")
+    # a chip reading vendor 0xffff left the bus: NoExecute on it and its blocks (their pods are evicted)
+    host.set_vendor(host.chips()[6], 0xFFFF)
+    devs = slices.devices(inv.scan(), NodeConfig(), host.sysfs_root, "tpu.google.com")
+    effects = {d["name"]: d["taints"][0]["effect"] for d in devs if "taints" in d}
+    assert effects == {"tpu-1": "NoSchedule", "tpu-0-1": "NoSchedule", "tpu-0-3": "NoSchedule", "tpu-6": "NoExecute",
+                       "tpu-6-7": "NoExecute", "tpu-4-7": "NoExecute", "tpu-0-7": "NoExecute"}
 
 
 def test_numa_of_a_v7x_host(tpu_host):

@@ -15,6 +15,7 @@ import pytest
 
 from accelnode import IMAGE
 from tests.conftest import TOOLS_BIN, require
+from tests.rigs.dralane import DRIVER
 from tests.rigs.dralane import claim_pod as pod
 from tests.rigs.dralane import claim_template as template
 from tests.rigs.node import TREE_PROBE
@@ -164,6 +165,44 @@ def test_a_google_com_tpu_pod_runs_through_the_driver(lane):
     status = lane.get("pod", "old", "-n", ns)["status"]["extendedResourceClaimStatus"]
     assert status["requestMappings"][0]["resourceName"] == "google.com/tpu"
     lane.kubectl("delete", "pod", "old", "-n", ns, "--grace-period=1")
+
+
+def tainted(lane) -> set[str]:
+    return {d["name"] for s in lane.slices() for d in s["spec"].get("devices", []) if d.get("taints")}
+
+
+def test_a_running_pods_status_shows_its_chip_failing(lane):
+    """kubelet 1.37 reads the plugin's DRAResourceHealth stream (v1): a chip of a running pod's
+    claim fails, and the pod's container status says so (allocatedResourcesStatus), while the
+    slice taints it for new claims; it recovers, and both clear."""
+    free_all_chips(lane)
+    ns = namespace(lane)
+    lane.apply(template("one", ns, 1, gen="v5litepod"))
+    lane.apply(pod("h", ns, "one", PROBE))
+    report(lane, ns, "h")
+    claim = lane.get("pod", "h", "-n", ns)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    obj = lane.get("resourceclaim", claim, "-n", ns)
+    (res,) = obj["status"]["allocation"]["devices"]["results"]
+    chip = lane.host.chips()[int(res["device"].split("-")[1])]
+    # kubelet names the device by the CDI device ID the plugin returned for it
+    resource_id = f"k8s.{DRIVER}/tpu={obj['metadata']['uid']}-{res['device']}"
+
+    def health():
+        st = lane.get("pod", "h", "-n", ns)["status"]["containerStatuses"][0]
+        return {r["resourceID"]: r.get("health") for a in st.get("allocatedResourcesStatus") or []
+                for r in a.get("resources") or []}
+
+    assert lane.wait(lambda: health().get(resource_id) == "Healthy" and health(), "the chip Healthy in pod status")
+    lane.host.bump_aer_fatal(chip)
+    try:
+        lane.wait(lambda: health().get(resource_id) == "Unhealthy", "the chip Unhealthy in pod status", timeout=60)
+        assert res["device"] in tainted(lane)
+        assert lane.get("pod", "h", "-n", ns)["status"]["phase"] == "Running"  # NoSchedule: the pod stays
+    finally:
+        lane.host.reset_aer(chip)
+    lane.wait(lambda: health().get(resource_id) == "Healthy", "the chip Healthy again", timeout=60)
+    lane.wait(lambda: not tainted(lane), "the taints lifted")
+    lane.kubectl("delete", "pod", "h", "-n", ns, "--grace-period=1")
 
 
 def test_the_slice_is_republished_after_kubelet_restarts(lane):
