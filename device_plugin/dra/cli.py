@@ -58,10 +58,11 @@ def register(sub) -> None:
                    help="size of the tmpfs mounted at /tmp/tpu_logs in each of a claim's containers for libtpu's logs "
                    "(writable by any user, one file per 16Ki of it; gone with the container); 0: no mount "
                    "(default: %(default)s)")
-    p.add_argument("--no-claim-watch", dest="claim_watch", action="store_false",
-                   help="read each claim's allocation with a GET when kubelet prepares it, instead of from a watch "
-                   "of all ResourceClaims (the faster default; needs list and watch on resourceclaims, which "
-                   "overlays/dra grants)")
+    p.add_argument("--claim-watch", action="store_true",
+                   help="prepare from a watch of all ResourceClaims instead of a GET of each claim kubelet names "
+                   "(about 1 ms faster per prepare; needs list and watch on resourceclaims cluster-wide, which "
+                   "overlays/dra does not grant, and about 800 bytes of memory per claim in the cluster) "
+                   "(default: off)")
     p.add_argument("--sysfs-root", default="/sys", help="where sysfs is mounted (default: %(default)s)")
     p.add_argument("--dev-root", default="/dev", help="where device nodes live (default: %(default)s)")
     p.add_argument("--tpu-env", choices=RECIPES, default="gke",

@@ -233,7 +233,7 @@ def test_prepare_reads_the_allocation_from_the_claim_watch(control_plane, admin,
             "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
         n = node("dra-watched")
         d = dra(tpu_host("v5e-4"), n, kubeconfig)
-        d.start()
+        d.start("--claim-watch")
         uid = allocated_claim(admin, ns, "seen", n, ["tpu-0", "tpu-1"])
         (got,) = eventually(lambda: [r for r in [d.prepare(ns, "seen", uid)] if r.error == ""],
                             "the claim prepared from the watch", timeout=20)
