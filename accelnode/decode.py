@@ -193,6 +193,12 @@ def decode(body: bytes | bytearray | memoryview | str, budget: Budget, document:
 
 def read_file(path, budget: Budget = FILE, document: str | None = None, expect: type | None = dict) -> Any:
     """A JSON file decoded under ``budget``: at most ``max_bytes + 1`` bytes are read."""
-    with open(path, "rb") as f:
-        body = f.read(budget.max_bytes + 1)
-    return decode(body, budget, document or str(path), expect)
+    chunks, total = [], 0
+    with open(path, "rb") as f:  # in chunks: read(n) allocates n bytes up front, and budgets may be large
+        while total <= budget.max_bytes:
+            chunk = f.read(min(1 << 20, budget.max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    return decode(b"".join(chunks), budget, document or str(path), expect)
