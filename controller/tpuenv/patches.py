@@ -254,7 +254,10 @@ def template_patch(template: dict, base: str, sl: Slice | None) -> list:
     want = sl.env() if sl is not None else {}
     ops, owned = [], set()
     for i, c in enumerate(containers):
-        c_ops, c_owned = env_ops(c, f"{base}/spec/containers/{i}", want if i in chosen else {}, recorded)
+        # the record names values, not containers: a container we do not give the env may hold the
+        # user's entry of the same name and value, which is never ours to remove
+        c_ops, c_owned = env_ops(c, f"{base}/spec/containers/{i}", want if i in chosen else {},
+                                 recorded if i in chosen else {})
         ops += c_ops
         owned |= c_owned
     new = sl.state({k: digest(want[k]) for k in sorted(owned)}) if sl is not None else None

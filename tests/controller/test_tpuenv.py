@@ -459,3 +459,15 @@ def test_gke_versions_are_told_from_others():
 
     assert is_gke_version("v1.34.1-gke.1127000") and is_gke_version("v1.30.5-gke.1014001")
     assert not any(map(is_gke_version, ("v1.35.4", "v1.30.2-eks-1552ad0", "v1.29.0+k3s1", "", "v1.30.5-gke")))
+
+
+def test_a_users_entry_equal_to_ours_in_a_container_without_tpus_is_never_removed():
+    """Found by the property above: the state records values by name, not by container, so a
+    container we give no env that holds the user's MEGASCALE_SLICE_ID=0 (the value we set on the
+    TPU container) looked ours, and a second admission removed it."""
+    job = {"metadata": {"name": "j", "labels": {}}, "spec": {
+        "completionMode": "Indexed", "parallelism": 2, "completions": 2, "template": {"spec": {
+            "subdomain": "svc", "containers": [
+                {"name": "c0", "image": "x", "resources": {"limits": {"google.com/tpu": "4"}}},
+                {"name": "c1", "image": "x", "env": [{"name": "MEGASCALE_SLICE_ID", "value": "0"}]}]}}}}
+    _check_workload(job, t.job_patch, t.job_slice, t.COMPLETION_INDEX)
