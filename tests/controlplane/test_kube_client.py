@@ -130,7 +130,10 @@ def test_a_page_over_its_budget_is_asked_again_with_fewer_items(control_plane, k
     c = Recording(config(control_plane))
     doc = c.list(path, query={"labelSelector": f"{LABEL}=yes"})
     assert names(doc["items"]) == [f"big-{i}" for i in range(6)]
-    assert [(q["limit"], "continue" in q) for _, _, q in c.asked] == [("500", False), ("3", False), ("3", True)]
+    asked = [(q["limit"], "continue" in q) for _, _, q in c.asked]
+    # the label selector filters after etcd's limit: the namespace's kube-root-ca.crt, once the
+    # controller-manager has made it, takes a slot of a page and may cost one more page
+    assert asked[:3] == [("500", False), ("3", False), ("3", True)] and set(asked[3:]) <= {("3", True)}, asked
 
 
 def test_the_default_page_size_is_client_gos_and_bad_sizes_are_refused(control_plane):
