@@ -3,6 +3,7 @@
 #   make deps     Python virtualenv in .venv with accelnode installed (editable)
 #   make tools    external test peers built from their Go modules into .tools/bin (cached)
 #   make proto    regenerate accelnode/pb from proto/*.proto
+#   make manifests  regenerate the Helm charts' templates (charts/) from daemonsets/ and overlays/
 #   make demo     the whole node path, step by step: image, control plane, containerd + kubelet,
 #                 kubectl apply -k daemonsets/, a pod with google.com/tpu and a cache (root)
 #   make demo-plugin  quick: the device plugin alone on a simulated TPU host, as kubelet sees it
@@ -31,7 +32,7 @@ TOOLS :=
 # Each tools/mk/*.mk adds its binaries to TOOLS and says how to build them.
 include $(wildcard tools/mk/*.mk)
 
-.PHONY: system-deps deps tools proto demo demo-plugin image gce-emulator metadata-emulator test bench clean
+.PHONY: system-deps deps tools proto manifests demo demo-plugin image gce-emulator metadata-emulator test bench clean
 GCE_PORT ?= 8089
 METADATA_PORT ?= 8090
 
@@ -51,6 +52,9 @@ tools: system-deps
 PROTOS := $(wildcard proto/*.proto)
 proto: deps
 	$(PY) tools/protogen.py --out accelnode/pb $(PROTOS)
+
+manifests: deps
+	$(PY) tools/helmchart.py
 
 demo: deps tools
 	$(PY) -m tests.rigs.nodedemo --tools-bin $(TOOLS_BIN)
