@@ -9,6 +9,7 @@ Ready; it is torn down (pods, containers, mounts, kubelet's changes to the host)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -109,18 +110,19 @@ def _build(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-@pytest.fixture(scope="package")
-def deployed(tmp_path_factory, registry):
+@contextlib.contextmanager
+def lane(workdir: Path, registry):
+    """A control plane and the loopback node with our image, nothing of ours applied yet: a
+    :class:`Deployed` with empty ports (the installer fills them); stopped at the end."""
     from tests.rigs import image as images
     from tests.rigs.devcluster import ControlPlane
-    from tests.rigs.node import Node, prerequisites, write_overlay
+    from tests.rigs.node import Node, prerequisites
     from tests.rigs.simhost import SimHost
 
     for what in prerequisites(TOOLS_BIN):
         require(False, what)
     for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"):
         require((TOOLS_BIN / name).exists(), f"{name} in {TOOLS_BIN} (tools/mk/k8s.mk)")
-    workdir = tmp_path_factory.mktemp("node")
     image = images.build(log=lambda m: None)
     cp = ControlPlane(workdir / "cp", TOOLS_BIN, kubelets=True)
     cp.start()
@@ -129,20 +131,33 @@ def deployed(tmp_path_factory, registry):
         host = SimHost.preset(workdir / "host", "v5e-4")
         node = Node(workdir / "n", TOOLS_BIN, cp, labels=NODE_LABELS)
         node.start([image])
-        overlay = workdir / "overlay"
-        overlay.mkdir()
-        ports = write_overlay(overlay, BASE, node, sysfs_root=host.sysfs_root, dev_root=host.dev_root, api_port=cp.port,
-                              accelerator_type="v5litepod-4", topology="2x2", base_docs=_build(BASE))
-        world = Deployed(cp, node, host, registry, ports, workdir)
+        yield Deployed(cp, node, host, registry, {}, workdir)
+    finally:
+        if node is not None:
+            node.stop()
+        cp.stop()
+
+
+def fit(world: Deployed, overlay: Path, base: Path, base_docs: list[dict]) -> None:
+    """``overlay``: a kustomization over ``base`` fitting it to the lane (tests/rigs/node.py)."""
+    from tests.rigs.node import write_overlay
+
+    overlay.mkdir(exist_ok=True)
+    world.ports = write_overlay(overlay, base, world.node, sysfs_root=world.host.sysfs_root,
+                                dev_root=world.host.dev_root, api_port=world.cp.port, accelerator_type="v5litepod-4",
+                                topology="2x2", base_docs=base_docs)
+
+
+@pytest.fixture(scope="package")
+def deployed(tmp_path_factory, registry):
+    with lane(tmp_path_factory.mktemp("node"), registry) as world:
+        overlay = world.workdir / "overlay"
+        fit(world, overlay, BASE, _build(BASE))
         world.kubectl("apply", "--server-side", "-k", str(BASE / "crds"))  # as docs/operations.md installs
         world.kubectl("apply", "--server-side", "-k", str(overlay))
         world.wait(world.system_ready, "every accelnode pod Ready on the real kubelet", timeout=180)
         yield world
         _teardown(world)
-    finally:
-        if node is not None:
-            node.stop()
-        cp.stop()
 
 
 def _teardown(world: Deployed) -> None:
