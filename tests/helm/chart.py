@@ -1,4 +1,5 @@
-"""The charts as Helm renders them, and the kustomize build they must equal (tests/helm/).
+"""The charts as Helm renders them, the kustomize build they must equal, and Helm against the
+real kubelet lane (tests/helm/, bench/bench_helm.py).
 
 :func:`template` runs ``helm template``; :func:`kustomize` runs ``kubectl kustomize`` over the
 base with the overlays and components of an overlay choice; :func:`normalised` drops only what
@@ -9,6 +10,7 @@ compare object by object.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -95,3 +97,31 @@ def normalised(objs: list[dict]) -> dict[tuple, dict]:
         assert key(d) not in out, f"{key(d)} twice"
         out[key(d)] = d
     return out
+
+
+class HelmLane:
+    """Helm against the lane: its own config/cache dirs, the admin kubeconfig, the post-renderer."""
+
+    def __init__(self, world):
+        from tests.node.conftest import fit
+
+        self.world = world
+        home = world.workdir / "helm"
+        self.env = {"HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
+                    "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(world.cp.kubeconfig("admin"))}
+        base, overlay = world.workdir / "rendered", world.workdir / "overlay"
+        base.mkdir()
+        (base / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["all.yaml"]}))
+        fit(world, overlay, base, template(CHART))
+        self.post_renderer = world.workdir / "post-render"
+        self.post_renderer.write_text(f"#!/bin/sh\nset -e\ncat > {base}/all.yaml\n"
+                                      f"exec {tool('kubectl')} kustomize {overlay}\n")
+        self.post_renderer.chmod(self.post_renderer.stat().st_mode | stat.S_IXUSR)
+
+    def __call__(self, *args: str, check: bool = True):
+        return helm(*args, env=self.env, check=check)
+
+    def release(self, verb: str, chart: str, *args: str, wait: bool = True):
+        """install/upgrade of the accelnode release, fitted to the lane, waiting for it."""
+        return self(verb, "accelnode", chart, "-n", NAMESPACE, "--post-renderer", str(self.post_renderer),
+                    *(["--wait", "--timeout", "5m"] if wait else []), *args)

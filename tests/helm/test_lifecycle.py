@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import time
 
 import pytest
 import yaml
 
-from tests.conftest import tool
-from tests.helm.chart import CHART, CRDS_CHART, NAMESPACE, helm, template
-from tests.node.conftest import _teardown, fit, lane
+from tests.helm.chart import CHART, CRDS_CHART, NAMESPACE, HelmLane
+from tests.node.conftest import _teardown, lane
 from tests.node.test_kubelet import FILES, V5E, cache_object, check, finished, make_cache, namespace, running
 from tests.node.test_upgrade import FILE, READER, keeps_reading, rolled
 from tests.rigs.node import inline, workload
@@ -38,32 +36,6 @@ from tests.rigs.node import inline, workload
 PREVIOUS = "0.1.0"
 # what the previous release was installed with; the upgrade's defaults differ, so both DaemonSets roll
 PREVIOUS_VALUES = ["devicePlugin.resources.limits.memory=128Mi", "csiDriver.resources.limits.memory=160Mi"]
-
-
-class HelmLane:
-    """Helm against the lane: its own config/cache dirs, the admin kubeconfig, the post-renderer."""
-
-    def __init__(self, world, registry):
-        self.world, self.registry = world, registry
-        home = world.workdir / "helm"
-        self.env = {"HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
-                    "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(world.cp.kubeconfig("admin"))}
-        base, overlay = world.workdir / "rendered", world.workdir / "overlay"
-        base.mkdir()
-        (base / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["all.yaml"]}))
-        fit(world, overlay, base, template(CHART))
-        self.post_renderer = world.workdir / "post-render"
-        self.post_renderer.write_text(f"#!/bin/sh\nset -e\ncat > {base}/all.yaml\n"
-                                      f"exec {tool('kubectl')} kustomize {overlay}\n")
-        self.post_renderer.chmod(self.post_renderer.stat().st_mode | stat.S_IXUSR)
-
-    def __call__(self, *args: str, check: bool = True):
-        return helm(*args, env=self.env, check=check)
-
-    def release(self, verb: str, chart: str, *args: str):
-        """install/upgrade of the accelnode release, fitted to the lane, waiting for it."""
-        return self(verb, "accelnode", chart, "-n", NAMESPACE, "--post-renderer", str(self.post_renderer),
-                    "--wait", "--timeout", "5m", *args)
 
 
 def previous_chart(tmp) -> os.PathLike:
@@ -86,7 +58,7 @@ def world(tmp_path_factory, registry):
 def test_install_upgrade_rollback_uninstall_with_helm(world, registry, tmp_path):
     from accelnode import IMAGE
 
-    h = HelmLane(world, registry)
+    h = HelmLane(world)
     # 1. the previous chart pushed to an OCI registry, the CRDs, then the release from oci://
     pkg = h("package", str(previous_chart(tmp_path)), "-d", str(tmp_path)).stdout
     tgz = tmp_path / f"accelnode-{PREVIOUS}.tgz"
@@ -137,7 +109,7 @@ def test_install_upgrade_rollback_uninstall_with_helm(world, registry, tmp_path)
     world.kubectl("delete", "pod", "reader", "tpu-pod", "-n", ns, "--wait=true", "--timeout=90s")
     h("uninstall", "accelnode", "-n", NAMESPACE, "--wait", "--timeout", "5m")
     h("uninstall", "accelnode-crds", "--wait")
-    assert not world.pods()
+    world.wait(lambda: not world.pods(), "the release's pods gone (garbage-collected after their owners)", timeout=180)
     assert world.kubectl("get", "clusterrole", "accelnode-controller", check=False).returncode != 0
     assert world.kubectl("get", "csidriver", "csi.gkm.io", check=False).returncode != 0
     crds = {c["metadata"]["name"] for c in world.get("crd")["items"]}
