@@ -9,6 +9,7 @@ compare object by object.
 
 from __future__ import annotations
 
+import difflib
 import os
 import stat
 import subprocess
@@ -99,6 +100,11 @@ def normalised(objs: list[dict]) -> dict[tuple, dict]:
     return out
 
 
+def diff(want: dict, got: dict, names: tuple[str, str] = ("kustomize", "helm")) -> str:
+    a, b = (yaml.safe_dump(x, sort_keys=True).splitlines() for x in (want, got))
+    return "\n".join(difflib.unified_diff(a, b, *names, lineterm="", n=2))
+
+
 class HelmLane:
     """Helm against the lane: its own config/cache dirs, the admin kubeconfig, the post-renderer."""
 
@@ -109,7 +115,8 @@ class HelmLane:
         home = world.workdir / "helm"
         self.env = {"HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
                     "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(world.cp.kubeconfig("admin"))}
-        base, overlay = world.workdir / "rendered", world.workdir / "overlay"
+        self.base = base = world.workdir / "rendered"  # what Helm renders, as a kustomize base
+        self.overlay = overlay = world.workdir / "overlay"
         base.mkdir()
         (base / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["all.yaml"]}))
         fit(world, overlay, base, template(CHART))

@@ -7,7 +7,6 @@ refusing bad values with Helm's own message.
 
 from __future__ import annotations
 
-import difflib
 import json
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from tests.helm.chart import CHART, CHOICES, CRDS_CHART, NAMESPACE, helm, key, kustomize, normalised, template
+from tests.helm.chart import CHART, CHOICES, CRDS_CHART, NAMESPACE, diff, helm, key, kustomize, normalised, template
 
 
 def test_generated_templates_are_current():
@@ -41,11 +40,6 @@ def test_template_equals_kustomize(choice, tmp_path):
     assert sorted(helm_objs) == sorted(kust)
     for k in kust:
         assert helm_objs[k] == kust[k], diff(kust[k], helm_objs[k])
-
-
-def diff(want: dict, got: dict) -> str:
-    a, b = (yaml.safe_dump(x, sort_keys=True).splitlines() for x in (want, got))
-    return "\n".join(difflib.unified_diff(a, b, "kustomize", "helm", lineterm="", n=2))
 
 
 def test_create_namespace_gives_the_base_namespace(tmp_path):

@@ -2,10 +2,12 @@
 control plane, containerd 2 + runc and kubelet on a loopback node of a simulated v5e-4 host, our
 image), one cluster for every step:
 
+0. A kustomize install (``kubectl apply -k``) adopted by ``helm install`` of both charts, as
+   docs/helm.md says: nothing changes, nothing restarts; then that release is uninstalled.
 1. ``helm push`` of the previous chart version (0.1.0: this chart packaged under that version,
    with values the upgrade changes, since no earlier chart was ever released) to the test
-   registry; ``helm install`` of accelnode-crds, then of accelnode from ``oci://``: every
-   DaemonSet pod Running, a TPU pod with its cache mounted.
+   registry; ``helm install`` from ``oci://``: every DaemonSet pod Running, a TPU pod with its
+   cache mounted.
 2. ``helm upgrade`` to this checkout's chart (0.2.0, default values) with a pod reading its cache
    throughout: the DaemonSets roll, the CSI + agent pod is replaced under the mount, the reads
    never fail.
@@ -27,8 +29,8 @@ import time
 import pytest
 import yaml
 
-from tests.helm.chart import CHART, CRDS_CHART, NAMESPACE, HelmLane
-from tests.node.conftest import _teardown, lane
+from tests.helm.chart import CHART, CRDS_CHART, NAMESPACE, HelmLane, diff
+from tests.node.conftest import BASE, _build, _teardown, lane
 from tests.node.test_kubelet import FILES, V5E, cache_object, check, finished, make_cache, namespace, running
 from tests.node.test_upgrade import FILE, READER, keeps_reading, rolled
 from tests.rigs.node import inline, workload
@@ -55,17 +57,51 @@ def world(tmp_path_factory, registry):
         _teardown(w)
 
 
+def adopt_kustomize_install(world, h) -> None:
+    """0. docs/helm.md "From a kustomize install": ``kubectl apply -k`` of the base and its CRDs
+    (fitted to the lane by the overlay Helm's post-renderer uses), then the releases adopt every
+    object by their annotations and label: no DaemonSet or Deployment changes, no pod restarts.
+    Then the accelnode release is uninstalled; accelnode-crds stays for the steps after."""
+    (h.base / "all.yaml").write_text(yaml.safe_dump_all(_build(BASE)))
+    world.kubectl("apply", "--server-side", "-k", str(BASE / "crds"))
+    world.kubectl("apply", "--server-side", "-k", str(h.overlay))
+    world.wait(world.system_ready, "every accelnode pod Ready after kubectl apply -k", timeout=180)
+
+    def workloads():
+        objs = world.get("daemonsets,deployments", "-n", NAMESPACE)["items"]
+        return {(o["kind"], o["metadata"]["name"]): o["spec"] for o in objs}
+
+    before, pods = workloads(), {p["metadata"]["uid"] for p in world.pods()}
+    for release, chart in (("accelnode-crds", CRDS_CHART), ("accelnode", CHART)):
+        rendered = world.workdir / f"{release}.yaml"
+        rendered.write_text(h("template", release, str(chart), "-n", NAMESPACE).stdout)
+        world.kubectl("annotate", "-f", str(rendered), "--overwrite", f"meta.helm.sh/release-name={release}",
+                      f"meta.helm.sh/release-namespace={NAMESPACE}")
+        world.kubectl("label", "-f", str(rendered), "--overwrite", "app.kubernetes.io/managed-by=Helm")
+    h("install", "accelnode-crds", str(CRDS_CHART), "-n", NAMESPACE, "--wait")
+    h.release("install", str(CHART))
+    after = workloads()
+    for k in before:
+        assert after[k] == before[k], diff(before[k], after[k], ("kubectl apply -k", "adopted"))
+    assert {p["metadata"]["uid"] for p in world.pods()} == pods
+    ds = world.get("daemonset", "accelnode-csi-node", "-n", NAMESPACE)["metadata"]
+    assert ds["labels"]["app.kubernetes.io/instance"] == "accelnode" and ds["annotations"][
+        "meta.helm.sh/release-name"] == "accelnode"
+    h("uninstall", "accelnode", "-n", NAMESPACE, "--wait", "--timeout", "5m")
+    world.wait(lambda: not world.pods(), "the adopted release's pods gone", timeout=180)
+
+
 def test_install_upgrade_rollback_uninstall_with_helm(world, registry, tmp_path):
     from accelnode import IMAGE
 
     h = HelmLane(world)
-    # 1. the previous chart pushed to an OCI registry, the CRDs, then the release from oci://
+    adopt_kustomize_install(world, h)
+    # 1. the previous chart pushed to an OCI registry, then the release from oci://
     pkg = h("package", str(previous_chart(tmp_path)), "-d", str(tmp_path)).stdout
     tgz = tmp_path / f"accelnode-{PREVIOUS}.tgz"
     assert tgz.exists(), pkg
     pushed = h("push", str(tgz), f"oci://{registry.host}/charts", "--plain-http")
     assert f"{registry.host}/charts/accelnode:{PREVIOUS}" in pushed.stdout + pushed.stderr
-    h("install", "accelnode-crds", str(CRDS_CHART), "--wait")
     t0 = time.monotonic()
     h.release("install", f"oci://{registry.host}/charts/accelnode", "--version", PREVIOUS, "--plain-http",
               "--create-namespace", *sum((["--set", v] for v in PREVIOUS_VALUES), []))
@@ -75,7 +111,11 @@ def test_install_upgrade_rollback_uninstall_with_helm(world, registry, tmp_path)
         assert p["status"]["phase"] == "Running" and world.ready(p), p["metadata"]["name"]
     ns = namespace(world)
     ref = registry.push(make_cache(tmp_path / "cache", FILES), "e2e/jax-v5e", tag="v1", kind="jax", targets=V5E)
-    world.apply(cache_object("jax-v5e", ns, f"{registry.host}/e2e/jax-v5e:v1"))
+    # the webhooks answer once the new leader wrote caBundle: after a reinstall the old leader's
+    # Lease (not the release's) must expire first, up to its 15 s, though every pod is Ready
+    cached = yaml.safe_dump(cache_object("jax-v5e", ns, f"{registry.host}/e2e/jax-v5e:v1"))
+    world.wait(lambda: world.kubectl("apply", "-f", "-", stdin=cached, check=False).returncode == 0,
+               "the GKMCache admitted by the new controller's webhooks", timeout=60)
     world.wait(lambda: world.get("gkmcache", "jax-v5e", "-n", ns).get("status", {}).get("resolvedDigest")
                == ref.split("@")[1], "the controller to pin the GKMCache")
     world.apply(workload("tpu-pod", ns, inline("jax-v5e", ns)))
@@ -108,7 +148,7 @@ def test_install_upgrade_rollback_uninstall_with_helm(world, registry, tmp_path)
     # 4. uninstall: workloads first (their volumes need the CSI driver to unpublish), then both releases
     world.kubectl("delete", "pod", "reader", "tpu-pod", "-n", ns, "--wait=true", "--timeout=90s")
     h("uninstall", "accelnode", "-n", NAMESPACE, "--wait", "--timeout", "5m")
-    h("uninstall", "accelnode-crds", "--wait")
+    h("uninstall", "accelnode-crds", "-n", NAMESPACE, "--wait")
     world.wait(lambda: not world.pods(), "the release's pods gone (garbage-collected after their owners)", timeout=180)
     assert world.kubectl("get", "clusterrole", "accelnode-controller", check=False).returncode != 0
     assert world.kubectl("get", "csidriver", "csi.gkm.io", check=False).returncode != 0
