@@ -115,7 +115,7 @@ def workload(obj: dict) -> dict:
             if comp == "devicePlugin" and k == "affinity":  # with the self-managed switch's term
                 v = WITH.format('include "accelnode.devicePlugin.affinity" . | fromYaml')
         elif k == "priorityClassName":
-            v = VAL.format(f".Values.{comp}.priorityClassName")
+            v = VAL.format(f".Values.{comp}.priorityClassName | quote")
         out[k] = v
     for k in ("nodeSelector", "affinity", "tolerations"):
         out.setdefault(k, WITH.format(f".Values.{comp}.{k}"))
