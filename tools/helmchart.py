@@ -44,7 +44,8 @@ WHEN = {
     "rbac-agent.yaml": ".Values.csiDriver.enabled",
     "rbac-controller-jointokens.yaml": "and .Values.controller.enabled .Values.controller.tpuNodeGroups.enabled",
     "rbac-controller-nodegroups.yaml": "and .Values.controller.enabled .Values.controller.tpuNodeGroups.enabled",
-    "rbac-controller-webhooks.yaml": "and .Values.controller.enabled (eq .Values.webhook.certificates \"self-managed\")",
+    "rbac-controller-webhooks.yaml":
+        "and .Values.controller.enabled (eq .Values.webhook.certificates \"self-managed\")",
     "rbac-user-roles.yaml": ".Values.userRoles",
     "dra/": ".Values.draPlugin.enabled",
     "cert-manager/": "and .Values.controller.enabled (eq .Values.webhook.certificates \"cert-manager\")",
@@ -142,10 +143,6 @@ def workload(obj: dict) -> dict:
 CERT_MANAGER = 'eq .Values.webhook.certificates "cert-manager"'
 MONITORING = ".Values.monitoring.enabled"
 WEBHOOK_TLS = "/etc/accelnode/webhook-tls"
-# What overlays/self-managed-device-plugin adds to the device plugin's node affinity.
-SELF_MANAGED_TERM = {"matchExpressions": [{"key": "cloud.google.com/gke-tpu-accelerator", "operator": "Exists"},
-                                          {"key": "accelnode.io/tpu-device-plugin", "operator": "In",
-                                           "values": ["true"]}]}
 ALTS: dict[str, tuple[str, object, object]] = {}
 
 
@@ -241,8 +238,8 @@ def render(docs: list[dict], cond: str | None, src: str) -> str:
         m = re.fullmatch(r"(\s*)(- )?(\S+): '@@WITH:(.+)@@'", line)
         if m:  # `key: <the value as YAML>` only when the value is set
             lead = m.group(1) + (m.group(2) or "")
-            out += [f"{{{{- with {m.group(4)} }}}}", f"{lead}{m.group(3)}: {{{{- toYaml . | nindent {len(lead) + 2} }}}}",
-                    "{{- end }}"]
+            out += [f"{{{{- with {m.group(4)} }}}}",
+                    f"{lead}{m.group(3)}: {{{{- toYaml . | nindent {len(lead) + 2} }}}}", "{{- end }}"]
             continue
         m = re.fullmatch(r"(\s*)(\S+): '@@ALT:(.+)@@'", line)
         if m:  # the overlay's value under its condition, the base's otherwise
@@ -292,7 +289,8 @@ def outputs() -> dict[Path, str]:
             out[CHART / "templates" / f"{overlay}-{name}"] = render(
                 [transform(d) for d in load(ROOT / "overlays" / overlay / name)], when(rel), f"overlays/{rel}")
     out[DOC] = doc(DOC.read_text())
-    out[CHART / "files" / "accelnode-dashboard.json"] = (ROOT / "overlays/monitoring/accelnode-dashboard.json").read_text()
+    dashboard = ROOT / "overlays" / "monitoring" / "accelnode-dashboard.json"
+    out[CHART / "files" / dashboard.name] = dashboard.read_text()
     for name in resources(BASE / "crds" / "kustomization.yaml"):
         out[CRDS_CHART / "templates" / name] = render([transform(d, crd=True) for d in load(BASE / "crds" / name)],
                                                       None, f"daemonsets/crds/{name}")
@@ -321,7 +319,7 @@ def values_table() -> str:
         kind = s.get("type") or ("enum" if "enum" in s else "any")
         if "enum" in s:
             kind = " \\| ".join(json.dumps(v) for v in s["enum"])
-        shown = json.dumps(default, separators=(", ", ": ")) if default not in (None, "") else ('""' if default == "" else "")
+        shown = '""' if default == "" else "" if default is None else json.dumps(default, separators=(", ", ": "))
         shown = shown.replace("|", "\\|")
         rows.append(f"| `{path}` | {kind} | `{shown}` | {s.get('description', '')} |" if shown else
                     f"| `{path}` | {kind} | | {s.get('description', '')} |")

@@ -22,15 +22,17 @@ from tests.conftest import ROOT, tool
 CHART = ROOT / "charts" / "accelnode"
 CRDS_CHART = ROOT / "charts" / "accelnode-crds"
 NAMESPACE = "accelnode-system"
-HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "app.kubernetes.io/version")
+HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance",
+               "app.kubernetes.io/version")
 # Each overlay choice: the values that mean it, and the kustomization (resources, components) that builds it.
 CHOICES = {
     "default": ([], {"resources": ["daemonsets"]}),
     "cert-manager": (["webhook.certificates=cert-manager"], {"resources": ["overlays/cert-manager"]}),
     "monitoring": (["monitoring.enabled=true"], {"resources": ["overlays/monitoring"]}),
     "dra": (["draPlugin.enabled=true"], {"resources": ["daemonsets"], "components": ["overlays/dra"]}),
-    "self-managed-device-plugin": (["devicePlugin.selfManagedOnGkeNodePools=true"],
-                                   {"resources": ["daemonsets"], "components": ["overlays/self-managed-device-plugin"]}),
+    "self-managed-device-plugin": (
+        ["devicePlugin.selfManagedOnGkeNodePools=true"],
+        {"resources": ["daemonsets"], "components": ["overlays/self-managed-device-plugin"]}),
 }
 
 

@@ -57,7 +57,8 @@ def test_crds_chart_equals_kustomize_and_keeps_every_crd(tmp_path):
 def test_every_object_carries_helm_labels_and_selectors_do_not():
     for d in template(CHART, ["monitoring.enabled=true", "draPlugin.enabled=true", "createNamespace=true"]):
         labels = d["metadata"]["labels"]
-        assert labels["app.kubernetes.io/managed-by"] == "Helm" and labels["app.kubernetes.io/instance"] == "accelnode", key(d)
+        assert labels["app.kubernetes.io/managed-by"] == "Helm", key(d)
+        assert labels["app.kubernetes.io/instance"] == "accelnode", key(d)
         if d["kind"] in ("DaemonSet", "Deployment"):  # immutable: a kustomize install is adopted as is
             assert "app.kubernetes.io/instance" not in d["spec"]["selector"]["matchLabels"]
 
@@ -86,7 +87,8 @@ def test_values_reach_the_objects():
     objs = objects(rendered)
     image = "registry.example.com/team/accelnode@sha256:" + "a" * 64
     for d in rendered:
-        assert d["metadata"].get("namespace", "tpu-system") in ("tpu-system", "kube-system", "kube-public")  # join tokens' Roles
+        # (the join tokens' Roles are in kube-system and kube-public)
+        assert d["metadata"].get("namespace", "tpu-system") in ("tpu-system", "kube-system", "kube-public")
         for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
             assert c["image"] == image and c["imagePullPolicy"] == "IfNotPresent"
     csi = pod(objs, "DaemonSet", "accelnode-csi-node")
@@ -98,7 +100,8 @@ def test_values_reach_the_objects():
     mounts = {m["name"]: m["mountPath"] for m in csi["containers"][0]["volumeMounts"]}
     assert mounts["kubelet-pods"] == f"{kdir}/pods"  # the same path inside: kubelet hands out host paths
     env = {e["name"]: e.get("value") for e in csi["containers"][0]["env"]}
-    assert env["ACCELNODE_ENDPOINT"] == f"unix://{kdir}/plugins/csi.gkm.io/csi.sock" and env["ACCELNODE_KUBELET_DIR"] == kdir
+    assert env["ACCELNODE_ENDPOINT"] == f"unix://{kdir}/plugins/csi.gkm.io/csi.sock"
+    assert env["ACCELNODE_KUBELET_DIR"] == kdir
     assert {"name": "ACCELNODE_GC_INTERVAL", "value": "60"} in csi["containers"][1]["env"]
     dp = pod(objs, "DaemonSet", "accelnode-tpu-device-plugin")
     assert dp["containers"][0]["resources"]["limits"]["memory"] == "200Mi"
@@ -142,21 +145,24 @@ def test_node_groups_turn_off():
 
 
 def test_components_turn_off():
-    objs = objects(template(CHART, ["devicePlugin.enabled=false", "csiDriver.enabled=false", "controller.enabled=false"]))
+    off = ["devicePlugin.enabled=false", "csiDriver.enabled=false", "controller.enabled=false"]
+    objs = objects(template(CHART, off))
     kinds = {k for k, _ in objs}
     assert not kinds & {"DaemonSet", "Deployment", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"}
     assert ("ClusterRole", "accelnode-controller") not in objs and ("ServiceAccount", "accelnode-agent") not in objs
 
 
 BAD = [  # (the value, where Helm's message points)
-    ("webhook.certificates=letsencrypt", "'/webhook/certificates': value must be one of 'self-managed', 'cert-manager'"),
+    ("webhook.certificates=letsencrypt",
+     "'/webhook/certificates': value must be one of 'self-managed', 'cert-manager'"),
     ("controller.webhookPort=70000", "'/controller/webhookPort'"),
     ("image.digest=latest", "'/image/digest'"),
     ("kubeletDir=var/lib/kubelet", "'/kubeletDir'"),
     ("controller.gkeTpuEnv=maybe", "'/controller/gkeTpuEnv'"),
     ("devicePlugin.enabled=yes", "'/devicePlugin/enabled': got string, want boolean"),
     ("devicePlugin.tolerations[0].operator=Sometimes", "'/devicePlugin/tolerations/0/operator'"),
-    ("controller.tpuNodeGroups.placement.team-a.zones[0]=us-central1-a", "'/controller/tpuNodeGroups/placement/team-a': missing property 'projects'"),
+    ("controller.tpuNodeGroups.placement.team-a.zones[0]=us-central1-a",
+     "'/controller/tpuNodeGroups/placement/team-a': missing property 'projects'"),
     ("controller.replicas=0", "'/controller/replicas'"),
     ("csiDriver.resource.limits.memory=1Gi", "additional properties 'resource' not allowed"),
     ("namespaceOverride=Bad_NS", "'/namespaceOverride'"),
@@ -165,8 +171,8 @@ BAD = [  # (the value, where Helm's message points)
 
 @pytest.mark.parametrize("value,where", BAD, ids=[b[0].split("=")[0] for b in BAD])
 def test_schema_refuses_a_bad_value(value, where):
-    out = helm("template", "accelnode", str(CHART), "-n", NAMESPACE, "--set-string" if value.endswith("=yes") else "--set",
-               value, check=False)
+    how = "--set-string" if value.endswith("=yes") else "--set"
+    out = helm("template", "accelnode", str(CHART), "-n", NAMESPACE, how, value, check=False)
     assert out.returncode != 0 and out.stdout == ""
     assert "values don't meet the specifications of the schema" in out.stderr and where in out.stderr, out.stderr
 

@@ -125,7 +125,10 @@ def test_install_upgrade_rollback_uninstall_with_helm(world, registry, tmp_path)
     world.apply(workload("reader", ns, inline("jax-v5e", ns), chips=1, command=["python3", "-c", READER, FILE]))
     running(world, ns, "reader")
     keeps_reading(world, ns, "reader", 0)
-    csi = lambda: {p["metadata"]["uid"] for p in world.pods(selector="app.kubernetes.io/name=accelnode-csi-node")}  # noqa: E731
+
+    def csi() -> set[str]:
+        return {p["metadata"]["uid"] for p in world.pods(selector="app.kubernetes.io/name=accelnode-csi-node")}
+
     before = csi()
     h.release("upgrade", str(CHART), "--reset-values")  # Helm keeps the old values when given none
     world.wait(lambda: rolled(world, IMAGE), "the DaemonSets rolled to the new chart", timeout=240)
