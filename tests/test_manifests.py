@@ -255,6 +255,20 @@ def test_the_cert_manager_overlay_mounts_its_certificate_and_drops_the_self_mana
     assert not any(n.startswith("accelnode-controller-webhook-") and k in ("Role", "ClusterRole") for k, n in names)
 
 
+def test_the_cert_manager_overlay_keeps_every_mount_of_the_base():
+    """Its patches add the certificate beside the base's volumes (the controller's /tmp among
+    them: the read-only root needs it), never instead of them."""
+    def mounts(docs):
+        (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+        pod = dep["spec"]["template"]["spec"]
+        return ({v["name"] for v in pod["volumes"]},
+                {(m["name"], m["mountPath"]) for m in pod["containers"][0]["volumeMounts"]})
+
+    base_volumes, base_mounts = mounts(build(ROOT / "daemonsets"))
+    volumes, mounts_ = mounts(build(CERT_MANAGER))
+    assert base_volumes < volumes and base_mounts < mounts_
+
+
 # -- the image, its version and an operator's registry ---------------------------------------------
 
 

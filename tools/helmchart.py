@@ -176,12 +176,12 @@ def specific(obj: dict) -> None:
         for p in c["ports"]:
             if p["name"] == "webhook":
                 p["containerPort"] = VAL.format(".Values.controller.webhookPort")
-        # cert-manager: its serving certificate's Secret instead of the controller's own /tmp copy
+        # cert-manager: its serving certificate's Secret beside the base's mounts
         more = ITEMS.format("accelnode.controller.volumeMounts")  # the node groups' placement rules
-        c["volumeMounts"] = alt(CERT_MANAGER, [{"name": "webhook-tls", "mountPath": WEBHOOK_TLS, "readOnly": True},
-                                               more], c["volumeMounts"] + [more])
+        c["volumeMounts"] = alt(CERT_MANAGER, c["volumeMounts"] + [
+            {"name": "webhook-tls", "mountPath": WEBHOOK_TLS, "readOnly": True}, more], c["volumeMounts"] + [more])
         more = ITEMS.format("accelnode.controller.volumes")
-        pod["volumes"] = alt(CERT_MANAGER, [{"name": "webhook-tls", "secret": {
+        pod["volumes"] = alt(CERT_MANAGER, pod["volumes"] + [{"name": "webhook-tls", "secret": {
             "secretName": "accelnode-controller-webhook-cert", "defaultMode": 0o440}}, more], pod["volumes"] + [more])
         pod["securityContext"]["fsGroup"] = alt(CERT_MANAGER, 65532)
         obj["spec"]["replicas"] = VAL.format(".Values.controller.replicas")
