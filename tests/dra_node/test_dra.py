@@ -40,6 +40,11 @@ time.sleep(3600)  # hold the claim until the test deletes the pod
 
 @pytest.fixture(scope="module")
 def lane():
+    yield from started_lane("v5e-4")
+
+
+def started_lane(preset: str):
+    """A running DRA lane of ``preset`` for a module's tests, stopped after them."""
     from tests.rigs import dralane
     from tests.rigs import image as images
     from tests.rigs.node import prerequisites
@@ -48,7 +53,7 @@ def lane():
         require(False, what)
     # short: kubelet's plugin sockets live under it (unix socket paths end at 107 bytes)
     workdir = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
-    world = dralane.DRALane(workdir, TOOLS_BIN)
+    world = dralane.DRALane(workdir, TOOLS_BIN, preset)
     try:
         world.start([images.build(log=lambda m: None)])
         yield world
@@ -81,9 +86,9 @@ def chip_indices(lane, devices: list[str]) -> list[int]:
     """The host chips whose VFIO group nodes a container holds (the simulated host numbers groups in reverse)."""
     from device_plugin.health import Inventory
 
-    by_group = {f"/dev/vfio/{s.chip.iommu_group}": s.chip.index
-                for s in Inventory(lane.host.sysfs_root, lane.host.dev_root).scan()}
-    return sorted(by_group[d] for d in devices if d != "/dev/vfio/vfio")
+    by_group = {f"/dev/vfio/{g}": s.chip.index
+                for s in Inventory(lane.host.sysfs_root, lane.host.dev_root).scan() for g in s.chip.iommu_groups}
+    return sorted({by_group[d] for d in devices if d != "/dev/vfio/vfio"})
 
 
 def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
