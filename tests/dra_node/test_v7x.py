@@ -10,7 +10,7 @@ import pytest
 from tests.rigs.dralane import claim_pod as pod
 from tests.rigs.dralane import claim_template as template
 
-from .test_dra import PROBE, chip_indices, free_all_chips, namespace, report, started_lane
+from .test_dra import PROBE, chip_indices, free_all_chips, namespace, report, started_lane, tpu_limits_pod, unschedulable
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +40,14 @@ def test_four_one_chip_claims_pack_a_v7x_host_and_each_holds_both_functions(lane
         assert env["TPU_ACCELERATOR_TYPE"] == "tpu7x-8"  # TensorCores: 2 a chip
     assert sorted(held) == [0, 1, 2, 3]
     lane.apply(pod("e", ns, "one", PROBE))
-
-    def unschedulable():
-        conds = lane.get("pod", "e", "-n", ns)["status"].get("conditions") or []
-        return next((c for c in conds if c["type"] == "PodScheduled" and c["status"] == "False"), None)
-
-    cond = lane.wait(unschedulable, "pod e unschedulable")
+    cond = lane.wait(lambda: unschedulable(lane, ns, "e"), "pod e unschedulable")
     assert "cannot allocate all claims" in cond["message"], cond
 
 
 def test_a_google_com_tpu_2_pod_mounts_four_vfio_devices(lane):
     free_all_chips(lane)
     ns = namespace(lane)
-    spec = pod("old", ns, "unused", PROBE)
-    del spec["spec"]["resourceClaims"]
-    spec["spec"]["containers"][0]["resources"] = {"limits": {"google.com/tpu": "2"}}
-    lane.apply(spec)
+    lane.apply(tpu_limits_pod(ns, "old", 2))
     r = report(lane, ns, "old")
     assert len(vfio_groups(r)) == 4 and "/dev/vfio/vfio" in r["devices"], r
     assert len(chip_indices(lane, r["devices"])) == 2, r
