@@ -14,13 +14,18 @@
   DRAResourceHealth stream); each run recovers the chip and waits for both to clear;
 - ``pod_running_dra_s`` vs ``pod_running_device_plugin_s``: a pod holding 2 chips through a
   ResourceClaimTemplate vs one asking ``google.com/tpu: 2`` of the device plugin (on a second
-  simulated host of the same node), created to Running, medians of alternating runs; their ratio.
+  simulated host of the same node), created to Running, medians of the runs of each; their ratio;
+  and where the time goes, from watch events seen here (medians): ``..._claim_s`` created to its
+  claim made by the resourceclaim controller, ``..._allocated_s`` to the claim allocated,
+  ``..._bound_s`` to the pod bound to the node (scheduled), ``..._started_s`` from bound to Running
+  (kubelet: prepare or Allocate, containerd, the container's start).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -106,6 +111,14 @@ def main() -> None:
         log = (workdir / "dra.log").read_text(errors="replace")
         print("allocations read from the watch:", log.count("allocation_from=watch"), "from the API server:",
               log.count("allocation_from=api"), file=sys.stderr)
+        # inside the plugin (its log): the whole prepare and the allocation's read, against the gRPC call
+        inside = [(float(took), float(read)) for read, took in re.findall(r"read_ms=([0-9.]+).*?took_ms=([0-9.]+)", log)]
+        if inside:
+            print("in the plugin, slowest (took ms, of it reading the claim):",
+                  sorted(inside)[-5:], file=sys.stderr)
+            emit("prepare_in_plugin_p50_ms", pct([t for t, _ in inside], 50))
+            emit("prepare_in_plugin_p99_ms", pct([t for t, _ in inside], 99))
+            emit("prepare_claim_read_p99_ms", pct([r for _, r in inside], 99))
         emit("prepare_p50_ms", pct(prep, 50) * 1000)
         emit("prepare_p99_ms", pct(prep, 99) * 1000)
         emit("unprepare_p50_ms", pct(unprep, 50) * 1000)
@@ -143,8 +156,9 @@ def main() -> None:
         # DRA plugin stands down once a device plugin serves the node (device_plugin/dra/exclusive.py)
         lane.apply(claim_template("two", ns, 2))
 
-        def running(doc: dict) -> float:
+        def running(doc: dict, phases: dict) -> float:
             name = doc["metadata"]["name"]
+            seen = PhaseWatch(admin, ns, name)
             t0 = time.monotonic()
             admin.request("POST", f"/api/v1/namespaces/{ns}/pods", body=doc)
             while admin.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}").get("status", {}).get("phase") != "Running":
@@ -152,6 +166,10 @@ def main() -> None:
                     raise RuntimeError(f"pod {name} not Running after 180 s\n{lane.diagnose()}")
                 time.sleep(0.02)
             took = time.monotonic() - t0
+            time.sleep(0.2)  # the watch's last events
+            seen.stop()
+            for phase, t in seen.times.items():
+                phases.setdefault(phase, []).append(t - t0)
             lane.kubectl("delete", "pod", name, "-n", ns, "--grace-period=0", "--force", "--wait=true")
             return took
 
@@ -162,9 +180,9 @@ def main() -> None:
                                              "command": ["python3", "-c", SLEEP],
                                              "resources": {"limits": {"google.com/tpu": "2"}}}]}}
 
-        dra_t, dp_t = [], []
+        dra_t, dp_t, dra_phases, dp_phases = [], [], {}, {}
         for i in range(RUNS):
-            dra_t.append(running(claim_pod(f"dra-{i}", ns, "two", SLEEP)))
+            dra_t.append(running(claim_pod(f"dra-{i}", ns, "two", SLEEP), dra_phases))
         host2 = SimHost.preset(workdir / "host2", "v5e-4")
         dp = _Proc("accelnode device-plugin", [
             sys.executable, "-m", "accelnode", "device-plugin", "--kubelet-dir", str(DEVICE_PLUGINS),
@@ -174,7 +192,7 @@ def main() -> None:
         lane.wait(lambda: lane.get("node", node)["status"].get("allocatable", {}).get("google.com/tpu") == "4",
                   "google.com/tpu: 4 allocatable")
         for i in range(RUNS):
-            dp_t.append(running(dp_pod(f"dp-{i}")))
+            dp_t.append(running(dp_pod(f"dp-{i}"), dp_phases))
     finally:
         with contextlib.redirect_stdout(sys.stderr):
             if dp is not None:
@@ -190,6 +208,53 @@ def main() -> None:
     emit("pod_running_dra_s", statistics.median(dra_t))
     emit("pod_running_device_plugin_s", statistics.median(dp_t))
     emit("pod_running_ratio", statistics.median(dra_t) / statistics.median(dp_t))
+    for prefix, phases in (("pod_running_dra", dra_phases), ("pod_running_device_plugin", dp_phases)):
+        for phase in ("claim", "allocated", "bound", "running"):
+            if phase in phases:
+                emit(f"{prefix}_{phase}_s", statistics.median(phases[phase]))
+        if "bound" in phases and "running" in phases:
+            emit(f"{prefix}_started_s", statistics.median(r - b for b, r in zip(phases["bound"], phases["running"])))
+
+
+class PhaseWatch:
+    """When (monotonic, seen here) pod ``name`` was bound and Running, and its claim (one the
+    resourceclaim controller made for it) created and allocated: two watches, open before this returns."""
+
+    def __init__(self, admin, ns: str, name: str):
+        self.times: dict[str, float] = {}
+        self._resps = []
+        opened = [threading.Event(), threading.Event()]
+        for k, (path, query) in enumerate(((f"/api/v1/namespaces/{ns}/pods", {"fieldSelector": f"metadata.name={name}"}),
+                                           (f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims", {}))):
+            threading.Thread(target=self._follow, args=(admin, path, query, name, opened[k]), daemon=True).start()
+        for e in opened:
+            e.wait(10)
+
+    def _follow(self, admin, path: str, query: dict, name: str, opened: threading.Event) -> None:
+        def on_open(resp):
+            self._resps.append(resp)
+            opened.set()
+
+        try:
+            for ev in admin.watch(path, query, 120, on_open=on_open):
+                obj, now = ev.get("object") or {}, time.monotonic()
+                if ev["type"] not in ("ADDED", "MODIFIED"):
+                    continue
+                if obj.get("kind") == "Pod":
+                    if obj["spec"].get("nodeName"):
+                        self.times.setdefault("bound", now)
+                    if (obj.get("status") or {}).get("phase") == "Running":
+                        self.times.setdefault("running", now)
+                elif any(o.get("name") == name for o in obj["metadata"].get("ownerReferences") or []):
+                    self.times.setdefault("claim", now)
+                    if (obj.get("status") or {}).get("allocation"):
+                        self.times.setdefault("allocated", now)
+        except Exception:  # the watch ended by stop(): its connection shut
+            pass
+
+    def stop(self) -> None:
+        for r in self._resps:
+            r.shutdown()
 
 
 def health_runs(lane, admin, ns: str) -> tuple[list[float], list[float]]:

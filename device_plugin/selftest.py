@@ -27,6 +27,7 @@ from pathlib import Path
 from accelnode.decode import SMALL, decode
 
 VENDOR_GOOGLE = "0x1ae0"
+DEVICE_V7X = "0x0076"  # two PCI functions per chip
 PASS, FAIL, NO_JAX = 0, 1, 3
 # run in a child process: what JAX sees, as JSON
 _PROBE = """
@@ -49,25 +50,40 @@ print(json.dumps(out))
 
 
 def held_chips(dev_root: Path, sysfs_root: Path) -> list[dict]:
-    """The TPU chips whose device nodes this container holds, with their host index (PCI order)."""
+    """The TPU chips whose device nodes this container holds, with their host index (PCI order).
+
+    A TPU7x chip is two PCI functions; they pair as accelnode.hw.tpu.chips_of pairs them (one
+    slot, else consecutive), restated here because this file must run without accelnode."""
     pci = sysfs_root / "bus/pci/devices"
-    host = []
+    functions = []
     for bdf in sorted(os.listdir(pci)) if pci.is_dir() else []:
         try:
             if (pci / bdf / "vendor").read_text().strip() != VENDOR_GOOGLE:
                 continue
+            device = (pci / bdf / "device").read_text().strip()
         except OSError:
             continue
         group = os.path.basename(os.readlink(pci / bdf / "iommu_group")) if (pci / bdf / "iommu_group").is_symlink() \
             else None
         accel = sorted(p.name for p in (pci / bdf / "accel").iterdir()) if (pci / bdf / "accel").is_dir() else []
-        host.append({"bdf": bdf, "group": group, "accel": accel})
+        nodes = ([dev_root / "vfio" / group] if group else []) + [dev_root / a for a in accel]
+        functions.append((bdf, device, nodes))
+    host: list[list] = []  # chips: [first bdf, nodes]
+    v7x = [f for f in functions if f[1] == DEVICE_V7X]
+    by_slot = len({f[0].rpartition(".")[0] for f in v7x}) < len(v7x)
+    for n, (bdf, device, nodes) in enumerate(functions):
+        partner = host and host[-1][2] == device == DEVICE_V7X and len(host[-1][3]) == 1 and (
+            host[-1][0].rpartition(".")[0] == bdf.rpartition(".")[0] if by_slot else True)
+        if partner:
+            host[-1][1] += nodes
+            host[-1][3].append(bdf)
+        else:
+            host.append([bdf, list(nodes), device, [bdf]])
     held = []
-    for index, chip in enumerate(host):
-        nodes = ([dev_root / "vfio" / chip["group"]] if chip["group"] else []) + [dev_root / a for a in chip["accel"]]
+    for index, (bdf, nodes, _, _) in enumerate(host):
         present = [str(n) for n in nodes if n.exists()]
         if present:
-            held.append({"host_index": index, "bdf": chip["bdf"], "nodes": present})
+            held.append({"host_index": index, "bdf": bdf, "nodes": present})
     return held
 
 

@@ -18,7 +18,7 @@ mkdir -p "$work/wheels" "$work/systemd/kubelet.service.d"
 "$python" -m pip download -q --only-binary=:all: --python-version "$pyver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform linux_x86_64 --platform any -d "$work/wheels" "$work"/wheels/accelnode-*.whl
-cp "$here/kubelet.service" "$here/accelnode-bootstrap.service" "$work/systemd/"
+cp "$here/kubelet.service" "$here/accelnode-bootstrap.service" "$here/containerd.service" "$work/systemd/"
 cp "$here/kubelet.service.d/10-kubeadm.conf" "$work/systemd/kubelet.service.d/"
 tar -czf "$out" -C "$work" --owner=0 --group=0 --sort=name wheels systemd
 sha256sum "$out"

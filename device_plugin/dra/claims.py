@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -161,13 +162,16 @@ class Claims:
     def prepare(self, namespace: str, name: str, uid: str) -> list[dict]:
         """The claim's devices (``request_names``, ``pool_name``, ``device_name``, ``cdi_device_ids``)."""
         _check_uid(uid)
+        t0 = time.perf_counter()
         with self._lock(uid):
             ck = self.checkpoint_path(uid)
             if ck.exists() and self.spec_path(uid).exists():
                 devs = self._checkpointed(ck, uid)
                 if devs is not None:
                     return devs
+            t_read = time.perf_counter()
             results, source = self._allocation(namespace, name, uid)
+            t_read = time.perf_counter() - t_read
             states = {s.chip.index: s for s in self.states()}
             devices = {}  # allocated device -> its chips (one chip, or an ICI block)
             for r in results:
@@ -188,7 +192,9 @@ class Claims:
             atomic.write(ck, json.dumps({"namespace": namespace, "name": name, "uid": uid, "devices": devs}).encode(),
                          durable=False)  # see the module's docstring
             log.info("claim prepared", extra=kv(claim=f"{namespace}/{name}", uid=uid, allocation_from=source,
-                                                devices=",".join(r["device"] for r in results)))
+                                                devices=",".join(r["device"] for r in results),
+                                                read_ms=round(t_read * 1000, 2),
+                                                took_ms=round((time.perf_counter() - t0) * 1000, 2)))
             return devs
 
     def unprepare(self, uid: str) -> None:

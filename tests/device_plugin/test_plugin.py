@@ -95,6 +95,22 @@ def test_numa_and_preferred_allocation_v7x(tpu_host, kubelet, run_plugin):
     assert kubelet.preferred(four, [], 4) == four
 
 
+def test_a_v7x_host_offers_chips_and_a_chip_mounts_both_its_vfio_devices(tpu_host, kubelet, run_plugin):
+    """TPU7x: each chip is two VFIO functions; google.com/tpu counts chips, a chip is both."""
+    host = tpu_host("v7x-4")  # 4 chips, 8 functions (groups 7..0 in PCI order)
+    run_plugin(host, "--tpu-env", "visible-chips")
+    ids = [f"tpu-{b}" for b in host.chips()]
+    assert sorted(registered(kubelet, 4)) == sorted(ids)
+    resp = kubelet.allocate(ids[2:])
+    assert [d.container_path for d in resp.devices] == ["/dev/vfio/3", "/dev/vfio/2", "/dev/vfio/vfio",
+                                                        "/dev/vfio/1", "/dev/vfio/0"]
+    assert resp.envs["TPU_VISIBLE_CHIPS"] == "2,3" and resp.envs["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,2,1"
+    second = host.functions(host.chips()[1])[1]  # either function down: the chip is Unhealthy
+    host.unbind_driver(second)
+    kubelet.wait(lambda k: k.devices()[ids[1]].health == "Unhealthy", what="chip 1 Unhealthy")
+    assert [kubelet.devices()[i].health for i in ids] == ["Healthy", "Unhealthy", "Healthy", "Healthy"]
+
+
 @pytest.mark.parametrize("knob", ["vendor", "driver", "aer", "node"])
 def test_health_flip_and_recovery_on_the_same_stream(tpu_host, kubelet, run_plugin, knob):
     host = tpu_host("v5e-4")

@@ -82,3 +82,27 @@ def test_the_job_manifest_runs_every_allocation_size():
         assert f"--expect {n}" in c["args"][0] and "--try-visible-chips" in c["args"][0]
         assert spec["initContainers"][0]["command"][:2] == ["accelnode", "tpu-selftest"]
     assert sizes == [1, 2, 4, 8]
+
+
+def test_a_v7x_chip_is_held_through_both_of_its_functions(tpu_host, kubelet, run_plugin, tmp_path):
+    """TPU7x: 2 chips allocated are 4 VFIO devices; the self-test (which runs without accelnode)
+    pairs them into chips as accelnode.hw.tpu does, in a slot and where each function has its own."""
+    from device_plugin.selftest import held_chips
+    from tests.rigs.simhost import SimHost
+
+    host = tpu_host("v7x-4")
+    run_plugin(host)
+    ids = sorted(registered(kubelet))
+    dev = container_dev(tmp_path, kubelet.allocate(ids[2:]))
+    held = held_chips(dev, host.sysfs_root)
+    assert [(c["host_index"], c["nodes"]) for c in held] == [(2, [f"{dev}/vfio/3", f"{dev}/vfio/2"]),
+                                                             (3, [f"{dev}/vfio/1", f"{dev}/vfio/0"])]
+    flat = SimHost(tmp_path / "flat")  # every function in a slot of its own: consecutive ones pair
+    fdev = tmp_path / "flat-dev"
+    (fdev / "vfio").mkdir(parents=True)
+    for i in range(4):
+        d = flat.add_pci_device(f"0000:00:{4 + i:02x}.0", vendor=0x1AE0, device=0x0076)
+        (d / "iommu_group").symlink_to(f"../../../kernel/iommu_groups/{10 + i}")
+        if i >= 2:
+            (fdev / "vfio" / str(10 + i)).touch()  # the container holds the second pair's nodes
+    assert [(c["host_index"], c["bdf"]) for c in held_chips(fdev, flat.sysfs_root)] == [(1, "0000:00:06.0")]

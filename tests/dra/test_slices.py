@@ -88,7 +88,7 @@ def test_an_unhealthy_chip_taints_its_devices_instead_of_leaving_the_slice(tpu_h
 
 
 def test_numa_of_a_v7x_host(tpu_host):
-    host = tpu_host("v7x-4")
+    host = tpu_host("v7x-4")  # 8 VFIO functions, 4 chips: the devices are the 4-chip host's 7 blocks
     devs = slices.devices(Inventory(host.sysfs_root, host.dev_root).scan(), NodeConfig(), host.sysfs_root)
     numa = {d["name"]: d["attributes"].get("numaNode", {}).get("int") for d in devs}
     # a pair sits on one NUMA node; the whole host spans two, so it names none

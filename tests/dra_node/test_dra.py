@@ -40,6 +40,11 @@ time.sleep(3600)  # hold the claim until the test deletes the pod
 
 @pytest.fixture(scope="module")
 def lane():
+    yield from started_lane("v5e-4")
+
+
+def started_lane(preset: str):
+    """A running DRA lane of ``preset`` for a module's tests, stopped after them."""
     from tests.rigs import dralane
     from tests.rigs import image as images
     from tests.rigs.node import prerequisites
@@ -48,7 +53,7 @@ def lane():
         require(False, what)
     # short: kubelet's plugin sockets live under it (unix socket paths end at 107 bytes)
     workdir = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
-    world = dralane.DRALane(workdir, TOOLS_BIN)
+    world = dralane.DRALane(workdir, TOOLS_BIN, preset)
     try:
         world.start([images.build(log=lambda m: None)])
         yield world
@@ -77,13 +82,27 @@ def free_all_chips(lane) -> None:
     lane.wait(lambda: not lane.get("resourceclaims", "-A")["items"], "the claims gone with their pods")
 
 
+def unschedulable(lane, ns: str, name: str):
+    """The pod's PodScheduled=False condition once the scheduler gave up on it (None before)."""
+    conds = lane.get("pod", name, "-n", ns)["status"].get("conditions") or []
+    return next((c for c in conds if c["type"] == "PodScheduled" and c["status"] == "False"), None)
+
+
+def tpu_limits_pod(ns: str, name: str, chips: int) -> dict:
+    """An unchanged device-plugin pod: ``resources.limits: google.com/tpu: <chips>``, no claim."""
+    spec = pod(name, ns, "unused", PROBE)
+    del spec["spec"]["resourceClaims"]
+    spec["spec"]["containers"][0]["resources"] = {"limits": {"google.com/tpu": str(chips)}}
+    return spec
+
+
 def chip_indices(lane, devices: list[str]) -> list[int]:
     """The host chips whose VFIO group nodes a container holds (the simulated host numbers groups in reverse)."""
     from device_plugin.health import Inventory
 
-    by_group = {f"/dev/vfio/{s.chip.iommu_group}": s.chip.index
-                for s in Inventory(lane.host.sysfs_root, lane.host.dev_root).scan()}
-    return sorted(by_group[d] for d in devices if d != "/dev/vfio/vfio")
+    by_group = {f"/dev/vfio/{g}": s.chip.index
+                for s in Inventory(lane.host.sysfs_root, lane.host.dev_root).scan() for g in s.chip.iommu_groups}
+    return sorted({by_group[d] for d in devices if d != "/dev/vfio/vfio"})
 
 
 def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
@@ -113,12 +132,7 @@ def test_two_pods_get_two_ici_neighbours_each_and_a_third_waits(lane):
 
     # a third claim cannot be met while both hold theirs: the scheduler says why it waits
     lane.apply(pod("c", ns, "pair", PROBE))
-
-    def unschedulable():
-        conds = lane.get("pod", "c", "-n", ns)["status"].get("conditions") or []
-        return next((c for c in conds if c["type"] == "PodScheduled" and c["status"] == "False"), None)
-
-    cond = lane.wait(unschedulable, "pod c unschedulable")
+    cond = lane.wait(lambda: unschedulable(lane, ns, "c"), "pod c unschedulable")
     assert cond["reason"] == "Unschedulable" and "cannot allocate all claims" in cond["message"], cond
     # the claims go with their pods: the chips come back and c runs
     lane.kubectl("delete", "pod", "a", "-n", ns, "--grace-period=1")
@@ -153,10 +167,7 @@ def test_a_google_com_tpu_pod_runs_through_the_driver(lane):
     it made, and the container gets the host's chips and the env the device plugin would give."""
     free_all_chips(lane)
     ns = namespace(lane)
-    spec = pod("old", ns, "unused", PROBE)
-    del spec["spec"]["resourceClaims"]
-    spec["spec"]["containers"][0]["resources"] = {"limits": {"google.com/tpu": "4"}}
-    lane.apply(spec)
+    lane.apply(tpu_limits_pod(ns, "old", 4))
     r = report(lane, ns, "old")
     assert chip_indices(lane, r["devices"]) == [0, 1, 2, 3] and "/dev/vfio/vfio" in r["devices"], r
     env = r["tpu_env"]

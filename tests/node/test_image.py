@@ -84,3 +84,26 @@ def test_the_image_is_pushed_to_the_operators_registry_as_built(tmp_path, auth_r
         assert reg.blob_exists("team/accelnode", d["digest"], ref)
     with pytest.raises(images.ImageError, match="name a tag"):
         images.push(image, f"{auth_registry.host}/team/accelnode", auth_registry.options())
+
+
+def test_import_uses_the_containerd_2_ctr_we_build_never_paths(tmp_path, monkeypatch, capsys):
+    """``--import`` runs .tools/containerd2/bin/ctr (fresh machines have no Debian ctr on PATH;
+    an old one would be containerd 1.x); a ctr that is not there fails before any build."""
+    from tests.rigs.node import containerd_bin
+
+    bin_dir = tmp_path / "path"
+    bin_dir.mkdir()
+    (bin_dir / "ctr").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "ctr").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    tools = tmp_path / "tools" / "bin"
+    monkeypatch.setenv("ACCELNODE_TOOLS_BIN", str(tools))
+    built = containerd_bin(tools) / "ctr"
+    built.parent.mkdir(parents=True)
+    built.write_text("#!/bin/sh\nexit 0\n")
+    assert images.import_ctr(None) == built  # not PATH's
+    built.unlink()
+    monkeypatch.setattr(images, "build", lambda **kw: (_ for _ in ()).throw(AssertionError("built anyway")))
+    assert images.main(["--import", str(tmp_path / "sock")]) == 1
+    assert f"no ctr at {built}" in capsys.readouterr().err
+    assert images.main(["--import", str(tmp_path / "sock"), "--ctr", str(tmp_path / "none")]) == 1

@@ -23,13 +23,15 @@ from tests.rigs.simhost import SimHost
 # the DRA lane: control plane, a containerd 2 node, a simulated TPU host, `accelnode dra`
 
 DRIVER = "tpu.google.com"
-LABELS = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice", "cloud.google.com/gke-tpu-topology": "2x2"}
+# the node labels GKE gives a host of each preset the lane runs
+LABELS = {"v5e-4": {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice", "cloud.google.com/gke-tpu-topology": "2x2"},
+          "v7x-4": {"cloud.google.com/gke-tpu-accelerator": "tpu7x", "cloud.google.com/gke-tpu-topology": "2x2x1"}}
 DEVICE_CLASS = Path(__file__).resolve().parents[2] / "overlays/dra/deviceclass.yaml"
 
 
 class DRALane:
-    """A control plane for real kubelets, a :class:`tests.rigs.node.Node` labelled as a v5e 2x2 TPU node,
-    a simulated v5e-4 host and ``accelnode dra`` serving it from the host (as the admin: the
+    """A control plane for real kubelets, a :class:`tests.rigs.node.Node` labelled as a TPU node of
+    ``preset`` (a v5e 2x2 by default; :data:`LABELS`), a simulated host of that preset and ``accelnode dra`` serving it from the host (as the admin: the
     plugin's own account is tested in tests/dra/test_rbac.py), the DeviceClass applied and the
     node's slice published. ``workdir`` must be short: kubelet's plugin sockets live under it."""
 
@@ -42,7 +44,7 @@ class DRALane:
         try:
             self.cp.start()
             self.host = SimHost.preset(self.workdir / "host", self.preset)
-            self.node = Node(self.workdir / "n", self.tools_bin, self.cp, name="accelnode-dra", labels=LABELS)
+            self.node = Node(self.workdir / "n", self.tools_bin, self.cp, name="accelnode-dra", labels=LABELS[self.preset])
             self.node.start(import_images)
             self.plugin = _Proc("accelnode dra", [
                 sys.executable, "-m", "accelnode", "dra", "--node-name", self.node.name,

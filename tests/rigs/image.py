@@ -15,7 +15,8 @@ that ``ctr images import`` (containerd) takes:
 
 Both layers and the archive are cached under ``.tools/images/`` (git-ignored) by a hash of their
 inputs, so tests and the demo reuse them. ``python -m tests.rigs.image`` builds and prints
-the archive's path; ``--import SOCKET`` also imports it into containerd's ``k8s.io`` namespace,
+the archive's path; ``--import SOCKET`` also imports it into containerd's ``k8s.io`` namespace
+with the containerd 2.2 ``ctr`` we build (``.tools/containerd2/bin``; ``--ctr PATH`` for another),
 ``--push REF`` pushes it to a registry the operator chooses (``make image PUSH=REF``; credentials
 from the Docker config file, as ``accelnode cache build`` takes them).
 
@@ -315,9 +316,9 @@ def build_pause(root: Path = ROOT) -> Image:
     return Image(archive, PAUSE_NAME, key)
 
 
-def ctr_import(image: Image, address: str, namespace: str = "k8s.io", ctr: str = "ctr") -> None:
+def ctr_import(image: Image, address: str, ctr: str, namespace: str = "k8s.io") -> None:
     """Import (and unpack) the archive into containerd at ``address`` with the ``ctr`` given (the
-    node's own: tests/rigs/node.py)."""
+    containerd 2.2 one we build: tests/rigs/node.py ``containerd_bin``)."""
     _run([ctr, "--address", address, "--namespace", namespace, "images", "import", image.archive], f"ctr images import {image.archive.name}")
 
 
@@ -345,12 +346,27 @@ def push(image: Image, ref: str, options) -> str:
     return target.pinned(digest)
 
 
+def import_ctr(given: str | None) -> Path:
+    """The ctr that ``--import`` runs: ``given``, else the containerd 2 one we build (PATH's may be
+    Debian's 1.x, or none: fresh machines have no ``containerd`` package)."""
+    from tests.rigs.node import containerd_bin
+
+    ctr = Path(given) if given else containerd_bin(Path(os.environ.get("ACCELNODE_TOOLS_BIN", ROOT / ".tools/bin"))) / "ctr"
+    if not ctr.is_file():
+        raise ImageError(f"no ctr at {ctr}: `make tools` builds containerd 2 there (tools/mk/containerd2.mk), "
+                         "or name one with --ctr")
+    return ctr
+
+
 def main(argv: list[str] | None = None) -> int:
     from accelnode.oci.errors import ImageError as OCIError
     from accelnode.oci.registry import RegistryOptions
 
     p = argparse.ArgumentParser(prog="python -m tests.rigs.image", description=__doc__.splitlines()[0])
     p.add_argument("--import", dest="address", metavar="SOCKET", help="import into containerd at SOCKET (k8s.io)")
+    p.add_argument("--ctr", metavar="PATH", default=None,
+                   help="the ctr of --import (default: the containerd 2 one tools/mk/containerd2.mk builds, "
+                        "beside $ACCELNODE_TOOLS_BIN or .tools/bin; never the one on PATH)")
     p.add_argument("--push", metavar="REF", help="push to REF (registry/repository:tag), e.g. "
                    "registry.example.com/team/accelnode:" + NAME.rsplit(":", 1)[1])
     p.add_argument("--plain-http", action="store_true", help="talk HTTP to the registry of --push (a local one)")
@@ -360,9 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
+        ctr = import_ctr(args.ctr) if args.address else None  # before the build: a missing one fails at once
         image = build_pause() if args.pause else build(log=log)
-        if args.address:
-            ctr_import(image, args.address)
+        if ctr:
+            ctr_import(image, args.address, str(ctr))
         if args.push:
             pinned = push(image, args.push, RegistryOptions(plain_http=args.plain_http, config_file=args.registry_config))
             log(f"image: pushed {pinned}")

@@ -3,8 +3,9 @@
 Used by the tests, the demo and other components' tests. Building one needs root (mknod).
 The layout is the kernel's: ``sys/devices/pci0000:00/<bdf>/`` holds the PCI attributes,
 ``sys/bus/pci/devices/<bdf>`` links to it, ``iommu_group`` and ``driver`` are symlinks, and
-``dev/vfio/<group>`` (v5e+) or ``dev/accelN`` (v4) are character devices. Attribute writes are
-atomic (write to a temporary name, then rename), like sysfs reads are.
+``dev/vfio/<group>`` (v5e+) or ``dev/accelN`` (v4) are character devices. A TPU7x chip is two
+PCI functions (``.0`` and ``.1`` of one slot), each in its own IOMMU group with its own VFIO node.
+Attribute writes are atomic (write to a temporary name, then rename), like sysfs reads are.
 
 The device numbers are from the "local/experimental" range (major 240-254), so a stray open
 of a simulated node never reaches real hardware.
@@ -18,7 +19,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from accelnode.hw.tpu import DEVICE_IDS, VENDOR_GOOGLE, VFIO_GENERATIONS, aer_fatal_total, pci_sort_key
+from accelnode.hw.tpu import DEVICE_IDS, FUNCTIONS_PER_CHIP, VENDOR_GOOGLE, VFIO_GENERATIONS, aer_fatal_total, pci_sort_key
 
 SIM_MAJOR_VFIO_GROUP = 240
 SIM_MAJOR_ACCEL = 241
@@ -37,15 +38,16 @@ class SimHost:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         for drv in DRIVER.values():
             (self.root / "sys/bus/pci/drivers" / drv).mkdir(parents=True, exist_ok=True)
-        self._generation: dict[str, str] = {}  # bdf -> generation of simulated TPU chips
+        self._generation: dict[str, str] = {}  # bdf -> generation of simulated TPU functions
+        self._functions: dict[str, list[str]] = {}  # chip (its first function's bdf) -> its functions
         self._removed_nodes: dict[str, tuple[str, int, int]] = {}  # bdf -> (path, major, minor)
 
     @classmethod
     def preset(cls, root: str | os.PathLike, name: str) -> "SimHost":
         """A host like a TPU VM: ``"<generation>-<chips>"`` (e.g. ``"v5e-4"``, ``"v7x-4"``).
 
-        Chips sit at 0000:00:04.0 onwards with IOMMU groups numbered in reverse, so anything that
-        orders chips by group number shows up wrong. Hosts with 4 or more chips split their
+        Chips sit at 0000:00:04.0 onwards (a v7x chip's second function at .1) with IOMMU groups
+        numbered in reverse, so anything that orders chips by group number shows up wrong. Hosts with 4 or more chips split their
         chips over two NUMA nodes for v7x and 8-chip hosts (v7x pairs one NUMA half with 2 chips),
         else NUMA node 0. A non-TPU NIC (virtio, 0000:00:03.0) sits on the bus too.
         """
@@ -56,9 +58,11 @@ class SimHost:
         host = cls(root)
         host.add_pci_device("0000:00:03.0", vendor=0x1AF4, device=0x1000)
         split = n >= 4 and (gen == "v7x" or n == 8)
+        per_chip = FUNCTIONS_PER_CHIP.get(gen, 1)
         for i in range(n):
             numa = (i * 2 // n) if split else 0
-            host.add_chip(gen, bdf=f"0000:00:{4 + i:02x}.0", numa_node=numa, iommu_group=str(n - 1 - i))
+            groups = [str(per_chip * (n - i) - 1 - k) for k in range(per_chip)]
+            host.add_chip(gen, bdf=f"0000:00:{4 + i:02x}.0", numa_node=numa, iommu_group=groups)
         return host
 
     @property
@@ -70,8 +74,14 @@ class SimHost:
         return self.root / "dev"
 
     def chips(self) -> list[str]:
-        """PCI addresses of the simulated TPU chips, in PCI order."""
-        return sorted(self._generation, key=pci_sort_key)
+        """PCI addresses of the simulated TPU chips (their first functions), in PCI order."""
+        return sorted(self._functions, key=pci_sort_key)
+
+    def functions(self, bdf: str) -> list[str]:
+        """The PCI functions of the chip at ``bdf``, in PCI order (two on v7x)."""
+        if bdf not in self._functions:
+            raise KeyError(f"no simulated TPU chip at {bdf}")
+        return list(self._functions[bdf])
 
     # -- building --------------------------------------------------------------------------
 
@@ -92,23 +102,40 @@ class SimHost:
     def remove_pci_device(self, bdf: str) -> None:
         """Undo :meth:`add_pci_device` for a device that is not a TPU chip (those: :meth:`remove_chip`)."""
         if bdf in self._generation:
-            raise ValueError(f"{bdf} is a simulated TPU chip: use remove_chip")
+            raise ValueError(f"{bdf} is a function of a simulated TPU chip: use remove_chip")
         (self.sysfs_root / "bus/pci/devices" / bdf).unlink()
         shutil.rmtree(self.sysfs_root / "devices/pci0000:00" / bdf)
 
     def add_chip(self, generation: str, *, bdf: str | None = None, numa_node: int = 0,
-                 iommu_group: str | int | None = None) -> str:
-        """Add a TPU chip with its device node(s); returns its PCI address."""
+                 iommu_group: str | int | list | None = None) -> str:
+        """Add a TPU chip with its function(s) and device node(s); returns its PCI address (its
+        first function's). ``iommu_group``: one per function (a list on v7x) or the first's."""
         if generation not in DEVICE_IDS:
             raise ValueError(f"unknown TPU generation {generation!r}; known: {', '.join(DEVICE_IDS)}")
+        per_chip = FUNCTIONS_PER_CHIP.get(generation, 1)
         bdf = bdf or self._free_bdf()
+        addresses = [f"{bdf.rpartition('.')[0]}.{k}" for k in range(per_chip)] if per_chip > 1 else [bdf]
         vfio = generation in VFIO_GENERATIONS
+        groups: list[str] = []
         if vfio:
-            group = str(iommu_group if iommu_group is not None else self._free_group())
-            if (self.sysfs_root / "kernel/iommu_groups" / group).exists():
-                raise FileExistsError(f"IOMMU group {group} is already in use on the simulated host")
+            wanted = iommu_group if isinstance(iommu_group, list) else [iommu_group]
+            for k in range(per_chip):
+                g = wanted[k] if k < len(wanted) and wanted[k] is not None else self._free_group(exclude=groups)
+                if (self.sysfs_root / "kernel/iommu_groups" / str(g)).exists() or str(g) in groups:
+                    raise FileExistsError(f"IOMMU group {g} is already in use on the simulated host")
+                groups.append(str(g))
+        for a in addresses:
+            if (self.sysfs_root / "devices/pci0000:00" / a).exists():
+                raise FileExistsError(f"PCI device {a} already exists on the simulated host")
+        for k, a in enumerate(addresses):
+            self._add_function(generation, a, numa_node, groups[k] if vfio else None)
+        self._functions[addresses[0]] = addresses
+        return addresses[0]
+
+    def _add_function(self, generation: str, bdf: str, numa_node: int, group: str | None) -> None:
         d = self.add_pci_device(bdf, vendor=VENDOR_GOOGLE, device=DEVICE_IDS[generation], numa_node=numa_node)
         self._generation[bdf] = generation
+        vfio = group is not None
         (d / "driver").symlink_to(f"../../../bus/pci/drivers/{DRIVER[vfio]}")
         if vfio:
             gdir = self.sysfs_root / "kernel/iommu_groups" / group / "devices"
@@ -122,10 +149,15 @@ class SimHost:
             (d / "accel" / f"accel{n}").mkdir(parents=True)
             self._write(d / "accel" / f"accel{n}" / "dev", f"{SIM_MAJOR_ACCEL}:{n}\n")
             self._mknod(self.dev_root / f"accel{n}", SIM_MAJOR_ACCEL, n)
-        return bdf
 
     def remove_chip(self, bdf: str) -> None:
-        """Hot-unplug: the device node goes first, then the sysfs entries (as the kernel does)."""
+        """Hot-unplug a chip: each of its functions as :meth:`remove_function` does."""
+        for f in self.functions(bdf):
+            self.remove_function(f)
+
+    def remove_function(self, bdf: str) -> None:
+        """Hot-unplug one function: the device node goes first, then the sysfs entries (as the
+        kernel does). The chip is forgotten with its last function."""
         d = self._chip_dir(bdf)
         node = self._node_path(bdf)
         if node.exists():
@@ -140,6 +172,11 @@ class SimHost:
         shutil.rmtree(d)
         del self._generation[bdf]
         self._removed_nodes.pop(bdf, None)
+        for first, fs in list(self._functions.items()):
+            if bdf in fs:
+                fs.remove(bdf)
+                if not fs:
+                    del self._functions[first]
         if not any(g in VFIO_GENERATIONS for g in self._generation.values()):
             (self.dev_root / "vfio/vfio").unlink(missing_ok=True)
 
@@ -180,8 +217,9 @@ class SimHost:
     # -- internals -------------------------------------------------------------------------
 
     def _chip_dir(self, bdf: str) -> Path:
+        """The sysfs directory of a TPU function (a chip's address is its first function's)."""
         if bdf not in self._generation:
-            raise KeyError(f"no simulated TPU chip at {bdf}")
+            raise KeyError(f"no simulated TPU chip or function at {bdf}")
         return self.sysfs_root / "devices/pci0000:00" / bdf
 
     def _node_path(self, bdf: str) -> Path:
@@ -191,11 +229,11 @@ class SimHost:
         return self.dev_root / next(iter(os.listdir(d / "accel")))
 
     def _free_bdf(self) -> str:
-        used = set(os.listdir(self.sysfs_root / "bus/pci/devices"))
-        return next(b for b in (f"0000:00:{i:02x}.0" for i in range(4, 32)) if b not in used)
+        used = {b.rpartition(".")[0] for b in os.listdir(self.sysfs_root / "bus/pci/devices")}
+        return next(f"{s}.0" for s in (f"0000:00:{i:02x}" for i in range(4, 32)) if s not in used)
 
-    def _free_group(self) -> int:
-        used = set(os.listdir(self.sysfs_root / "kernel/iommu_groups"))
+    def _free_group(self, exclude=()) -> int:
+        used = set(os.listdir(self.sysfs_root / "kernel/iommu_groups")) | set(exclude)
         return next(i for i in range(1024) if str(i) not in used)
 
     def _free_accel(self) -> int:
