@@ -22,8 +22,9 @@ from tests.rigs.image import EPOCH, SUITE, cache_dir
 
 RECIPE_VERSION = "1"  # bump when the recipe below changes what it makes
 IMAGE_PACKAGES = ("curl", "ca-certificates")  # what a stock GCE image has and minbase lacks
-# what node-startup.sh installs with apt-get (downloaded into the cache, not installed)
-STARTUP_PACKAGES = ("containerd", "runc", "python3", "python3-venv", "conntrack", "iptables")
+# what node-startup.sh installs with apt-get (downloaded into the cache, not installed); containerd 2
+# comes from its release tarball (accelnode-containerd-url), not from apt
+STARTUP_PACKAGES = ("runc", "python3", "python3-venv", "conntrack", "iptables")
 
 
 def key() -> str:
