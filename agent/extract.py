@@ -27,6 +27,11 @@ import zstandard
 
 from accelnode.oci.limits import Limits
 
+try:  # ISA-L's inflate: about 2.5x zlib's on the pull's data (bench/bench_cache.py prints both rates)
+    from isal import isal_zlib as INFLATE
+except ImportError:  # the package is optional: zlib inflates the same streams, slower
+    INFLATE = zlib
+
 
 CHUNK = 512 << 10  # per-read size: 8 layers in parallel stay well under 100 MB RSS
 WHITEOUT = ".wh."
@@ -117,11 +122,13 @@ class Layer:
 
 
 class _Gunzip:
-    """gzip (possibly multi-member) decompression of a raw stream, ``read(n)`` at a time."""
+    """gzip (possibly multi-member) decompression of a raw stream, ``read(n)`` at a time, by
+    ``lib`` (:data:`INFLATE` unless told: ``isal_zlib`` or ``zlib``, the same interface)."""
 
-    def __init__(self, raw):
+    def __init__(self, raw, lib=None):
         self._raw = raw
-        self._d = zlib.decompressobj(31)
+        self._lib = lib or INFLATE
+        self._d = self._lib.decompressobj(31)
 
     def read(self, n: int) -> bytes:
         while True:
@@ -129,14 +136,14 @@ class _Gunzip:
                 pending = self._d.unused_data or self._raw.read(CHUNK)
                 if not pending:
                     return b""
-                self._d = zlib.decompressobj(31)
+                self._d = self._lib.decompressobj(31)
             else:
                 pending = self._d.unconsumed_tail or self._raw.read(CHUNK)
                 if not pending:
                     raise Refused("gzip stream ends before its end marker")
             try:
                 out = self._d.decompress(pending, n)
-            except zlib.error as e:
+            except (zlib.error, self._lib.error) as e:
                 raise Refused(f"not a valid gzip stream ({e})") from None
             if out:
                 return out
