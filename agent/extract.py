@@ -27,10 +27,17 @@ import zstandard
 
 from accelnode.oci.limits import Limits
 
-try:  # ISA-L's inflate: about 2.5x zlib's on the pull's data (bench/bench_cache.py prints both rates)
-    from isal import isal_zlib as INFLATE
-except ImportError:  # the package is optional: zlib inflates the same streams, slower
-    INFLATE = zlib
+
+def inflater():
+    """The module gzip layers inflate with: ISA-L's ``isal_zlib`` (about 2.5x zlib's rate on a
+    pull's data; bench/bench_cache.py prints both) where the optional ``isal`` package is
+    installed, else ``zlib`` (the same interface). Imported at the first gzip layer, not before:
+    a node whose caches are zstd or uncompressed never maps it."""
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        return zlib
+    return isal_zlib
 
 
 CHUNK = 512 << 10  # per-read size: 8 layers in parallel stay well under 100 MB RSS
@@ -123,11 +130,11 @@ class Layer:
 
 class _Gunzip:
     """gzip (possibly multi-member) decompression of a raw stream, ``read(n)`` at a time, by
-    ``lib`` (:data:`INFLATE` unless told: ``isal_zlib`` or ``zlib``, the same interface)."""
+    ``lib`` (:func:`inflater`'s unless told)."""
 
     def __init__(self, raw, lib=None):
         self._raw = raw
-        self._lib = lib or INFLATE
+        self._lib = lib or inflater()
         self._d = self._lib.decompressobj(31)
 
     def read(self, n: int) -> bytes:

@@ -145,12 +145,12 @@ def inflate_rates(sample: bytes) -> dict[str, float]:
 
     import zstandard
 
-    from agent.extract import CHUNK, INFLATE
+    from agent.extract import CHUNK, inflater
 
     blobs = {"zlib": gzip.compress(sample, 6, mtime=0), "zstd": zstandard.ZstdCompressor().compress(sample)}
     makers = {"zlib": lambda: zlib.decompressobj(31), "zstd": lambda: zstandard.ZstdDecompressor().decompressobj()}
-    if INFLATE is not zlib:
-        blobs["isal"], makers["isal"] = blobs["zlib"], lambda: INFLATE.decompressobj(31)
+    if (fast := inflater()) is not zlib:
+        blobs["isal"], makers["isal"] = blobs["zlib"], lambda: fast.decompressobj(31)
     rates = {}
     for name, make in makers.items():
         blob, best = blobs[name], float("inf")

@@ -15,7 +15,7 @@ import pytest
 from agent import extract
 from agent.extract import Refused, _Gunzip
 
-LIBS = [zlib] + ([extract.INFLATE] if extract.INFLATE is not zlib else [])
+LIBS = [zlib] + ([extract.inflater()] if extract.inflater() is not zlib else [])
 
 
 def _all(stream) -> bytes:
@@ -45,7 +45,7 @@ def test_a_broken_stream_is_refused_alike(lib, blob, fragment):
 
 def test_the_fast_inflate_is_in_use_where_installed():
     pytest.importorskip("isal")
-    assert extract.INFLATE.__name__ == "isal.isal_zlib"
+    assert extract.inflater().__name__ == "isal.isal_zlib"
 
 
 def test_without_isal_a_gzip_cache_pulls_through_zlib(registry, tmp_path):
@@ -57,7 +57,7 @@ def test_without_isal_a_gzip_cache_pulls_through_zlib(registry, tmp_path):
     (src / "kernel.json").write_text('{"target": {"backend": "cuda", "arch": 90, "warp_size": 32}}')
     image = registry.push(tmp_path / "src", "inflate/fallback", compression="gzip")
     code = ("import sys; sys.modules['isal'] = None\n"  # what `import isal` meets when it is not installed
-            "import zlib\nfrom agent import extract\nassert extract.INFLATE is zlib, extract.INFLATE\n"
+            "import zlib\nfrom agent import extract\nassert extract.inflater() is zlib, extract.inflater()\n"
             "from accelnode.oci.registry import RegistryOptions\nfrom agent.store import CacheStore\n"
             "got = CacheStore(sys.argv[1], registry=RegistryOptions(plain_http=True)).ensure(sys.argv[2])\n"
             "print(got.path)\n")
