@@ -7,7 +7,7 @@
   strongest); and that last one followed by ``sync -f`` of what it unpacked
   (``_vs_oras_parallel_tar_sync``): our pull flushes the cache to disk before it publishes it (a
   cache survives a power cut complete or not at all), which no plain ``tar`` does, so this is
-  the like-for-like figure; the median of 3 rounds, the contenders interleaved in a rotating order;
+  the like-for-like figure; the median of 5 rounds, the contenders interleaved in a rotating order;
 - the same pull with zlib's inflate instead of ISA-L's (``cold_pull_zlib``: ``isal`` hidden from
   that process, as where it is not installed), and the pull of the same tree built by us as zstd
   layers (``cold_pull_zstd``), each as a ratio to the like-for-like baseline of the gzip image;
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 TOTAL = 512 << 20
 FILES = 64
 LAYERS = 8
-ROUNDS = 3
+ROUNDS = 5  # medians of 5: the machine is shared, its load is printed beside the figures
 
 
 def make_cache(root: Path) -> None:
@@ -260,6 +260,7 @@ def main() -> None:
         raise RuntimeError(f"{oras} missing: run `make tools`")
     work = Path(tempfile.mkdtemp(prefix="bench-cache.", dir=os.environ.get("ACCELNODE_BENCH_DIR")))
     (work / "registry").mkdir()
+    load_start = os.getloadavg()[0]
     reg = RunningRegistry(work / "registry")
     try:
         make_cache(work / "src")
@@ -319,6 +320,7 @@ def main() -> None:
             CacheStore(store_dir, registry=opts).ensure(image)
             samples.append(time.perf_counter() - start)
         med = {name: statistics.median(v) for name, v in secs.items()}
+        print(f"BENCH cache loadavg_1min_start={load_start:.2f} loadavg_1min_end={os.getloadavg()[0]:.2f}", flush=True)
         like = med["oras_parallel_tar_sync"]
         print(f"BENCH cache floor_disk_write_fsync_mib_s={write_rate:.0f}", flush=True)
         for name, rate in inflate.items():

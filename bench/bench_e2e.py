@@ -74,6 +74,7 @@ def main() -> None:
     tools = Path(os.environ.get("ACCELNODE_TOOLS_BIN", ROOT / ".tools/bin"))
     workdir = Path(tempfile.mkdtemp(prefix="accelnode-bench-e2e-"))
     demo = Demo(workdir, tools)
+    load_start = os.getloadavg()[0]
     try:
         with contextlib.redirect_stdout(sys.stderr):
             demo.up()
@@ -116,6 +117,8 @@ def main() -> None:
             mems = {name: memory.of(p.pid) for name, p in procs.items()}
             for name, p in procs.items():  # where each daemon's megabytes lie, by mapping
                 print(memory.breakdown(name, p.pid), file=sys.stderr, flush=True)
+        emit("loadavg_1min_start", load_start)
+        emit("loadavg_1min_end", os.getloadavg()[0])
         emit("suite_ready_s", emit_later["suite_ready_s"])
         emit("pod_running_cold_s", cold)
         emit("ctr_pull_s", anchor)
