@@ -17,17 +17,18 @@ import sys
 
 from . import __version__, exitcodes, log as alog
 
-# subcommand name -> module that registers it (in the order `--help` lists them)
-COMPONENTS = [
-    "device_plugin.cli",
-    "device_plugin.selftest",
-    "device_plugin.dra.cli",
-    "csi_driver.cli",
-    "agent.cli",
-    "agent.cache_cli",
-    "bootstrap.cli",
-    "controller.cli",
-]
+# subcommand -> module that registers it (in the order `--help` lists them). A daemon imports
+# only its own: every module a process imports stays resident in it (tests/test_cli.py).
+COMPONENTS = {
+    "device-plugin": "device_plugin.cli",
+    "tpu-selftest": "device_plugin.selftest",
+    "dra": "device_plugin.dra.cli",
+    "csi": "csi_driver.cli",
+    "agent": "agent.cli",
+    "cache": "agent.cache_cli",
+    "bootstrap": "bootstrap.cli",
+    "controller": "controller.cli",
+}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -99,7 +100,9 @@ def add_common(parser: argparse.ArgumentParser) -> None:
                    help="one JSON object per line, or key=value text (default: %(default)s)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``command`` (a key of :data:`COMPONENTS`), only that
+    subcommand's, so that running it imports no other component's module."""
     parser = argparse.ArgumentParser(
         prog="accelnode",
         description="Node-level software for Kubernetes accelerator nodes.",
@@ -109,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"accelnode {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for modname in COMPONENTS:
+    for modname in [COMPONENTS[command]] if command in COMPONENTS else COMPONENTS.values():
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as e:
@@ -133,7 +136,8 @@ def _own_errors(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")

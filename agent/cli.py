@@ -130,7 +130,7 @@ def _credentials(args: argparse.Namespace, options):
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelnode.malloc import limit_arenas
+    from accelnode.malloc import limit_arenas, trim
 
     limit_arenas()  # before any thread starts: one malloc arena (accelnode/malloc.py)
 
@@ -208,11 +208,13 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    trim()  # what starting freed goes back (accelnode/malloc.py)
     while not stop.wait(args.gc_interval):
         try:
             agent.collect_to_watermark()
         except Exception:  # a store problem is logged; serving goes on, the next check tries again
             log.exception("watermark collection failed")
+        trim()
     log.info("agent stopping")
     if reporter is not None:
         reporter.stop()

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from accelnode.hw.accelerators import Accelerator
 from accelnode.log import kv
+from accelnode.malloc import trim
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci import errors
 from accelnode.oci.manifest import inspect
@@ -380,6 +381,7 @@ class Agent:
             self._expire_failed()
         pull.done.set()
         self.on_change()
+        trim()  # the pull's buffers, freed, go back to the kernel (accelnode/malloc.py)
 
     def _expire_failed(self) -> None:
         """Forget failed pulls beyond MAX_FAILED (oldest first) or older than FAILED_TTL (under the lock)."""

@@ -13,7 +13,10 @@ Metrics:
 * 50 concurrent publishes of one uncached digest: registry downloads of its blobs (counted on
   the wire by a proxy) and pulls the agent started — both must be 1;
 * idle memory of csi + agent together and of each: RSS, PSS (shared library pages counted once) and
-  USS (bench/memory.py).
+  USS (bench/memory.py);
+* memory after use: RSS of csi + agent after 10 pulls (each a cold publish of its own image) and
+  again after 90 more and 1,000 publishes and unpublishes of an installed cache
+  (``soak_rss_growth_mb``: nothing a finished pull or publish leaves may stay resident).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ CROWD_CALLS = 50  # of noise from elsewhere on the machine falls on both; calls 
 HELD = 1000  # our own volumes published for the references measurement
 TARGETS = {"warm_publish_p99_ms": "<=20", "cold_publish_ratio": "<=1.05", "concurrent_downloads": "==1",
            "idle_rss_mb": "<=60", "publish_p99_mount_ratio": "<=1.5", "unpublish_p99_mount_ratio": "<=1.5",
-           "publish_p99_view_vs_bind_ratio": "<=1.5"}  # bench/run.py's format
+           "publish_p99_view_vs_bind_ratio": "<=1.5", "soak_rss_growth_mb": "<=3"}  # bench/run.py's format
 
 
 def emit(metric: str, value, fmt: str = ".2f") -> None:
@@ -273,6 +276,38 @@ def agent_metric(node: Node, name: str) -> float:
     return sum(float(x.split()[-1]) for x in lines if x.startswith((name + " ", name + "{")))
 
 
+SOAK_PULLS, SOAK_PUBLISHES, SOAK_WARMUP = 100, 1000, 10
+
+
+def soak(node: Node, reg: RunningRegistry, tmp: Path) -> None:
+    images = [push(reg, make_cache(tmp / f"soak{i}", {"xla/module.bin": os.urandom(64 << 10)}), f"bench/soak{i}")
+              for i in range(SOAK_PULLS)]
+    stub = node.node_stub()
+
+    def pull(image: str, i: int) -> None:
+        v = node.volume(image, pod_name=f"soak-{i}")
+        publish_until_ok(stub, v.publish_request())
+        stub.NodeUnpublishVolume(v.unpublish_request(), timeout=30)
+
+    def rss() -> float:
+        time.sleep(2)  # idle: the main loops give freed memory back (accelnode/malloc.py)
+        return sum(memory.of(d.proc.pid).rss_mb for d in (node.agent, node.csi))
+
+    for i, image in enumerate(images[:SOAK_WARMUP]):
+        pull(image, i)
+    before = rss()
+    for i, image in enumerate(images[SOAK_WARMUP:], SOAK_WARMUP):
+        pull(image, i)
+    for i in range(SOAK_PUBLISHES):
+        v = node.volume(images[0], pod_name=f"soak-pub-{i}")
+        stub.NodePublishVolume(v.publish_request(), timeout=30)
+        stub.NodeUnpublishVolume(v.unpublish_request(), timeout=30)
+    after = rss()
+    emit("soak_rss_before_mb", before, ".1f")
+    emit(f"soak_rss_after_{SOAK_PULLS}_pulls_{SOAK_PUBLISHES}_publishes_mb", after, ".1f")
+    emit("soak_rss_growth_mb", after - before, ".1f")
+
+
 def idle_memory(tmp: Path) -> None:
     node = Node(tmp / "idle")
     try:
@@ -307,6 +342,7 @@ def main() -> None:
             crowded(node, small, tmp)
             concurrent(node, reg, tmp)
             cold(node, reg, tmp)
+            soak(node, reg, tmp)
         finally:
             node.close()
             reg.stop()

@@ -43,3 +43,46 @@ def emit_all(emit: Callable[..., None], prefix: str, mem: Memory, fmt: str = ".1
     emit(f"{prefix}rss_mb", mem.rss_mb, fmt)
     emit(f"{prefix}pss_mb", mem.pss_mb, fmt)
     emit(f"{prefix}uss_mb", mem.uss_mb, fmt)
+
+
+# where a process's memory lies: each mapping of /proc/PID/smaps put under one of these, by
+# the first pattern its path contains (anonymous mappings: their kernel name, or "anon")
+KINDS = (
+    ("grpc", ("cygrpc", "grpc")),
+    ("protobuf", ("google/_upb", "protobuf")),
+    ("crypto", ("libcrypto", "libssl", "_ssl", "_hashlib", "cryptography", "_cffi")),
+    ("zstd", ("zstandard", "zstd")),
+    ("isal", ("isal",)),
+    ("python", ("python3", "libpython")),
+    ("libc", ("libc.so", "libm.so", "ld-linux", "libstdc++", "libgcc")),
+    ("other .so", (".so",)),
+    ("heap", ("[heap]",)),
+    ("stack", ("[stack",)),
+)
+
+
+def by_mapping(pid: int) -> dict[str, Memory]:
+    """RSS, PSS and USS of ``pid`` now, in MiB, by kind of mapping (:data:`KINDS`): which
+    library, the C heap, or anonymous memory (Python's own arenas and thread stacks live there)."""
+    out: dict[str, list[float]] = {}
+    kind = "anon"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 6)
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's first line
+                path = head[5].strip() if len(head) > 5 else ""
+                kind = next((k for k, pats in KINDS if any(p in path for p in pats)),
+                            "other file" if path.startswith("/") else "anon")
+                continue
+            key = head[0].rstrip(":")
+            if key in ("Rss", "Pss", "Private_Clean", "Private_Dirty"):
+                row = out.setdefault(kind, [0.0, 0.0, 0.0])
+                mib = int(head[1]) / 1024
+                row[0 if key == "Rss" else 1 if key == "Pss" else 2] += mib
+    return {k: Memory(*v) for k, v in sorted(out.items(), key=lambda kv: -kv[1][0])}
+
+
+def breakdown(name: str, pid: int) -> str:
+    """One line per kind of mapping of ``pid``, for a benchmark's stderr."""
+    return "\n".join(f"memory {name} {kind:<11} rss={m.rss_mb:6.1f} pss={m.pss_mb:6.1f} uss={m.uss_mb:6.1f}"
+                     for kind, m in by_mapping(pid).items())

@@ -145,7 +145,7 @@ def api_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelnode.malloc import limit_arenas
+    from accelnode.malloc import limit_arenas, trim
 
     limit_arenas()  # before any thread starts: one malloc arena (accelnode/malloc.py)
     if args.writable_size > args.max_writable_size:
@@ -263,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
         loop.beat(REGISTRATION_CHECK_SECONDS + GRACE_DEFAULT)
         if reg_dir is not None:
             reg_server = ensure_registration_socket(reg_server)
+        trim()  # what starting, and publishing since, freed goes back (accelnode/malloc.py)
         if stop.wait(REGISTRATION_CHECK_SECONDS):
             break
     log.info("CSI driver stopping")

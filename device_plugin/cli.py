@@ -70,7 +70,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from accelnode.malloc import limit_arenas
+    from accelnode.malloc import TRIM_SECONDS, limit_arenas, trim
 
     limit_arenas()  # before any thread starts: one malloc arena (accelnode/malloc.py)
 
@@ -151,7 +151,9 @@ def run(args) -> int:
             plugin.start()
         except FileExistsError as e:  # something that is not a socket sits where ours goes
             raise exitcodes.CLIError(str(e), exitcodes.PREREQUISITE) from None
-        stop.wait()
+        trim()  # what starting freed goes back (accelnode/malloc.py)
+        while not stop.wait(TRIM_SECONDS):
+            trim()
     finally:
         plugin.stop()
         facts.stop()

@@ -7,6 +7,7 @@ import argparse
 import errno
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -29,6 +30,31 @@ def test_help_lists_every_component_and_exit_codes():
     for name in ("device-plugin", "csi", "agent", "cache", "controller"):
         assert f"    {name}" in out.stdout
     assert "exit codes:" in out.stdout and "ACCELNODE_" in out.stdout
+
+
+def test_each_subcommand_is_registered_by_the_module_named_for_it():
+    full = cli.build_parser()
+    names = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert list(names) == list(cli.COMPONENTS)
+    for name in cli.COMPONENTS:
+        own = cli.build_parser(name)
+        assert list(next(a for a in own._actions if isinstance(a, argparse._SubParsersAction)).choices) == [name]
+
+
+@pytest.mark.parametrize("command, others", [
+    ("device-plugin", ("agent", "csi_driver", "controller", "bootstrap", "ssl")),
+    ("csi", ("agent", "device_plugin", "controller", "bootstrap")),
+    ("agent", ("csi_driver", "device_plugin", "controller", "bootstrap")),
+])
+def test_a_daemon_imports_no_other_component(command, others):
+    """Every module imported stays resident in a daemon: parsing its command line imports only
+    its own component's (bench/bench_e2e.py measures the node daemons' memory)."""
+    code = ("import sys; from accelnode import cli; cli.build_parser(sys.argv[1]); "
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code, command],
+                         capture_output=True, text=True, timeout=60, check=True)
+    loaded = set(out.stdout.split())
+    assert not loaded & set(others), loaded & set(others)
 
 
 def test_no_command_is_usage_error():

@@ -24,7 +24,7 @@ def test_a_command_that_dies_logs_its_traceback_once_at_any_level(monkeypatch, c
     def boom(args):
         raise RuntimeError("disk on fire")
 
-    def parser():
+    def parser(command=None):
         p = cli.argparse.ArgumentParser(prog="accelnode")
         sub = p.add_subparsers(dest="command")
         c = sub.add_parser("boom")

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from http.cookiejar import DefaultCookiePolicy
 from types import MappingProxyType
 
+from ._textless import requests  # noqa: I001 - before oras, which imports requests too
+
 import oras.auth
 import oras.auth.utils
-import requests
 import requests.adapters
 import urllib3
 
