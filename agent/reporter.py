@@ -27,6 +27,7 @@ from .nodestatus import (CLUSTER, FAILED, GROUP, HOSTNAME_LABEL, PULLING, QUEUED
 from .prefetch import Prefetcher
 
 log = logging.getLogger("accelnode.agent.status")
+WATCH_JITTER = 1.0  # each watch lasts 300 to 600 s (accelnode/kube/reflector.py), as client-go's
 
 
 @dataclass
@@ -75,14 +76,15 @@ class Reporter:
         self._dirty = threading.Event()
         poke = self.poke
         beat = lambda what: health.heartbeat(f"watch {what}", grace)  # noqa: E731
-        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), on_change=poke, trim=_trim_cache,
-                                beat=beat("GKMCaches"))
-        self.cluster_caches = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"), on_change=poke,
-                                        trim=_trim_cache, beat=beat("ClusterGKMCaches"))
-        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke, trim=_trim_node,
-                                  beat=beat("Node"))
-        self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"}, on_change=poke,
-                              trim=_trim_pod, beat=beat("Pods"))
+        # one agent per node: its watches end at spread times (docs/scale.md)
+        spread = {"on_change": poke, "watch_jitter": WATCH_JITTER}
+        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), trim=_trim_cache,
+                                beat=beat("GKMCaches"), **spread)
+        self.cluster_caches = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"),
+                                        trim=_trim_cache, beat=beat("ClusterGKMCaches"), **spread)
+        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, trim=_trim_node, beat=beat("Node"), **spread)
+        self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"},
+                              trim=_trim_pod, beat=beat("Pods"), **spread)
         self._reflectors = (self.caches, self.cluster_caches, self.node_obj, self.pods)
         # touched by the reconcile thread only
         self._written: dict[str, _Written] | None = None  # None until read back from the API

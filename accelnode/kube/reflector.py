@@ -65,7 +65,10 @@ class Reflector:
     ``trim(obj)`` trims an object before it is stored (memory: keep only what you read).
     ``expired_backoff`` paces the re-lists of 410s in a row (the first one re-lists at once);
     ``wait(stop, seconds)`` waits before each attempt and returns True to stop (default
-    ``stop.wait``; tests record the delays instead of waiting them out).
+    ``stop.wait``; tests record the delays instead of waiting them out). ``watch_jitter``: each
+    watch asks the server to end it after ``watch_seconds`` times 1 to ``1 + watch_jitter``, drawn
+    at random (client-go's reflector: 1 to 2), so that the watches of a whole fleet, opened at
+    once (a rollout, an API server restart), do not all end and re-open at once every period.
     """
 
     MIN_WATCH = 5.0  # a watch that ends sooner without events counts as a failure (no hot loop)
@@ -75,13 +78,17 @@ class Reflector:
                  name: str | None = None, trim: Callable[[dict], dict] = lambda o: o,
                  watch_seconds: int = 300, max_backoff: float = 30.0, beat: Heartbeat = NOBEAT,
                  stall_after: float | None = None, expired_backoff: Backoff | None = None,
-                 wait: Callable[[threading.Event, float], bool] | None = None):
+                 wait: Callable[[threading.Event, float], bool] | None = None, watch_jitter: float = 0.0,
+                 rand: Callable[[], float] = random.random):
+        if not 0 <= watch_jitter <= 1:
+            raise ValueError(f"watch_jitter must be from 0 to 1, not {watch_jitter!r}")
         self.client, self.path, self.name = client, path, name
+        self.watch_jitter, self._rand = watch_jitter, rand
         self.expired_backoff = expired_backoff or Backoff(min(0.8, max_backoff), max_backoff)
         self._wait = wait or (lambda stop, seconds: stop.wait(seconds))
         self.beat = beat
         if stall_after is None:  # a list (client timeout), then a watch that may be silent to its end
-            stall_after = client.timeout + watch_seconds + WATCH_READ_SLACK + GRACE_DEFAULT
+            stall_after = client.timeout + watch_seconds * (1 + watch_jitter) + WATCH_READ_SLACK + GRACE_DEFAULT
         self.stall_after = stall_after
         self.query = dict(query or {})
         if name:
@@ -224,7 +231,8 @@ class Reflector:
                 _shutdown(resp)
 
         try:
-            return self._follow(self.client.watch(self.path, query, self.watch_seconds, on_open=opened), stop)
+            seconds = round(self.watch_seconds * (1 + self.watch_jitter * self._rand()))
+            return self._follow(self.client.watch(self.path, query, seconds, on_open=opened), stop)
         finally:
             if self._watching:  # current up to its end
                 self._current_at, self._watching = time.monotonic(), False

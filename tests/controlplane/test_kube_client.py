@@ -165,6 +165,26 @@ def test_the_reflector_lists_in_pages_then_watches_from_the_snapshot(control_pla
         assert halt(), "the reflector did not stop"
 
 
+def test_watches_of_a_fleet_end_at_spread_times(control_plane, kube_namespace):
+    """With ``watch_jitter`` each watch asks the server to end it after ``watch_seconds`` times 1
+    to 1 + jitter (drawn per watch), so a fleet's watches opened at once do not re-open at once;
+    the heartbeat's promise covers the longest."""
+    admin = Client(config(control_plane))
+    path = make_configmaps(admin, kube_namespace, 1)
+    draws = iter([0.0, 0.5, 0.99] + [0.0] * 100)
+    c = Recording(config(control_plane))
+    r = Reflector(c, path, watch_seconds=2, watch_jitter=1.0, rand=lambda: next(draws))
+    assert r.stall_after >= c.timeout + 4
+    halt = run_reflector(r)
+    try:
+        assert eventually(lambda: len([q for _, _, q in c.asked if "watch" in q]) >= 3, timeout=30)
+        assert [q["timeoutSeconds"] for _, _, q in c.asked if "watch" in q][:3] == ["2", "3", "4"]
+    finally:
+        assert halt(), "the reflector did not stop"
+    with pytest.raises(ValueError, match="watch_jitter"):
+        Reflector(c, path, watch_jitter=1.5)
+
+
 @pytest.fixture(scope="module")
 def snapshotless_plane(tmp_path_factory):
     """A control plane of its own whose watch cache keeps no list snapshots: a continue token is
