@@ -24,7 +24,8 @@ GKMCaches in 4 namespaces; every node holds them at start, as after an agent res
   any node had it: the controller counts a node's Extracted entry of any digest as holding the
   pin), ``nN_roll_status_writes_per_s``
   (the controller's status writes of that cache over the roll; target 1) and its most in one
-  second, the agents' writes per node per roll, the controller's CPU seconds per roll;
+  second, ``nN_roll_cache_watch_events`` / ``_mb`` (what the API server sent to the watchers of
+  ClusterGKMCaches during one roll: every agent watches every cache, status included), the agents' writes per node per roll, the controller's CPU seconds per roll;
 * pod churn: 20 pods/s for ``BENCH_SCALE_CHURN_S`` (default 30 s), Indexed-Job worker pods
   bound to the hollow nodes, through the controller's pod webhook: ``nN_admission_p99_ms`` as
   the API server measures the webhook (target 25), ``nN_pod_create_p99_ms`` the API server's
@@ -319,11 +320,12 @@ def run(tmp: Path) -> None:
             emit("hollow_cpu", (fleet.cpu() - h0) / window, ".3f", n)
             curve[n] = {"controller": controller.rss_mb(), "hollow": fleet.rss_mb(), "apiserver": apiserver.rss_mb()}
             # rolls
-            nodes_s, status_s, premature, writes_s, burst, agent_w, ctl_cpu = [], [], 0, [], [], [], []
+            nodes_s, status_s, premature, writes_s, burst, agent_w, ctl_cpu, fanout = [], [], 0, [], [], [], [], []
             for r in range(ROLLS):
                 current = roll_images[(roll_images.index(current) + 1) % 2]
                 digest = current.rsplit("@", 1)[1]
                 mark, cc0, start = audit.mark(), controller.cpu(), time.monotonic()
+                events0 = watch_events(apiserver_metrics(cluster.cp))
                 admin.request("PATCH", cache_path(None, ROLLED), body={"spec": {"image": current}})
                 try:
                     at_nodes = reports.wait(digest, n, TIMEOUT_S)
@@ -336,6 +338,8 @@ def run(tmp: Path) -> None:
                 premature += early
                 ctl_cpu.append(controller.cpu() - cc0)
                 time.sleep(2)
+                events1 = watch_events(apiserver_metrics(cluster.cp))
+                fanout.append(tuple(b - a for a, b in zip(events0, events1)))
                 ev = audit.events(mark)
                 sw = [e for e in by(ev, CONTROLLER_USER, WRITES) if e["objectRef"].get("resource") == "clustergkmcaches"
                       and e["objectRef"].get("name") == ROLLED]
@@ -353,6 +357,8 @@ def run(tmp: Path) -> None:
                 emit("roll_status_writes_max_in_1s", max(burst), "d", n)
                 emit("roll_agent_writes_per_node", statistics.mean(agent_w), ".2f", n)
                 emit("roll_controller_cpu_s", statistics.mean(ctl_cpu), ".2f", n)
+                emit("roll_cache_watch_events", statistics.mean(f[0] for f in fanout), ".0f", n)
+                emit("roll_cache_watch_mb", statistics.mean(f[1] for f in fanout) / 1e6, ".1f", n)
                 emit("rolls", len(status_s), "d", n)
             # pod churn through the pod webhook, bound to the hollow nodes
             churn(cluster, apiserver, audit, n)
@@ -402,6 +408,15 @@ def request_histogram(after: str, before: str, verb: str, resource: str) -> dict
         return b
     a, b = read(after), read(before)
     return {le: a[le] - b.get(le, 0.0) for le in a}
+
+
+def watch_events(metrics: str) -> tuple[float, float]:
+    """(events, bytes) the API server sent to watchers of ClusterGKMCaches so far (every agent
+    and the controller watch them: the fan-out of one cache write)."""
+    ev = sum(v for _, lab, v in _samples(metrics, "apiserver_watch_events_total") if lab.get("resource") == "clustergkmcaches")
+    size = sum(v for _, lab, v in _samples(metrics, "apiserver_watch_events_sizes_sum")
+               if lab.get("resource") == "clustergkmcaches")
+    return ev, size
 
 
 def paced(pool: ThreadPoolExecutor, fn, items: list, rate: float) -> None:

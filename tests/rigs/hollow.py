@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import logging
 import os
 import random
 import signal
@@ -41,6 +40,7 @@ from prometheus_client import CollectorRegistry
 
 from accelnode.hw import accelerators as hw
 from accelnode.kube.client import Client, KubeError, is_conflict
+from accelnode.log import setup
 from accelnode.oci.limits import Limits
 from accelnode.oci.registry import RegistryOptions
 from accelnode.oci.reference import Reference
@@ -299,6 +299,12 @@ def cache_path(ns: str | None, name: str | None = None) -> str:
     return f"{base}/{name}" if name else base
 
 
+def claim_bound(cache: dict, namespace: str) -> bool:
+    """The cache's claim in ``namespace`` is reported Bound (status.pvcStatus, docs/cache-claims.md)."""
+    entry = (((cache or {}).get("status") or {}).get("pvcStatus") or {}).get(namespace) or {}
+    return any(c.get("type") == "Bound" and c.get("status") == "True" for c in entry.get("conditions") or ())
+
+
 def churn_pod(name: str, node: str, index: int) -> dict:
     """A worker pod of an Indexed TPU Job as the Job controller makes it (completion index,
     the template's tpu-env state annotation), bound to ``node``: what the pod webhook mutates."""
@@ -334,6 +340,25 @@ WRITES = {"create", "update", "patch", "delete", "deletecollection"}
 def by(events: list[dict], user: str, verbs: set[str]) -> list[dict]:
     return [e for e in events if e.get("stage") == "ResponseComplete" and e["user"]["username"] == user
             and e.get("verb") in verbs]
+
+
+def accelnode_writes(events: list[dict]) -> list[str]:
+    """"verb resource/subresource name" of each write by the agent or the controller (the
+    controller's Lease renewals apart)."""
+    return [f"{e['verb']} {e['objectRef'].get('resource')}/{e['objectRef'].get('subresource', '')} "
+            f"{e['objectRef'].get('name', '')}" for u in (AGENT_USER, CONTROLLER_USER) for e in by(events, u, WRITES)
+            if e["objectRef"].get("resource") != "leases"]
+
+
+def quiet(audit: Audit, still: float = 3.0, timeout: float = 120.0) -> None:
+    """Until neither the agents nor the controller wrote for ``still`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        start = audit.mark()
+        time.sleep(still)
+        if not accelnode_writes(audit.events(start)):
+            return
+    raise RuntimeError(f"accelnode kept writing for {timeout:.0f}s")
 
 
 def unpaged_lists(events: list[dict]) -> list[str]:
@@ -394,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--installed", action="append", default=[], metavar="IMAGE",
                     help="digest-pinned image every node holds at start (repeatable)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+    setup("warning", "json", sys.stderr)
     threading.stack_size(256 << 10)  # thousands of threads: 256 KiB stacks (the default is 8 MiB)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tests.conftest import require, TOOLS_BIN
-from tests.rigs.hollow import (AGENT_USER, CONTROLLER_USER, WRITES, HollowFleet, ScaleCluster, by, cache_body,
-                               cache_path, node_names, register_nodes, unpaged_lists, until)
+from tests.rigs.hollow import (AGENT_USER, CONTROLLER_USER, HollowFleet, ScaleCluster, accelnode_writes, by,
+                               cache_body, claim_bound, cache_path, node_names, quiet, register_nodes, unpaged_lists, until)
 
 N = 20
 RESYNC = 2.0  # the agents' --status-resync: several inside the idle window
@@ -64,13 +64,14 @@ def test_roll_reaches_every_node_paged_and_idle_quiet(cluster):
         until(summed, "the cache's status to count every node", timeout=30)
         assert sum(a.store.pulls for a in fleet.agents) == 2 * N  # v1 once (two caches, one download), then v2
 
-        # idle: agents resync every RESYNC seconds and write nothing; the controller neither
-        time.sleep(2 * RESYNC)
-        quiet = cluster.audit().mark()
+        # idle: agents resync every RESYNC seconds and write nothing; the controller neither (once
+        # kube-controller-manager bound the GKMCache's claim, which the controller reports)
+        until(lambda: claim_bound(admin.request("GET", cache_path("team", "kernels")), "team"), "the claim bound")
+        quiet(cluster.audit())
+        mark = cluster.audit().mark()
         time.sleep(IDLE_S)
-        idle = cluster.audit().events(quiet)
-        assert by(idle, AGENT_USER, WRITES) == []
-        assert [e for e in by(idle, CONTROLLER_USER, WRITES) if e["objectRef"]["resource"] != "leases"] == []
+        idle = cluster.audit().events(mark)
+        assert accelnode_writes(idle) == []
         assert by(idle, AGENT_USER, {"list"}) == [] and by(idle, CONTROLLER_USER, {"list"}) == []
 
         events = cluster.audit().events(start)
