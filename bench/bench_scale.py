@@ -77,7 +77,7 @@ ROLLED = "cc0"
 POD_HOOK = "pod-job.tpu-env.accelnode.io"
 TARGETS = {"idle_agent_writes_per_s": "==0", "idle_controller_writes_per_s": "==0", "roll_status_writes_per_s": "<=1",
            "admission_p99_ms": "<=25", "pod_create_p99_ms": "<=1000", "unpaged_lists": "==0", "idle_lists": "==0",
-           "churn_agent_writes": "==0"}
+           "churn_agent_writes": "==0", "controller_restarts": "==0"}
 
 
 def emit(metric: str, value, fmt: str = ".2f", n: int | None = None) -> None:
@@ -105,6 +105,17 @@ class Proc:
 
     def rss_mb(self) -> float:
         return self.p.memory_info().rss / 2**20
+
+
+class Controller(Proc):
+    """The controller process, whichever the supervisor runs now (CPU counts from its start)."""
+
+    def __init__(self, cluster: ScaleCluster):
+        self.cluster = cluster
+
+    @property
+    def p(self):
+        return psutil.Process(self.cluster.controller.pid)
 
 
 class Fleet:
@@ -205,12 +216,15 @@ class CacheStatus:
             "downloading" not in msg and "pending" not in msg
 
     def _claims(self, digest: str, n: int, start: float) -> tuple[float | None, float | None]:
-        """(when the status first said all N hold ``digest`` before it ever said otherwise: a
-        claim made before any node reported the roll; when it said so after saying otherwise)."""
+        """(when the status pinned to ``digest`` first said all N hold it before it ever said
+        otherwise: a claim made before the nodes reported the roll; when it said so after saying
+        otherwise)."""
         early, seen_other = None, False
         for t, st in self.history:
             if t < start:
                 continue
+            if st.get("resolvedDigest") != digest:
+                continue  # the roll not pinned yet
             if not self.says_all(st, digest, n):
                 seen_other = True
             elif seen_other:
@@ -248,7 +262,6 @@ def run(tmp: Path) -> None:
     try:
         admin = cluster.admin
         apiserver = Proc(cluster.cp._apiserver.popen.pid)
-        controller = Proc(cluster.controller.pid)
         for ns in NAMESPACES + ["churn"]:
             admin.request("POST", "/api/v1/namespaces", body={"metadata": {"name": ns}})
         cluster.wait_webhooks("churn")
@@ -263,6 +276,7 @@ def run(tmp: Path) -> None:
             admin.request("POST", cache_path(ns), body=cache_body(ns, name, image))
         until(lambda: all((admin.request("GET", cache_path(ns, name)).get("status") or {}).get("resolvedDigest")
                           for ns, name in images), "every cache pinned", timeout=120)
+        controller = Controller(cluster)
         reports, status = NodeReports(cluster), CacheStatus(cluster)
         audit = cluster.audit()
         curve: dict[int, dict] = {}
@@ -314,7 +328,7 @@ def run(tmp: Path) -> None:
             emit("idle_lists", len(by(idle, AGENT_USER, {"list"})) + len(by(idle, CONTROLLER_USER, {"list"})), "d", n)
             emit("apiserver_cpu", (apiserver.cpu() - c0) / window, ".3f", n)
             emit("apiserver_rss_mb", apiserver.rss_mb(), ".0f", n)
-            emit("controller_cpu", (controller.cpu() - cc0) / window, ".3f", n)
+            emit("controller_cpu", max(0.0, controller.cpu() - cc0) / window, ".3f", n)
             emit("controller_rss_mb", controller.rss_mb(), ".0f", n)
             emit("hollow_rss_mb", fleet.rss_mb(), ".0f", n)
             emit("hollow_cpu", (fleet.cpu() - h0) / window, ".3f", n)
@@ -336,13 +350,13 @@ def run(tmp: Path) -> None:
                 nodes_s.append(at_nodes - start)
                 status_s.append(at_status - start)
                 premature += early
-                ctl_cpu.append(controller.cpu() - cc0)
+                ctl_cpu.append(max(0.0, controller.cpu() - cc0))
                 time.sleep(2)
                 events1 = watch_events(apiserver_metrics(cluster.cp))
                 fanout.append(tuple(b - a for a, b in zip(events0, events1)))
                 ev = audit.events(mark)
                 sw = [e for e in by(ev, CONTROLLER_USER, WRITES) if e["objectRef"].get("resource") == "clustergkmcaches"
-                      and e["objectRef"].get("name") == ROLLED]
+                      and e["objectRef"].get("subresource") == "status" and e["objectRef"].get("name") == ROLLED]
                 writes_s.append(len(sw) / max(at_status - start, 1.0))
                 per_s = Counter(int(stamp(e)) for e in sw)
                 burst.append(max(per_s.values(), default=0))
@@ -364,6 +378,7 @@ def run(tmp: Path) -> None:
             churn(cluster, apiserver, audit, n)
             emit("unpaged_lists", len(unpaged_lists(audit.events(phase))), "d", n)
             emit("controller_rss_mb_after", controller.rss_mb(), ".0f", n)
+            emit("controller_restarts", cluster.restarts, "d", n)
         slopes(curve)
     finally:
         for w in (reports, status):

@@ -184,7 +184,8 @@ SHIPPED = ROOT / "daemonsets"
 
 class ScaleCluster:
     """A real control plane (:class:`tests.rigs.devcluster.ControlPlane`; the agent's and the
-    controller's reads audited too), the CRDs and both components' RBAC as shipped, a registry,
+    controller's reads audited too), the CRDs, both components' RBAC and the FlowSchemas
+    (daemonsets/flowcontrol.yaml) as shipped, a registry,
     and ``accelnode controller`` as the controller identity with its webhooks
     (daemonsets/webhooks-*.yaml pointed at it on 127.0.0.1): as tests/controller and tests/e2e run
     it. ``start()``/``stop()``; ``admin`` is an admin :class:`Client` once started."""
@@ -196,12 +197,15 @@ class ScaleCluster:
         self.controller: subprocess.Popen | None = None
         self.admin: Client | None = None
         self.metrics_port = 0
+        self.restarts = 0  # controller exits the supervisor restarted
+        self._stopping = threading.Event()
 
     def start(self) -> "ScaleCluster":
         try:
             self.cp.start()
             subprocess.run([tool("kubectl"), f"--kubeconfig={self.cp.kubeconfig('admin')}", "apply",
                             *devcluster.crd_args(), "-f", str(SHIPPED / "namespace.yaml"),
+                            "-f", str(SHIPPED / "flowcontrol.yaml"),
                             *[a for f in sorted(SHIPPED.glob("rbac-controller*.yaml")) for a in ("-f", str(f))],
                             "-f", str(SHIPPED / "rbac-agent.yaml")], check=True, capture_output=True, timeout=120)
             self.admin = Client(devcluster_config(self.cp, "admin"), user_agent="scale-bench")
@@ -226,15 +230,15 @@ class ScaleCluster:
         (self.workdir / "tls").mkdir(exist_ok=True)
         cert, key, _ = ca.serving(self.workdir / "tls", "accelnode-controller")
         webhook_port, self.metrics_port = free_ports(2)
-        with open(self.workdir / "controller.log", "ab") as log:
-            self.controller = subprocess.Popen(accelnode_cmd() + [
-                "controller", "--kubeconfig", str(self.cp.kubeconfig("controller")), "--identity", "scale",
-                "--namespace", devcluster.NAMESPACE, "--metrics-address", f"127.0.0.1:{self.metrics_port}",
-                "--webhook-address", f"127.0.0.1:{webhook_port}", "--tls-cert-file", cert, "--tls-key-file", key,
-                "--plain-http", "--resync", str(self.resync),
-                *(["--workers", str(self.workers)] if self.workers else [])], cwd=ROOT, stdout=log, stderr=log)
+        self._argv = accelnode_cmd() + [
+            "controller", "--kubeconfig", str(self.cp.kubeconfig("controller")), "--identity", "scale",
+            "--namespace", devcluster.NAMESPACE, "--metrics-address", f"127.0.0.1:{self.metrics_port}",
+            "--webhook-address", f"127.0.0.1:{webhook_port}", "--tls-cert-file", cert, "--tls-key-file", key,
+            "--plain-http", "--resync", str(self.resync), *(["--workers", str(self.workers)] if self.workers else [])]
+        self._spawn()
         until(lambda: self.controller_metric("accelnode_controller_leader") == 1, "the controller to lead",
               self.controller)
+        threading.Thread(target=self._supervise, daemon=True).start()
         for name in WEBHOOK_FILES:
             for doc in yaml.safe_load_all((SHIPPED / name).read_text()):
                 for hook in doc["webhooks"]:
@@ -242,6 +246,19 @@ class ScaleCluster:
                     hook["clientConfig"] = {"url": f"https://127.0.0.1:{webhook_port}{path}",
                                             "caBundle": base64.b64encode(ca.pem).decode()}
                 self.admin.request("POST", f"/apis/admissionregistration.k8s.io/v1/{doc['kind'].lower()}s", body=doc)
+
+    def _spawn(self) -> None:
+        with open(self.workdir / "controller.log", "ab") as log:
+            self.controller = subprocess.Popen(self._argv, cwd=ROOT, stdout=log, stderr=log)
+
+    def _supervise(self) -> None:
+        """Start the controller again when it exits, as its Deployment would (a leader that
+        cannot renew its Lease exits on purpose); ``restarts`` counts them."""
+        while not self._stopping.wait(1.0):
+            if self.controller.poll() is not None and not self._stopping.is_set():
+                self.restarts += 1
+                time.sleep(2.0)
+                self._spawn()
 
     def controller_metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
@@ -269,6 +286,7 @@ class ScaleCluster:
         return Audit(self.cp.audit_log)
 
     def stop(self) -> None:
+        self._stopping.set()
         if self.controller is not None and self.controller.poll() is None:
             self.controller.terminate()
             try:
