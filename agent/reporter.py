@@ -171,12 +171,12 @@ class Reporter:
         """One pass: compute every object's status and write the ones that changed."""
         if not all(r.synced.is_set() for r in self._reflectors):
             return
-        if self._written is None:
-            self._written = self._read_back()
         caches = [Cache.from_object(o) for r in (self.caches, self.cluster_caches) for o in r.snapshot()]
         node = next(iter(self.node_obj.snapshot()), {}).get("metadata", {})
         want = [c for c in caches if c.prefetchable() and c.refused is None and wanted(c, node.get("labels", {}))]
         local = self.view()
+        if self._written is None:
+            self._written = self._read_back({c.namespace for c in caches} | _held_namespaces(local))
         # the proof of each cache whose digest the node has or is pulling (reads pull secrets: at
         # most every 30 s per namespace, accelnode/kube/pullsecrets.py)
         near = local.pulling | {proof[2] for proof in local.pulls}
@@ -215,19 +215,19 @@ class Reporter:
     def _path(self, ns: str, sub: str | None = None) -> str:
         return custom_path(GROUP, VERSION, _plural(ns), ns or None, self.node, sub)
 
-    def _read_back(self) -> dict[str, _Written]:
-        """What this node wrote before (survives agent restarts: no rewrite when unchanged)."""
+    def _read_back(self, namespaces: set[str]) -> dict[str, _Written]:
+        """What this node wrote before (survives agent restarts: no rewrite when unchanged): one
+        GET per object it may have, the ClusterGKMCacheNode and the GKMCacheNode of each of
+        ``namespaces`` (those with a GKMCache, and those whose caches this node's volumes hold).
+        Never a list of the node kind: every node listing every node's objects costs the API
+        server N x N objects at a fleet start (docs/scale.md)."""
         found = {}
-        sel = {"labelSelector": f"{HOSTNAME_LABEL}={self.node}"}
-        items = self.client.list(custom_path(GROUP, VERSION, "gkmcachenodes"), query=sel).get("items") or []
-        cluster_obj = self._get(CLUSTER)
-        for obj in items + ([cluster_obj] if cluster_obj else []):
-            md = obj["metadata"]
-            if md["name"] != self.node:
+        for ns in sorted(namespaces | {CLUSTER}):
+            obj = self._get(ns)
+            if obj is None:
                 continue
-            ns = md.get("namespace", CLUSTER)
             status = obj.get("status") or {}
-            found[ns] = _Written(status, md["resourceVersion"])
+            found[ns] = _Written(status, obj["metadata"]["resourceVersion"])
             for name, by_digest in (status.get("caches") or {}).items():
                 self._history.setdefault((ns, name), set()).update(by_digest)
                 self._seen.update(by_digest)  # what this node reported before a restart
@@ -294,6 +294,13 @@ class Reporter:
             if obj is None:
                 raise
         return _Written(obj.get("status") or {}, obj["metadata"]["resourceVersion"])
+
+
+def _held_namespaces(local: Local) -> set[str]:
+    """Namespaces of the caches this node's volumes hold (a reference without its cache: the
+    pod's namespace), whether or not those caches still exist."""
+    return {(r.get("cache") or (r.get("namespace", ""),))[0] for info in local.installed.values()
+            for r in info.get("refs") or ()}
 
 
 def _kind(ns: str) -> str:

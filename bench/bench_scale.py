@@ -5,8 +5,10 @@ its webhooks, as kubemark measures kubelets (docs/scale.md). Needs nothing but .
 
 For each N of ``BENCH_SCALE_NODES`` (default 500,1000,2000,5000; the fleet of the previous N is
 stopped, N Node objects are registered, and N agents start in processes of
-``BENCH_SCALE_PER_PROC`` agents) with 50 caches meant for every node (10 ClusterGKMCaches, 40
-GKMCaches in 4 namespaces; every node holds them at start, as after an agent restart):
+``BENCH_SCALE_PER_PROC`` agents, ``BENCH_SCALE_START_RATE`` a second in each, as a rollout
+does) with ``BENCH_SCALE_CACHES`` (default 50) caches meant for every node (a fifth
+ClusterGKMCaches, the rest GKMCaches in 4 namespaces; every node holds them at start, as after
+an agent restart):
 
 * ``nN_base_apiserver_cpu`` / ``_rss_mb``: the API server's CPU (cores) and RSS over an idle
   window before the agents start (nodes, caches and controller there, no agent watch);
@@ -71,8 +73,10 @@ CHURN_RATE = 20.0
 PER_PROC = int(os.environ.get("BENCH_SCALE_PER_PROC", "250"))
 PULL_S = float(os.environ.get("BENCH_SCALE_PULL_S", "2.0"))
 TIMEOUT_S = float(os.environ.get("BENCH_SCALE_TIMEOUT_S", "900"))
+START_RATE = float(os.environ.get("BENCH_SCALE_START_RATE", "10"))  # agents a second, per process
 NAMESPACES = [f"team-{i}" for i in range(4)]
-CLUSTER_CACHES, NS_CACHES = 10, 10  # 10 + 4 x 10 = 50 caches
+CACHES = int(os.environ.get("BENCH_SCALE_CACHES", "50"))  # a fifth ClusterGKMCaches, the rest over 4 namespaces
+CLUSTER_CACHES, NS_CACHES = max(1, CACHES // 5), max(1, (CACHES - max(1, CACHES // 5)) // len(NAMESPACES))
 ROLLED = "cc0"
 POD_HOOK = "pod-job.tpu-env.accelnode.io"
 TARGETS = {"idle_agent_writes_per_s": "==0", "idle_controller_writes_per_s": "==0", "roll_status_writes_per_s": "<=1",
@@ -129,6 +133,7 @@ class Fleet:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.rigs.hollow", "--kubeconfig", str(kubeconfig), "--first", str(first),
                  "--count", str(min(PER_PROC, n - first)), "--pull-seconds", str(PULL_S),
+                 "--start-rate", str(START_RATE),
                  *[a for image in installed for a in ("--installed", image)]],
                 cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))))
 

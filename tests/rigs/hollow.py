@@ -151,8 +151,11 @@ class HollowFleet:
                                    store=SimStore(pull_seconds, installed, seed=i))
                        for i, n in enumerate(nodes)]
 
-    def start(self) -> "HollowFleet":
-        for a in self.agents:
+    def start(self, rate: float = 0.0) -> "HollowFleet":
+        """Start every agent; ``rate`` > 0: that many a second, as a DaemonSet rollout does."""
+        for i, a in enumerate(self.agents):
+            if rate > 0 and i:
+                time.sleep(1.0 / rate)
             a.start()
         return self
 
@@ -434,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, required=True, help="agents in this process")
     ap.add_argument("--pull-seconds", type=float, default=2.0, help="mean time of one simulated pull")
     ap.add_argument("--resync", type=float, default=30.0, help="the agents' --status-resync")
+    ap.add_argument("--start-rate", type=float, default=0.0, help="agents started a second (0: all at once)")
     ap.add_argument("--installed", action="append", default=[], metavar="IMAGE",
                     help="digest-pinned image every node holds at start (repeatable)")
     args = ap.parse_args(argv)
@@ -443,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     fleet = HollowFleet(args.kubeconfig, node_names(args.prefix, args.first, args.count),
-                        pull_seconds=args.pull_seconds, resync=args.resync, installed=tuple(args.installed)).start()
+                        pull_seconds=args.pull_seconds, resync=args.resync,
+                        installed=tuple(args.installed)).start(args.start_rate)
     while not fleet.ready():
         if stop.wait(0.5):
             break
