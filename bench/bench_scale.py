@@ -58,7 +58,7 @@ from pathlib import Path
 import psutil
 
 from accelnode.kube.reflector import Reflector
-from bench.bench_controller import apiserver_metrics, histogram_quantile, webhook_histogram, _samples
+from bench.bench_controller import _samples, apiserver_metrics, histogram_quantile, paced, stamp, webhook_histogram
 from tests.conftest import ROOT
 from tests.rigs.hollow import (AGENT_USER, CONTROLLER_USER, GV, WRITES, ScaleCluster, by, cache_body, cache_path,
                                churn_pod, node_names, register_nodes, unpaged_lists, until)
@@ -437,23 +437,6 @@ def watch_events(metrics: str) -> tuple[float, float]:
     size = sum(v for _, lab, v in _samples(metrics, "apiserver_watch_events_sizes_sum")
                if lab.get("resource") == "clustergkmcaches")
     return ev, size
-
-
-def paced(pool: ThreadPoolExecutor, fn, items: list, rate: float) -> None:
-    start, futures = time.monotonic(), []
-    for i, item in enumerate(items):
-        delay = start + i / rate - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        futures.append(pool.submit(fn, item))
-    for f in futures:
-        f.result()
-
-
-def stamp(e: dict) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(e["stageTimestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def slopes(curve: dict[int, dict]) -> None:
