@@ -25,8 +25,8 @@ an agent restart):
   ``nN_roll_premature`` (rolls whose status said "N of N hold" the new digest at once, before
   any node had it: the controller counts a node's Extracted entry of any digest as holding the
   pin), ``nN_roll_status_writes_per_s``
-  (the controller's status writes of that cache over the roll; target 1) and its most in one
-  second, ``nN_roll_cache_watch_events`` / ``_mb`` (what the API server sent to the watchers of
+  (the controller's status writes of that cache per second, from its first write of the roll
+  to its last) and its most in one second (``_max_in_1s``, target 1), ``nN_roll_cache_watch_events`` / ``_mb`` (what the API server sent to the watchers of
   ClusterGKMCaches during one roll: every agent watches every cache, status included), the agents' writes per node per roll, the controller's CPU seconds per roll;
 * pod churn: 20 pods/s for ``BENCH_SCALE_CHURN_S`` (default 30 s), Indexed-Job worker pods
   bound to the hollow nodes, through the controller's pod webhook: ``nN_admission_p99_ms`` as
@@ -79,7 +79,7 @@ CACHES = int(os.environ.get("BENCH_SCALE_CACHES", "50"))  # a fifth ClusterGKMCa
 CLUSTER_CACHES, NS_CACHES = max(1, CACHES // 5), max(1, (CACHES - max(1, CACHES // 5)) // len(NAMESPACES))
 ROLLED = "cc0"
 POD_HOOK = "pod-job.tpu-env.accelnode.io"
-TARGETS = {"idle_agent_writes_per_s": "==0", "idle_controller_writes_per_s": "==0", "roll_status_writes_per_s": "<=1",
+TARGETS = {"idle_agent_writes_per_s": "==0", "idle_controller_writes_per_s": "==0", "roll_status_writes_max_in_1s": "<=1",
            "admission_p99_ms": "<=25", "pod_create_p99_ms": "<=1000", "unpaged_lists": "==0", "idle_lists": "==0",
            "churn_agent_writes": "==0", "controller_restarts": "==0"}
 
@@ -362,7 +362,8 @@ def run(tmp: Path) -> None:
                 ev = audit.events(mark)
                 sw = [e for e in by(ev, CONTROLLER_USER, WRITES) if e["objectRef"].get("resource") == "clustergkmcaches"
                       and e["objectRef"].get("subresource") == "status" and e["objectRef"].get("name") == ROLLED]
-                writes_s.append(len(sw) / max(at_status - start, 1.0))
+                span = (stamp(sw[-1]) - stamp(sw[0]) + 1.0) if sw else 1.0  # from its first write to its last
+                writes_s.append(len(sw) / span)
                 per_s = Counter(int(stamp(e)) for e in sw)
                 burst.append(max(per_s.values(), default=0))
                 agent_w.append(len(by(ev, AGENT_USER, WRITES)) / n)
