@@ -12,8 +12,8 @@ an agent restart):
 
 * ``nN_base_apiserver_cpu`` / ``_rss_mb``: the API server's CPU (cores) and RSS over an idle
   window before the agents start (nodes, caches and controller there, no agent watch);
-* ``nN_start_s``, ``nN_start_writes_per_node``: until every cache's status counts all N nodes,
-  and the agents' writes meanwhile;
+* ``nN_start_s``, ``nN_start_writes_per_node``, ``nN_start_hollow_cpu_ms_per_node``: until every
+  cache's status counts all N nodes, the agents' writes and CPU meanwhile;
 * idle (``BENCH_SCALE_IDLE_S``, default 300 s): ``nN_idle_agent_writes_per_s`` (target 0),
   ``nN_idle_agent_reads_per_s`` by verb and resource (audit log: the API server's own record),
   ``nN_idle_controller_writes_per_s`` (its Lease apart), ``nN_apiserver_cpu`` / ``_rss_mb`` with
@@ -313,6 +313,7 @@ def run(tmp: Path) -> None:
                 emit("stopped_at_nodes", n, "d")
                 break
             emit("start_s", time.monotonic() - start, ".1f", n)
+            emit("start_hollow_cpu_ms_per_node", fleet.cpu() / n * 1000, ".0f", n)
             emit("start_writes_per_node", len(by(audit.events(mark), AGENT_USER, WRITES)) / n, ".1f", n)
             time.sleep(10)  # the last resyncs of the start
             # idle
@@ -339,11 +340,11 @@ def run(tmp: Path) -> None:
             emit("hollow_cpu", (fleet.cpu() - h0) / window, ".3f", n)
             curve[n] = {"controller": controller.rss_mb(), "hollow": fleet.rss_mb(), "apiserver": apiserver.rss_mb()}
             # rolls
-            nodes_s, status_s, premature, writes_s, burst, agent_w, ctl_cpu, fanout = [], [], 0, [], [], [], [], []
+            nodes_s, status_s, premature, writes_s, burst, agent_w, ctl_cpu, fanout, agent_cpu = [], [], 0, [], [], [], [], [], []
             for r in range(ROLLS):
                 current = roll_images[(roll_images.index(current) + 1) % 2]
                 digest = current.rsplit("@", 1)[1]
-                mark, cc0, start = audit.mark(), controller.cpu(), time.monotonic()
+                mark, cc0, h0, start = audit.mark(), controller.cpu(), fleet.cpu(), time.monotonic()
                 events0 = watch_events(apiserver_metrics(cluster.cp))
                 admin.request("PATCH", cache_path(None, ROLLED), body={"spec": {"image": current}})
                 try:
@@ -356,6 +357,7 @@ def run(tmp: Path) -> None:
                 status_s.append(at_status - start)
                 premature += early
                 ctl_cpu.append(max(0.0, controller.cpu() - cc0))
+                agent_cpu.append((fleet.cpu() - h0) / n)
                 time.sleep(2)
                 events1 = watch_events(apiserver_metrics(cluster.cp))
                 fanout.append(tuple(b - a for a, b in zip(events0, events1)))
@@ -377,6 +379,7 @@ def run(tmp: Path) -> None:
                 emit("roll_status_writes_max_in_1s", max(burst), "d", n)
                 emit("roll_agent_writes_per_node", statistics.mean(agent_w), ".2f", n)
                 emit("roll_controller_cpu_s", statistics.mean(ctl_cpu), ".2f", n)
+                emit("roll_agent_cpu_ms_per_node", statistics.mean(agent_cpu) * 1000, ".1f", n)
                 emit("roll_cache_watch_events", statistics.mean(f[0] for f in fanout), ".0f", n)
                 emit("roll_cache_watch_mb", statistics.mean(f[1] for f in fanout) / 1e6, ".1f", n)
                 emit("rolls", len(status_s), "d", n)

@@ -7,7 +7,9 @@ not become a hot list loop), reset by a watch that works.
 Invariants: :meth:`Reflector.run` never raises, and every failure, malformed answers included,
 is retried with backoff, never a dead thread; the copy is rebuilt from a whole answer rather
 than patched from a doubtful event; a re-list reports what differs from the copy it replaces,
-so a deletion missed while the watch was down still arrives as ``DELETED``. The heartbeat's
+so a deletion missed while the watch was down still arrives as ``DELETED``; a ``MODIFIED`` that
+leaves the trimmed copy as it was (a trim that drops the resourceVersion and the changed
+fields) is no change and calls nothing. The heartbeat's
 promise (``stall_after``) covers a quiet watch waiting on the network, so only a reflector stuck
 in a callback or dead of a bug breaks it.
 """
@@ -265,10 +267,16 @@ class Reflector:
         kept = None
         with self._lock:
             if kind in ("ADDED", "MODIFIED"):
-                kept = self._items[self._key(obj)] = self.trim(obj)
+                key, kept = self._key(obj), self.trim(obj)
+                if kind == "MODIFIED" and self._items.get(key) == kept:
+                    kept = None  # nothing this copy keeps changed (a trim without the resourceVersion)
+                else:
+                    self._items[key] = kept
             elif kind == "DELETED":
                 kept = self._items.pop(self._key(obj), None) or self.trim(obj)
         self.resource_version = rv
+        if kept is None and kind == "MODIFIED":
+            return  # no cue: the agents' cache copies ignore the controller's count writes (docs/scale.md)
         if self.on_event is not None and kept is not None:
             self.on_event(kind, kept)
         self.on_change()
