@@ -165,13 +165,16 @@ class HollowFleet:
     def writes(self) -> int:
         return sum(a.reporter.writes.creates + a.reporter.writes.updates for a in self.agents)
 
-    def stop(self) -> None:
-        for a in self.agents:  # every watch closed first, then each reporter's threads joined
+    def stop(self, timeout: float = 20.0) -> None:
+        """Close every watch, then join the reporters' threads, ``timeout`` seconds in all (the
+        threads are daemons: what is left ends with the process)."""
+        for a in self.agents:
             a.reporter._stop.set()
             for r in a.reporter._reflectors:
                 r.interrupt()
+        end = time.monotonic() + timeout
         for a in self.agents:
-            a.reporter.stop(timeout=5)
+            a.reporter.stop(timeout=max(0.0, end - time.monotonic()))
 
 
 # ---------------------------------------------------------------------------------------------
