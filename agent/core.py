@@ -230,9 +230,11 @@ class Agent:
 
     def proof_of(self, image: str, cache: tuple[str, str] | None) -> tuple | None:
         """The (registry, repository, digest, credentials key) a request for the digest-pinned
-        ``image`` naming ``cache`` is proved under; None when its credentials cannot be chosen now."""
+        ``image`` naming ``cache`` is proved under; None when its credentials cannot be chosen now.
+        Asked on every status pass of every node: with the namespace's pull secrets as last read
+        (a pull reads them again), so that an idle fleet sends no reads (docs/scale.md)."""
         try:
-            return self._proof(Reference.parse(image), self.credentials.choose(cache))
+            return self._proof(Reference.parse(image), self.credentials.choose(cache, fresh=False))
         except (PullSecretError, errors.InvalidReference):
             return None
 

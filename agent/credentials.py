@@ -37,9 +37,12 @@ class Chooser:
         self.anonymous = Credentials("anonymous", dataclasses.replace(options, config_file=None, anonymous=True,
                                                                       pull_secrets=()), "no credentials")
 
-    def choose(self, cache: tuple[str, str] | None, anonymous: bool = False) -> Credentials:
+    def choose(self, cache: tuple[str, str] | None, anonymous: bool = False, *, fresh: bool = True) -> Credentials:
         """The credentials for a request naming ``cache`` ((namespace, name); namespace "" for a
-        ClusterGKMCache). :class:`PullSecretError` when a namespace's secrets cannot be read."""
+        ClusterGKMCache). :class:`PullSecretError` when a namespace's secrets cannot be read.
+        ``fresh=False``: a namespace's secrets as last read, however long ago (read only when
+        never read): what the status reporter asks on every pass, so that an idle node reads
+        nothing (docs/scale.md); a pull always asks fresh."""
         if anonymous:
             return self.anonymous
         if cache is None:
@@ -53,7 +56,7 @@ class Chooser:
         if self.secrets is None:
             return dataclasses.replace(self.anonymous, whose=f"no credentials (GKMCache {namespace}/{name}; this "
                                                              "agent has no API server to read pull secrets from)")
-        found = self.secrets.of(namespace)
+        found = self.secrets.of(namespace, fresh=fresh)
         if not found.secrets:
             return dataclasses.replace(self.anonymous, whose=f"no credentials ({found.why})")
         names = ", ".join(n for n, _ in found.secrets)

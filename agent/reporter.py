@@ -27,6 +27,7 @@ from .nodestatus import (CLUSTER, FAILED, GROUP, HOSTNAME_LABEL, PULLING, QUEUED
 from .prefetch import Prefetcher
 
 log = logging.getLogger("accelnode.agent.status")
+WATCH_JITTER = 1.0  # each watch lasts 300 to 600 s (accelnode/kube/reflector.py), as client-go's
 
 
 @dataclass
@@ -75,14 +76,15 @@ class Reporter:
         self._dirty = threading.Event()
         poke = self.poke
         beat = lambda what: health.heartbeat(f"watch {what}", grace)  # noqa: E731
-        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), on_change=poke, trim=_trim_cache,
-                                beat=beat("GKMCaches"))
-        self.cluster_caches = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"), on_change=poke,
-                                        trim=_trim_cache, beat=beat("ClusterGKMCaches"))
-        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, on_change=poke, trim=_trim_node,
-                                  beat=beat("Node"))
-        self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"}, on_change=poke,
-                              trim=_trim_pod, beat=beat("Pods"))
+        # one agent per node: its watches end at spread times (docs/scale.md)
+        spread = {"on_change": poke, "watch_jitter": WATCH_JITTER}
+        self.caches = Reflector(client, custom_path(GROUP, VERSION, "gkmcaches"), trim=_trim_cache,
+                                beat=beat("GKMCaches"), **spread)
+        self.cluster_caches = Reflector(client, custom_path(GROUP, VERSION, "clustergkmcaches"),
+                                        trim=_trim_cache, beat=beat("ClusterGKMCaches"), **spread)
+        self.node_obj = Reflector(client, "/api/v1/nodes", name=node, trim=_trim_node, beat=beat("Node"), **spread)
+        self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"},
+                              trim=_trim_pod, beat=beat("Pods"), **spread)
         self._reflectors = (self.caches, self.cluster_caches, self.node_obj, self.pods)
         # touched by the reconcile thread only
         self._written: dict[str, _Written] | None = None  # None until read back from the API
@@ -169,12 +171,12 @@ class Reporter:
         """One pass: compute every object's status and write the ones that changed."""
         if not all(r.synced.is_set() for r in self._reflectors):
             return
-        if self._written is None:
-            self._written = self._read_back()
         caches = [Cache.from_object(o) for r in (self.caches, self.cluster_caches) for o in r.snapshot()]
         node = next(iter(self.node_obj.snapshot()), {}).get("metadata", {})
         want = [c for c in caches if c.prefetchable() and c.refused is None and wanted(c, node.get("labels", {}))]
         local = self.view()
+        if self._written is None:
+            self._written = self._read_back({c.namespace for c in caches} | _held_namespaces(local))
         # the proof of each cache whose digest the node has or is pulling (reads pull secrets: at
         # most every 30 s per namespace, accelnode/kube/pullsecrets.py)
         near = local.pulling | {proof[2] for proof in local.pulls}
@@ -213,19 +215,19 @@ class Reporter:
     def _path(self, ns: str, sub: str | None = None) -> str:
         return custom_path(GROUP, VERSION, _plural(ns), ns or None, self.node, sub)
 
-    def _read_back(self) -> dict[str, _Written]:
-        """What this node wrote before (survives agent restarts: no rewrite when unchanged)."""
+    def _read_back(self, namespaces: set[str]) -> dict[str, _Written]:
+        """What this node wrote before (survives agent restarts: no rewrite when unchanged): one
+        GET per object it may have, the ClusterGKMCacheNode and the GKMCacheNode of each of
+        ``namespaces`` (those with a GKMCache, and those whose caches this node's volumes hold).
+        Never a list of the node kind: every node listing every node's objects costs the API
+        server N x N objects at a fleet start (docs/scale.md)."""
         found = {}
-        sel = {"labelSelector": f"{HOSTNAME_LABEL}={self.node}"}
-        items = self.client.list(custom_path(GROUP, VERSION, "gkmcachenodes"), query=sel).get("items") or []
-        cluster_obj = self._get(CLUSTER)
-        for obj in items + ([cluster_obj] if cluster_obj else []):
-            md = obj["metadata"]
-            if md["name"] != self.node:
+        for ns in sorted(namespaces | {CLUSTER}):
+            obj = self._get(ns)
+            if obj is None:
                 continue
-            ns = md.get("namespace", CLUSTER)
             status = obj.get("status") or {}
-            found[ns] = _Written(status, md["resourceVersion"])
+            found[ns] = _Written(status, obj["metadata"]["resourceVersion"])
             for name, by_digest in (status.get("caches") or {}).items():
                 self._history.setdefault((ns, name), set()).update(by_digest)
                 self._seen.update(by_digest)  # what this node reported before a restart
@@ -292,6 +294,13 @@ class Reporter:
             if obj is None:
                 raise
         return _Written(obj.get("status") or {}, obj["metadata"]["resourceVersion"])
+
+
+def _held_namespaces(local: Local) -> set[str]:
+    """Namespaces of the caches this node's volumes hold (a reference without its cache: the
+    pod's namespace), whether or not those caches still exist."""
+    return {(r.get("cache") or (r.get("namespace", ""),))[0] for info in local.installed.values()
+            for r in info.get("refs") or ()}
 
 
 def _kind(ns: str) -> str:

@@ -78,11 +78,13 @@ class PullSecretReader:
         self._lock = threading.Lock()
         self._answers: dict[str, tuple[PullSecrets, float]] = {}
 
-    def of(self, namespace: str) -> PullSecrets:
+    def of(self, namespace: str, *, fresh: bool = True) -> PullSecrets:
+        """The namespace's pull secrets, read at most ``ttl`` seconds ago; ``fresh=False``: the
+        last answer read, whatever its age (read only when there is none)."""
         now = time.monotonic()
         with self._lock:
             hit = self._answers.get(namespace)
-            if hit is not None and now - hit[1] < self.ttl:
+            if hit is not None and (not fresh or now - hit[1] < self.ttl):
                 return hit[0]
         found = self._read(namespace)
         with self._lock:

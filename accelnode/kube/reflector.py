@@ -7,7 +7,9 @@ not become a hot list loop), reset by a watch that works.
 Invariants: :meth:`Reflector.run` never raises, and every failure, malformed answers included,
 is retried with backoff, never a dead thread; the copy is rebuilt from a whole answer rather
 than patched from a doubtful event; a re-list reports what differs from the copy it replaces,
-so a deletion missed while the watch was down still arrives as ``DELETED``. The heartbeat's
+so a deletion missed while the watch was down still arrives as ``DELETED``; a ``MODIFIED`` that
+leaves the trimmed copy as it was (a trim that drops the resourceVersion and the changed
+fields) is no change and calls nothing. The heartbeat's
 promise (``stall_after``) covers a quiet watch waiting on the network, so only a reflector stuck
 in a callback or dead of a bug breaks it.
 """
@@ -65,7 +67,10 @@ class Reflector:
     ``trim(obj)`` trims an object before it is stored (memory: keep only what you read).
     ``expired_backoff`` paces the re-lists of 410s in a row (the first one re-lists at once);
     ``wait(stop, seconds)`` waits before each attempt and returns True to stop (default
-    ``stop.wait``; tests record the delays instead of waiting them out).
+    ``stop.wait``; tests record the delays instead of waiting them out). ``watch_jitter``: each
+    watch asks the server to end it after ``watch_seconds`` times 1 to ``1 + watch_jitter``, drawn
+    at random (client-go's reflector: 1 to 2), so that the watches of a whole fleet, opened at
+    once (a rollout, an API server restart), do not all end and re-open at once every period.
     """
 
     MIN_WATCH = 5.0  # a watch that ends sooner without events counts as a failure (no hot loop)
@@ -75,13 +80,17 @@ class Reflector:
                  name: str | None = None, trim: Callable[[dict], dict] = lambda o: o,
                  watch_seconds: int = 300, max_backoff: float = 30.0, beat: Heartbeat = NOBEAT,
                  stall_after: float | None = None, expired_backoff: Backoff | None = None,
-                 wait: Callable[[threading.Event, float], bool] | None = None):
+                 wait: Callable[[threading.Event, float], bool] | None = None, watch_jitter: float = 0.0,
+                 rand: Callable[[], float] = random.random):
+        if not 0 <= watch_jitter <= 1:
+            raise ValueError(f"watch_jitter must be from 0 to 1, not {watch_jitter!r}")
         self.client, self.path, self.name = client, path, name
+        self.watch_jitter, self._rand = watch_jitter, rand
         self.expired_backoff = expired_backoff or Backoff(min(0.8, max_backoff), max_backoff)
         self._wait = wait or (lambda stop, seconds: stop.wait(seconds))
         self.beat = beat
         if stall_after is None:  # a list (client timeout), then a watch that may be silent to its end
-            stall_after = client.timeout + watch_seconds + WATCH_READ_SLACK + GRACE_DEFAULT
+            stall_after = client.timeout + watch_seconds * (1 + watch_jitter) + WATCH_READ_SLACK + GRACE_DEFAULT
         self.stall_after = stall_after
         self.query = dict(query or {})
         if name:
@@ -224,7 +233,8 @@ class Reflector:
                 _shutdown(resp)
 
         try:
-            return self._follow(self.client.watch(self.path, query, self.watch_seconds, on_open=opened), stop)
+            seconds = round(self.watch_seconds * (1 + self.watch_jitter * self._rand()))
+            return self._follow(self.client.watch(self.path, query, seconds, on_open=opened), stop)
         finally:
             if self._watching:  # current up to its end
                 self._current_at, self._watching = time.monotonic(), False
@@ -257,10 +267,16 @@ class Reflector:
         kept = None
         with self._lock:
             if kind in ("ADDED", "MODIFIED"):
-                kept = self._items[self._key(obj)] = self.trim(obj)
+                key, kept = self._key(obj), self.trim(obj)
+                if kind == "MODIFIED" and self._items.get(key) == kept:
+                    kept = None  # nothing this copy keeps changed (a trim without the resourceVersion)
+                else:
+                    self._items[key] = kept
             elif kind == "DELETED":
                 kept = self._items.pop(self._key(obj), None) or self.trim(obj)
         self.resource_version = rv
+        if kept is None and kind == "MODIFIED":
+            return  # no cue: the agents' cache copies ignore the controller's count writes (docs/scale.md)
         if self.on_event is not None and kept is not None:
             self.on_event(kind, kept)
         self.on_change()

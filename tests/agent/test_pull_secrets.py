@@ -125,3 +125,19 @@ def test_the_example_is_the_lending_the_docs_show():
     docs = [d for d in yaml.safe_load_all((Path(__file__).parents[2] / "examples/lend-pull-secrets.yaml").read_text())
             if d]
     assert docs == lending_objects("team-a", ["regcred"])
+
+
+def test_the_status_pass_reads_nothing_once_read_and_a_pull_reads_again(lending, control_plane):
+    """What the status reporter asks on every pass of every node (``fresh=False``) is the last
+    answer, whatever its age: an idle fleet sends no reads (docs/scale.md); a pull asks within
+    the TTL and reads again past it, and then the status pass sees what it read."""
+    cfg = {"auths": {"reg.example": {"auth": AUTH}}}
+    ns = lending({"regcred": ("kubernetes.io/dockerconfigjson", {".dockerconfigjson": json.dumps(cfg)})},
+                 ["regcred"])
+    c = Client(Config.from_kubeconfig(control_plane.kubeconfig("agent")))
+    reader = PullSecretReader(c, ttl=0.0, who="the agent")
+    first = reader.of(ns, fresh=False)
+    sent = c.sent
+    assert first.secrets and [reader.of(ns, fresh=False) for _ in range(5)] == [first] * 5
+    assert c.sent == sent  # nothing read: the answer is kept
+    assert reader.of(ns) == first and c.sent == sent + 2  # a pull reads (ServiceAccount, secret)

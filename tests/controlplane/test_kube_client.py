@@ -165,6 +165,49 @@ def test_the_reflector_lists_in_pages_then_watches_from_the_snapshot(control_pla
         assert halt(), "the reflector did not stop"
 
 
+def test_a_change_the_trimmed_copy_does_not_keep_is_no_cue(control_plane, kube_namespace):
+    """A MODIFIED event that leaves the trimmed copy as it was (here: data the trim drops) calls
+    neither on_change nor on_event: every node's agent keeps only what it reads of a cache, and
+    the controller's count writes must not make each of them recompute its status."""
+    admin = Client(config(control_plane))
+    path = make_configmaps(admin, kube_namespace, 1)
+    changes, events = [], []
+    r = Reflector(Client(config(control_plane)), path, trim=lambda o: {"metadata": {
+        "name": o["metadata"]["name"], "namespace": o["metadata"]["namespace"],
+        "labels": o["metadata"].get("labels") or {}}}, on_change=lambda: changes.append(1),
+        on_event=lambda kind, obj: events.append(kind))
+    halt = run_reflector(r)
+    try:
+        assert eventually(r.synced.is_set), "the reflector never listed"
+        listed = len(changes)
+        admin.request("PATCH", f"{path}/cm-00", body={"data": {"ignored": "1"}})
+        admin.request("PATCH", f"{path}/cm-00", body={"metadata": {"labels": {"seen": "yes"}}})
+        assert eventually(lambda: (r.get(kube_namespace, "cm-00") or {})["metadata"]["labels"].get("seen") == "yes")
+        assert len(changes) == listed + 1 and events.count("MODIFIED") == 1, (changes, events)
+    finally:
+        assert halt(), "the reflector did not stop"
+
+
+def test_watches_of_a_fleet_end_at_spread_times(control_plane, kube_namespace):
+    """With ``watch_jitter`` each watch asks the server to end it after ``watch_seconds`` times 1
+    to 1 + jitter (drawn per watch), so a fleet's watches opened at once do not re-open at once;
+    the heartbeat's promise covers the longest."""
+    admin = Client(config(control_plane))
+    path = make_configmaps(admin, kube_namespace, 1)
+    draws = iter([0.0, 0.5, 0.99] + [0.0] * 100)
+    c = Recording(config(control_plane))
+    r = Reflector(c, path, watch_seconds=2, watch_jitter=1.0, rand=lambda: next(draws))
+    assert r.stall_after >= c.timeout + 4
+    halt = run_reflector(r)
+    try:
+        assert eventually(lambda: len([q for _, _, q in c.asked if "watch" in q]) >= 3, timeout=30)
+        assert [q["timeoutSeconds"] for _, _, q in c.asked if "watch" in q][:3] == ["2", "3", "4"]
+    finally:
+        assert halt(), "the reflector did not stop"
+    with pytest.raises(ValueError, match="watch_jitter"):
+        Reflector(c, path, watch_jitter=1.5)
+
+
 @pytest.fixture(scope="module")
 def snapshotless_plane(tmp_path_factory):
     """A control plane of its own whose watch cache keeps no list snapshots: a continue token is

@@ -399,13 +399,15 @@ class ControlPlane:
     """
 
     def __init__(self, workdir: Path, tools_bin: Path, *, start_timeout: float = 120.0, kubelets: bool = False,
-                 apiserver_args: tuple[str, ...] = ()):
+                 apiserver_args: tuple[str, ...] = (), audit_reads_of: tuple[str, ...] = ()):
         """``kubelets=True``: ready for real kubelets (tests/rigs/node.py): the Node
         authorizer beside RBAC, ServiceAccount admission (pods get their token volume), a
         client certificate the apiserver shows kubelets (logs, exec), and kube-scheduler.
         ``apiserver_args``: more kube-apiserver flags (a test's own control plane, e.g. a
-        feature gate)."""
+        feature gate). ``audit_reads_of``: user names whose get, list and watch calls the audit
+        log records too (Metadata level: verb, requestURI, user agent), beside everyone's writes."""
         self.kubelets = kubelets
+        self.audit_reads_of = tuple(audit_reads_of)
         self.apiserver_args = tuple(apiserver_args)
         self.etcd_url = ""  # http://127.0.0.1:<port> once started (etcd's JSON gateway: /v3/...)
         self.workdir = Path(workdir)
@@ -465,7 +467,9 @@ class ControlPlane:
             self._clients[ident.name] = self._pki.client(ident)
             self._kubeconfigs[ident.name] = self._write_kubeconfig(ident)
         policy = self.workdir / "audit-policy.yaml"
-        policy.write_text(yaml.safe_dump(_AUDIT_POLICY))
+        reads = [{"level": "Metadata", "users": list(self.audit_reads_of), "verbs": ["get", "list", "watch"]}]
+        policy.write_text(yaml.safe_dump(dict(_AUDIT_POLICY, rules=[*(reads if self.audit_reads_of else []),
+                                                                    *_AUDIT_POLICY["rules"]])))
         admission = self.workdir / "admission.yaml"
         admission.write_text(yaml.safe_dump(GKE_ADMISSION))
         client, peer = free_port(), free_port()
