@@ -47,6 +47,7 @@ WHEN = {
     "rbac-controller-webhooks.yaml":
         "and .Values.controller.enabled (eq .Values.webhook.certificates \"self-managed\")",
     "rbac-user-roles.yaml": ".Values.userRoles",
+    "flowcontrol.yaml": ".Values.controller.enabled",  # the controller's API priority (docs/scale.md)
     "dra/": ".Values.draPlugin.enabled",
     "cert-manager/": "and .Values.controller.enabled (eq .Values.webhook.certificates \"cert-manager\")",
     "monitoring/podmonitor.yaml": "and .Values.monitoring.enabled .Values.monitoring.podMonitor",
