@@ -20,6 +20,7 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 PREFETCH_ANNOTATION = "accelnode.io/prefetch"  # "true": pull on every node the cache fits
 IN_USE = ("Running", "Outdated", "Deleting")
 CLUSTER = ""  # the namespace key of the ClusterGKMCacheNode
+CACHE_DIGEST = "cacheDigest"  # an entry's field: the cache's current digest it was reported for
 QUEUED = "queued: waiting for a free pull slot on this node"
 QUEUED_PULL, PULLING, FAILED = "QUEUED", "PULLING", "FAILED"  # Local.pulls states
 
@@ -176,8 +177,10 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
         return sorted(({"podNamespace": r["namespace"], "podName": r["name"], "volumeId": r["volume_id"]}
                        for r in refs if uses(r, cache)), key=lambda p: tuple(p.values()))
 
-    def put(cache_key, key: str, entry: dict) -> None:
+    def put(cache_key, key: str, entry: dict, cache_digest: str | None = None) -> None:
         history.setdefault(cache_key, set()).add(key)
+        if cache_digest is not None:  # an entry for the cache's current digest says which it is
+            entry[CACHE_DIGEST] = cache_digest
         entries.setdefault(cache_key[0], {}).setdefault(cache_key[1], {})[key] = entry
 
     for cache in caches:
@@ -200,17 +203,17 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
                 entry["message"] = f"incompatible: {mismatch}"
             if pods:
                 entry["pods"] = pods
-            put(cache.key, manifest, entry)
+            put(cache.key, manifest, entry, d)
         elif pull == QUEUED_PULL:  # a stable message: the queue position would cost a write per move
-            put(cache.key, d, {"state": "Downloading", "message": QUEUED})
+            put(cache.key, d, {"state": "Downloading", "message": QUEUED}, d)
         elif pull == PULLING:
-            put(cache.key, d, {"state": "Downloading"})
+            put(cache.key, d, {"state": "Downloading"}, d)
         elif pull == FAILED:
-            put(cache.key, d, {"state": "Error", "message": message})
+            put(cache.key, d, {"state": "Error", "message": message}, d)
         elif failed is not None and failed[0] == d:
-            put(cache.key, d, {"state": "Error", "message": failed[1]})
+            put(cache.key, d, {"state": "Error", "message": failed[1]}, d)
         elif cache.key in wanted_keys:
-            put(cache.key, d, {"state": "Pending"})
+            put(cache.key, d, {"state": "Pending"}, d)
 
     # digests a cache used before (its current digest moved on, or the cache was deleted) that
     # pods still hold

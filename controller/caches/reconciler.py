@@ -69,12 +69,12 @@ def without_managed_fields(obj: dict) -> dict:
 
 def trim_node(obj: dict) -> dict:
     """What the cache of node objects stores: name, namespace, resourceVersion and, per cache
-    and digest, the state, message and pods."""
+    and digest, the state, message, pods and the cache digest it was reported for."""
     md = obj.get("metadata") or {}
     caches = {}
     for name, by_digest in ((obj.get("status") or {}).get("caches") or {}).items():
         if isinstance(by_digest, dict):
-            caches[name] = {d: {k: e[k] for k in ("state", "message", "pods") if k in e}
+            caches[name] = {d: {k: e[k] for k in ("state", "message", "pods", cs.CACHE_DIGEST) if k in e}
                             for d, e in by_digest.items() if isinstance(e, dict)}
     return {"metadata": {k: md[k] for k in ("name", "namespace", "resourceVersion") if k in md},
             "status": {"caches": caches}}
@@ -188,7 +188,7 @@ class CacheReconciler(Reconciler):
         pin, resolved = self._pin(key, obj)
         now = now_rfc3339()
         verified = self._verified(key, obj, pin, now)
-        agg = cs.aggregate(self._reports(key))
+        agg = cs.aggregate(self._reports(key), pin and pin.digest)
         status = cs.cache_status(obj, pin, resolved, agg, now,
                                  verified=verified and (verified.status, verified.reason, verified.message),
                                  verification=verified.verdict if verified else None)

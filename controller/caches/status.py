@@ -143,18 +143,43 @@ def wanted_annotations(annotations: dict, pin: Pin | None) -> dict:
 @dataclass(frozen=True)
 class Aggregate:
     counts: dict
-    held: int  # nodes holding the current digest (an Extracted or Running entry)
+    held: int  # nodes holding the current digest (an Extracted or Running entry for the pin)
     downloading: int
     pending: int
     errors: list  # (node, message) of each node with an Error entry, by node name
-    outdated: bool  # an Outdated entry somewhere
+    outdated: bool  # an Outdated entry somewhere (or a Running one for a digest before the pin)
 
 
-def aggregate(reports: dict[str, dict]) -> Aggregate:
+CACHE_DIGEST = "cacheDigest"  # an entry's field: the cache digest the agent reported it for
+
+
+def for_pin(key: str, entry: dict, digest: str | None) -> bool:
+    """Whether a node's entry (under status key ``key``) is about the pinned ``digest``: its key
+    is the pin (a single manifest, or any state keyed by the cache's digest), or the agent says
+    it reported the entry for that cache digest (``cacheDigest``: an image index's platform
+    manifest is keyed by the manifest). An agent that has not yet seen a new pin still reports
+    the old digest as Extracted/Running, with the old ``cacheDigest``; an older agent writes no
+    ``cacheDigest``, so its entries count only when keyed by the pin itself."""
+    return digest is not None and (key == digest or entry.get(CACHE_DIGEST) == digest)
+
+
+def _as_seen(key: str, entry: dict, digest: str | None) -> str | None:
+    """The state an entry counts as: Extracted/Running only for the pin; an Extracted entry of
+    another digest holds nothing the cache names (None), a Running one has its pods on an older
+    digest (Outdated, as the agent reports it once it sees the pin). Other states as written."""
+    state = entry.get("state")
+    if state in ("Extracted", "Running") and not for_pin(key, entry, digest):
+        return "Outdated" if state == "Running" else None
+    return state
+
+
+def aggregate(reports: dict[str, dict], digest: str | None) -> Aggregate:
     """Sum one cache's entries over the nodes that report it: ``reports`` maps a node name to
-    the cache's ``status.caches[<cache name>]`` of that node's object (digest -> entry).
+    the cache's ``status.caches[<cache name>]`` of that node's object (digest -> entry);
+    ``digest`` is the pin (None without one).
 
-    Per node, as the agent counts one object (docs/agent-status.md), but for this cache only:
+    Per node, as the agent counts one object (docs/agent-status.md), but for this cache only,
+    each entry counted as :func:`_as_seen` says:
     ``nodeCnt`` 1 when it reports the cache at all; ``nodeInUseCnt`` when an entry is Running,
     Outdated or Deleting; ``nodeNotInUseCnt`` when not in use and an entry is Extracted;
     ``nodeErrorCnt`` when an entry is Error; pods are distinct per state."""
@@ -162,10 +187,10 @@ def aggregate(reports: dict[str, dict]) -> Aggregate:
     held = downloading = pending = 0
     errs, outdated = [], False
     for node in sorted(reports):
-        entries = [e for e in (reports[node] or {}).values() if isinstance(e, dict)]
+        entries = [(_as_seen(k, e, digest), e) for k, e in (reports[node] or {}).items() if isinstance(e, dict)]
         if not entries:
             continue
-        states = {e.get("state") for e in entries}
+        states = {s for s, _ in entries}
         in_use = bool(states & set(IN_USE))
         counts["nodeCnt"] += 1
         counts["nodeInUseCnt"] += in_use
@@ -173,15 +198,15 @@ def aggregate(reports: dict[str, dict]) -> Aggregate:
         counts["nodeErrorCnt"] += "Error" in states
         for state, field in (("Running", "podRunningCnt"), ("Outdated", "podOutdatedCnt"),
                              ("Deleting", "podDeletingCnt")):
-            counts[field] += len({(p.get("podNamespace"), p.get("podName")) for e in entries
-                                  if e.get("state") == state for p in e.get("pods") or ()})
+            counts[field] += len({(p.get("podNamespace"), p.get("podName")) for s, e in entries
+                                  if s == state for p in e.get("pods") or ()})
         held += bool(states & {"Extracted", "Running"})
         downloading += "Downloading" in states
         pending += "Pending" in states
         outdated = outdated or "Outdated" in states
         if "Error" in states:
-            msg = next((e.get("message") for e in sorted(entries, key=lambda e: e.get("message") or "")
-                        if e.get("state") == "Error"), None) or "no message"
+            msg = next((e.get("message") for s, e in sorted(entries, key=lambda se: se[1].get("message") or "")
+                        if s == "Error"), None) or "no message"
             errs.append((node, msg[:MAX_MESSAGE]))
     return Aggregate(counts, held, downloading, pending, errs, outdated)
 

@@ -208,7 +208,7 @@ def test_gpus_of_a_node_without_accelerators():
 
 def test_pending_when_wanted_and_not_started():
     out = statuses([cache()], wanted_keys={("ns", "c1")})
-    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Pending", "lastUpdated": NOW}}}
+    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Pending", "cacheDigest": D1, "lastUpdated": NOW}}}
 
 
 def test_not_wanted_and_not_on_node_reports_nothing():
@@ -218,7 +218,7 @@ def test_not_wanted_and_not_on_node_reports_nothing():
 
 def test_downloading():
     out = statuses([cache()], local(pulling={D1}), wanted_keys={("ns", "c1")})
-    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Downloading", "lastUpdated": NOW}}}
+    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Downloading", "cacheDigest": D1, "lastUpdated": NOW}}}
 
 
 def test_downloading_wins_over_an_earlier_failure():
@@ -228,13 +228,13 @@ def test_downloading_wins_over_an_earlier_failure():
 
 def test_error_from_failed_pull():
     out = statuses([cache()], local(failed={D1: "pull failed: 404 manifest unknown"}), wanted_keys={("ns", "c1")})
-    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Error", "message": "pull failed: 404 manifest unknown",
+    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Error", "cacheDigest": D1, "message": "pull failed: 404 manifest unknown",
                                                "lastUpdated": NOW}}}
 
 
 def test_extracted():
     out = statuses([cache()], local(inst(size=4096)))
-    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Extracted", "volumeSize": 4096, **ALL_TPUS,
+    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Extracted", "cacheDigest": D1, "volumeSize": 4096, **ALL_TPUS,
                                                "lastUpdated": NOW}}}
 
 
@@ -258,20 +258,21 @@ def test_extracted_on_a_mixed_node_lists_which_devices_fit():
 def test_installed_through_an_index_is_keyed_by_the_manifest():
     out = statuses([cache(digest=INDEX)], local(inst(digest=D1, image=f"{REPO}@{INDEX}")))
     assert list(out["ns"]["caches"]["c1"]) == [D1]
+    assert out["ns"]["caches"]["c1"][D1]["cacheDigest"] == INDEX  # what the controller compares with its pin
 
 
 def test_running_lists_its_pods_sorted():
     view = local(inst(ref("p2", volume="v1"), ref("p1", volume="v9"), ref("p1", volume="v2")))
     out = statuses([cache()], view)
     assert out["ns"]["caches"] == {"c1": {D1: {
-        "state": "Running", "volumeSize": 1000, **ALL_TPUS,
+        "state": "Running", "cacheDigest": D1, "volumeSize": 1000, **ALL_TPUS,
         "pods": [pod("p1", volume="v2"), pod("p1", volume="v9"), pod("p2", volume="v1")], "lastUpdated": NOW}}}
 
 
 def test_error_from_incompatible_content():
     out = statuses([cache()], local(inst(targets=SM90, size=77)))
     assert out["ns"]["caches"] == {"c1": {D1: {
-        "state": "Error", "volumeSize": 77, "compatibleGPUs": [], "incompatibleGPUs": [0, 1, 2, 3],
+        "state": "Error", "cacheDigest": D1, "volumeSize": 77, "compatibleGPUs": [], "incompatibleGPUs": [0, 1, 2, 3],
         "message": "incompatible: built for cuda/sm_90; this node has tpu/v5e x4", "lastUpdated": NOW}}}
 
 
@@ -287,7 +288,7 @@ def test_outdated_when_the_cache_moved_on_and_a_pod_holds_the_old_digest():
     view = local({**inst(ref("p1"), digest=D1, size=10), **inst(digest=D2, size=20)})
     out = statuses([cache(digest=D2)], view, history=history)
     assert out["ns"]["caches"] == {"c1": {
-        D2: {"state": "Extracted", "volumeSize": 20, **ALL_TPUS, "lastUpdated": NOW},
+        D2: {"state": "Extracted", "cacheDigest": D2, "volumeSize": 20, **ALL_TPUS, "lastUpdated": NOW},
         D1: {"state": "Outdated", "pods": [pod("p1")], "volumeSize": 10, "lastUpdated": NOW}}}
     assert history == {("ns", "c1"): {D1, D2}}
 
@@ -343,8 +344,8 @@ def test_node_object_fields():
 def test_namespaced_cache_under_its_namespace_cluster_cache_under_cluster_key():
     out = statuses([cache("c1", "team-a", D1), cache("shared", CLUSTER, D2)], local(pulling={D1, D2}))
     assert set(out) == {CLUSTER, "team-a"}
-    assert out["team-a"]["caches"] == {"c1": {D1: {"state": "Downloading", "lastUpdated": NOW}}}
-    assert out[CLUSTER]["caches"] == {"shared": {D2: {"state": "Downloading", "lastUpdated": NOW}}}
+    assert out["team-a"]["caches"] == {"c1": {D1: {"state": "Downloading", "cacheDigest": D1, "lastUpdated": NOW}}}
+    assert out[CLUSTER]["caches"] == {"shared": {D2: {"state": "Downloading", "cacheDigest": D2, "lastUpdated": NOW}}}
 
 
 def test_ref_without_cache_counts_for_every_cache_of_the_digest_admitting_the_pod():
@@ -405,18 +406,18 @@ def test_last_updated_is_now_when_the_entry_changed():
 
 
 def test_last_updated_is_now_when_the_previous_entry_had_no_stamp():
-    previous = {"ns": {"caches": {"c1": {D1: {"state": "Pending"}}}}}
+    previous = {"ns": {"caches": {"c1": {D1: {"state": "Pending", "cacheDigest": D1}}}}}
     out = statuses([cache()], wanted_keys={("ns", "c1")}, previous=previous)
-    assert out["ns"]["caches"]["c1"][D1] == {"state": "Pending", "lastUpdated": NOW}
+    assert out["ns"]["caches"]["c1"][D1] == {"state": "Pending", "cacheDigest": D1, "lastUpdated": NOW}
 
 
 def test_last_updated_is_per_entry():
-    previous = {"ns": {"caches": {"c1": {D1: {"state": "Pending", "lastUpdated": EARLIER}},
-                                  "c2": {D2: {"state": "Pending", "lastUpdated": EARLIER}}}}}
+    previous = {"ns": {"caches": {"c1": {D1: {"state": "Pending", "cacheDigest": D1, "lastUpdated": EARLIER}},
+                                  "c2": {D2: {"state": "Pending", "cacheDigest": D2, "lastUpdated": EARLIER}}}}}
     out = statuses([cache("c1"), cache("c2", digest=D2)], local(pulling={D2}), wanted_keys={("ns", "c1"), ("ns", "c2")},
                    previous=previous)
-    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Pending", "lastUpdated": EARLIER}},
-                                   "c2": {D2: {"state": "Downloading", "lastUpdated": NOW}}}
+    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Pending", "cacheDigest": D1, "lastUpdated": EARLIER}},
+                                   "c2": {D2: {"state": "Downloading", "cacheDigest": D2, "lastUpdated": NOW}}}
 
 
 def test_namespace_with_nothing_left_stays_listed_empty():
@@ -481,7 +482,7 @@ def test_another_caches_pull_and_its_error_are_not_reported():
     out = statuses(caches, view, proofs={("team-a", "a"): proof(D1), ("team-b", "b"): proof(D1, "b")},
                    wanted_keys={("team-b", "b")})
     assert out["team-a"]["caches"]["a"][D1]["state"] == "Error"
-    assert out["team-b"]["caches"] == {"b": {D1: {"state": "Pending", "lastUpdated": NOW}}}
+    assert out["team-b"]["caches"] == {"b": {D1: {"state": "Pending", "cacheDigest": D1, "lastUpdated": NOW}}}
     view = local(pulling={D1})
     out = statuses(caches, view, proofs={("team-a", "a"): proof(D1), ("team-b", "b"): proof(D1, "b")})
     assert "team-b" not in out and out["team-a"]["caches"]["a"][D1]["state"] == "Downloading"
@@ -495,7 +496,7 @@ def test_a_volume_naming_the_cache_proves_it_and_a_prefetch_failure_is_its_own()
                  prefetch_failed={("team-b", "b"): (D2, "denied (pulled with no credentials)")})
     out = statuses(caches, view, proofs={})
     assert out["team-a"]["caches"]["a"][D1]["state"] == "Running"
-    assert out["team-b"]["caches"] == {"b": {D2: {"state": "Error", "message": "denied (pulled with no credentials)",
+    assert out["team-b"]["caches"] == {"b": {D2: {"state": "Error", "cacheDigest": D2, "message": "denied (pulled with no credentials)",
                                                   "lastUpdated": NOW}}}
     assert statuses([cache("a", "team-a")], local(inst(), proven=()), proofs={}) == statuses([], local())
 

@@ -113,16 +113,55 @@ REPORTS = {
 
 
 def test_counts_follow_the_agents_rules_per_cache():
-    agg = cs.aggregate(REPORTS)
+    agg = cs.aggregate(REPORTS, D1)
     assert agg.counts == {"nodeCnt": 6, "nodeInUseCnt": 2, "nodeNotInUseCnt": 1, "nodeErrorCnt": 1,
                           "podRunningCnt": 3, "podOutdatedCnt": 1, "podDeletingCnt": 0}
     assert (agg.held, agg.downloading, agg.pending) == (3, 1, 1)
     assert agg.errors == [("n4", "pull failed: 500")]
-    assert cs.aggregate({}).counts == dict.fromkeys(cs.COUNTS, 0)
+    assert cs.aggregate({}, D1).counts == dict.fromkeys(cs.COUNTS, 0)
+
+
+D3 = "sha256:" + "3" * 64  # a platform manifest of the index D2
+
+
+def test_a_node_still_on_the_old_digest_does_not_hold_the_new_pin():
+    # the cache was just re-pinned D1 -> D2; the agents have not seen it, so to them D1 is still
+    # current: Extracted / Running for D1 (with cacheDigest D1) is no node holding D2
+    stale = {"n1": {D1: {"state": "Extracted", "cacheDigest": D1}},
+             "n2": {D1: {"state": "Running", "cacheDigest": D1, "pods": pods("a")}}}
+    agg = cs.aggregate(stale, D2)
+    assert agg.held == 0
+    assert agg.counts == {"nodeCnt": 2, "nodeInUseCnt": 1, "nodeNotInUseCnt": 0, "nodeErrorCnt": 0,
+                          "podRunningCnt": 0, "podOutdatedCnt": 1, "podDeletingCnt": 0}
+    assert cs.summary(Pin(IMAGE, D2, None), "", agg) == (
+        "Outdated", f"0 of 2 nodes hold {D2}; 1 pod still on an older digest")
+    assert cs.summary(Pin(IMAGE, D2, None), "", cs.aggregate({"n1": stale["n1"]}, D2)) == (
+        "Resolved", f"0 of 1 node hold {D2}")
+    # once an agent sees D2 and holds it, that node counts
+    rolled = {**stale, "n1": {D2: {"state": "Extracted", "cacheDigest": D2}}}
+    assert cs.aggregate(rolled, D2).held == 1
+    assert cs.aggregate(stale, D1).held == 2  # and before the roll, both held D1
+
+
+def test_an_index_pin_is_held_through_the_platform_manifest_picked():
+    # the key is the manifest installed (D3), the pin the index (D2): cacheDigest ties them
+    reports = {"n1": {D3: {"state": "Extracted", "cacheDigest": D2}},
+               "n2": {D3: {"state": "Running", "cacheDigest": D2, "pods": pods("a")}},
+               "n3": {D3: {"state": "Extracted", "cacheDigest": D1}}}  # D3 as picked from another index
+    agg = cs.aggregate(reports, D2)
+    assert (agg.held, agg.counts["nodeNotInUseCnt"], agg.counts["podRunningCnt"]) == (2, 1, 1)
+
+
+def test_an_older_agent_counts_only_entries_keyed_by_the_pin():
+    # no cacheDigest: the key alone decides (an index pin is not counted held by such an agent)
+    assert cs.aggregate({"n1": {D2: {"state": "Extracted"}}}, D2).held == 1
+    assert cs.aggregate({"n1": {D1: {"state": "Extracted"}}}, D2).held == 0
+    assert cs.aggregate({"n1": {D3: {"state": "Extracted"}}}, D2).held == 0
+    assert cs.aggregate({"n1": {D2: {"state": "Extracted"}}}, None).held == 0  # no pin, nothing held
 
 
 def only(*nodes):
-    return cs.aggregate({n: REPORTS[n] for n in nodes})
+    return cs.aggregate({n: REPORTS[n] for n in nodes}, D1)
 
 
 @pytest.mark.parametrize("nodes, reason", [
@@ -139,7 +178,7 @@ def test_the_summary_is_the_most_telling_state(nodes, reason):
 
 
 def test_the_summary_message_says_how_many_nodes_hold_what():
-    reason, message = cs.summary(Pin(IMAGE, D1, None), "", cs.aggregate(REPORTS))
+    reason, message = cs.summary(Pin(IMAGE, D1, None), "", cs.aggregate(REPORTS, D1))
     assert reason == "Error"
     assert message == (f"3 of 6 nodes hold {D1}; 3 pods running; 1 downloading; 1 pending; "
                        "1 pod still on an older digest; 1 node failed (n4: 'pull failed: 500')")

@@ -95,12 +95,12 @@ def test_cache_objects(obj, policy, namespace):
 
 @fuzz_settings(ci_examples=200)
 @given(nodes=st.lists(st.one_of(crd_objects(CRDS, "GKMCacheNode"), crd_objects(CRDS, "ClusterGKMCacheNode")),
-                      max_size=3))
-def test_cache_node_reports(nodes):
+                      max_size=3), digest=st.one_of(st.none(), text))
+def test_cache_node_reports(nodes, digest):
     trimmed = [reconciler.trim_node(n) for n in nodes]
     names = {name for t in trimmed for name in t["status"]["caches"]}
     for name in names:
-        status.aggregate({t["metadata"].get("name", ""): t["status"]["caches"].get(name) for t in trimmed})
+        status.aggregate({t["metadata"].get("name", ""): t["status"]["caches"].get(name) for t in trimmed}, digest)
 
 
 @fuzz_settings(ci_examples=300)
