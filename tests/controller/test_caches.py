@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from kubernetes import client
+from kubernetes import client, watch
 from prometheus_client import CollectorRegistry
 
 from accelnode.kube.client import Client, Config, KubeError, custom_path
@@ -21,7 +21,7 @@ from controller.caches.reconciler import clustergkmcache_reconciler, gkmcache_re
 from controller.runtime.runner import Controller, Metrics
 from controller.caches.pinning import DIGEST_ANNOTATION, SIZE_ANNOTATION, Resolver
 from controller.runtime.queue import Backoff
-from tests.agent.conftest import eventually, make_cache
+from tests.agent.conftest import agent_rbac, cluster, eventually, make_cache, node_factory  # noqa: F401 (fixtures)
 from tests.conftest import ROOT, require
 from tests.fixtures.registry import RunningRegistry
 
@@ -362,6 +362,54 @@ def test_a_roll_moves_the_pin(world, reconcilers, cache_images, kube_namespace):
     assert int(got["metadata"]["annotations"][SIZE_ANNOTATION]) == 5000
     res = cond(got, "Resolved")
     assert v2 in res["message"] and res["observedGeneration"] == 2
+
+
+def test_a_roll_is_not_counted_held_before_the_node_holds_it(reconcilers, cluster, node_factory, registry, tmp_path,
+                                                            kube_namespace):
+    """The scale bench's premature "N of N nodes hold <new digest>": a real agent holds the old
+    digest, the cache rolls, and until the agent sees the new pin its object still says the old
+    digest is Extracted. No version of the cache's status (every one, from a watch) counts that
+    node as holding the new digest; once the node pulls it, it does."""
+    ns = kube_namespace
+    v5e = [{"backend": "tpu", "arch": "v5e"}]
+    old, new = (registry.push(make_cache(tmp_path / v, {"xla/m.bin": v.encode() * 3000}), f"recount/{ns}", tag=v,
+                              kind="jax", targets=v5e) for v in ("v1", "v2"))
+    d1, d2 = old.rsplit("@", 1)[1], new.rsplit("@", 1)[1]
+    node = node_factory(labels={}).start()
+    cluster.cache("rolling", old, namespace=ns, pin=False)  # the controller pins it
+    assert eventually(lambda: status(rolling(cluster, ns)).get("resolvedDigest") == d1)
+    node.ensure(old, (ns, "rolling"))
+
+    def message(st: dict) -> str:
+        return ((st.get("conditions") or [{}])[0]).get("message", "")
+
+    held = eventually(lambda: (o := rolling(cluster, ns)) and message(status(o)) == f"1 of 1 node hold {d1}" and o)
+    assert held, status(rolling(cluster, ns))
+    assert cluster.node_status(node.name, ns)["caches"]["rolling"][d1]["cacheDigest"] == d1  # kept by the CRD
+
+    versions = []
+    stream = watch.Watch().stream(cluster.objs.list_namespaced_custom_object, *GKM, ns, "gkmcaches",
+                                  field_selector="metadata.name=rolling",
+                                  resource_version=held["metadata"]["resourceVersion"], timeout_seconds=60)
+    cluster.objs.patch_namespaced_custom_object(*GKM, ns, "gkmcaches", "rolling", body={"spec": {"image": new}})
+    for ev in stream:  # until the agent has seen the pin and dropped the old digest (nothing to hold)
+        versions.append(st := status(ev["object"]))
+        if st.get("resolvedDigest") == d2 and not st["counts"]["nodeCnt"]:
+            break
+    stream.close()
+    rolled = [st for st in versions if st.get("resolvedDigest") == d2]
+    assert rolled and message(rolled[-1]) == f"pinned to {d2}; no node holds it yet", versions
+    for st in rolled:  # the node has never held d2 so far
+        assert not message(st).startswith("1 of") and st["counts"]["nodeNotInUseCnt"] == 0, st
+
+    node.ensure(new, (ns, "rolling"))
+    assert eventually(lambda: message(status(rolling(cluster, ns))) == f"1 of 1 node hold {d2}"), \
+        status(rolling(cluster, ns))
+
+
+def rolling(cluster, ns: str) -> dict:
+    """The cache the roll test rolls, as stored."""
+    return cluster.objs.get_namespaced_custom_object(*GKM, ns, "gkmcaches", "rolling")
 
 
 def test_the_controller_may_not_write_node_objects_or_delete_caches(control_plane, caches_rbac, kube_namespace):
