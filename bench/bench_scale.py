@@ -23,8 +23,8 @@ an agent restart):
   ``nN_roll_status_p50_s`` / ``_p99_s`` until the cache's status says so (N of N hold the
   pinned digest, none downloading or pending) after having said otherwise during the roll,
   ``nN_roll_premature`` (rolls whose status said "N of N hold" the new digest at once, before
-  any node had it: the controller counts a node's Extracted entry of any digest as holding the
-  pin), ``nN_roll_status_writes_per_s``
+  any node had it; target 0: a node counts as holding the pin only by an entry for that
+  digest, docs/cache-controller.md), ``nN_roll_status_writes_per_s``
   (the controller's status writes of that cache per second, from its first write of the roll
   to its last) and its most in one second (``_max_in_1s``, target 1), ``nN_roll_cache_watch_events`` / ``_mb`` (what the API server sent to the watchers of
   ClusterGKMCaches during one roll: every agent watches every cache, status included), the agents' writes per node per roll, the controller's CPU seconds per roll;
@@ -81,7 +81,7 @@ ROLLED = "cc0"
 POD_HOOK = "pod-job.tpu-env.accelnode.io"
 TARGETS = {"idle_agent_writes_per_s": "==0", "idle_controller_writes_per_s": "==0", "roll_status_writes_max_in_1s": "<=1",
            "admission_p99_ms": "<=25", "pod_create_p99_ms": "<=1000", "unpaged_lists": "==0", "idle_lists": "==0",
-           "churn_agent_writes": "==0", "controller_restarts": "==0"}
+           "churn_agent_writes": "==0", "controller_restarts": "==0", "roll_premature": "==0"}
 
 
 def emit(metric: str, value, fmt: str = ".2f", n: int | None = None) -> None:
