@@ -228,7 +228,8 @@ def test_downloading_wins_over_an_earlier_failure():
 
 def test_error_from_failed_pull():
     out = statuses([cache()], local(failed={D1: "pull failed: 404 manifest unknown"}), wanted_keys={("ns", "c1")})
-    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Error", "cacheDigest": D1, "message": "pull failed: 404 manifest unknown",
+    assert out["ns"]["caches"] == {"c1": {D1: {"state": "Error", "cacheDigest": D1,
+                                               "message": "pull failed: 404 manifest unknown",
                                                "lastUpdated": NOW}}}
 
 
@@ -496,7 +497,8 @@ def test_a_volume_naming_the_cache_proves_it_and_a_prefetch_failure_is_its_own()
                  prefetch_failed={("team-b", "b"): (D2, "denied (pulled with no credentials)")})
     out = statuses(caches, view, proofs={})
     assert out["team-a"]["caches"]["a"][D1]["state"] == "Running"
-    assert out["team-b"]["caches"] == {"b": {D2: {"state": "Error", "cacheDigest": D2, "message": "denied (pulled with no credentials)",
+    assert out["team-b"]["caches"] == {"b": {D2: {"state": "Error", "cacheDigest": D2,
+                                                  "message": "denied (pulled with no credentials)",
                                                   "lastUpdated": NOW}}}
     assert statuses([cache("a", "team-a")], local(inst(), proven=()), proofs={}) == statuses([], local())
 
