@@ -80,8 +80,8 @@ def select(files: dict[str, bytes], kind: str, pod_path: str, base_root: Path | 
             _jax(sel, path, rel, data)
             continue
         parent, name = posixpath.split(rel)
-        owner, key = posixpath.split(parent)
-        if kind == "triton" and owner == "" or kind == "vllm" and _VLLM_TRITON.fullmatch(owner):
+        owner = posixpath.dirname(parent)
+        if kind == "triton" and parent and not owner or kind == "vllm" and _VLLM_TRITON.fullmatch(owner):
             dirs.setdefault(parent, {})[name] = data
         else:
             sel.drop("not in a Triton kernel directory")

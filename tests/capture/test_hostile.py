@@ -193,10 +193,12 @@ def test_bad_triton_entries(upper):
     assert "not JSON" in refused(upper)
     grp.write_text(json.dumps(doc))
     meta = next(p for p in d.glob("*.json") if not p.name.startswith("__grp__"))
-    m = json.loads(meta.read_text())
+    original = meta.read_text()
+    m = json.loads(original)
     m["target"] = {"backend": "cuda"}
     meta.write_text(json.dumps(m))
     assert "bad Triton target" in refused(upper)
+    meta.write_text(original)
     (upper / T / "not-a-key").mkdir()
     (upper / T / "not-a-key" / "x.json").write_text("{}")
     assert "not a Triton cache key" in refused(upper)
@@ -273,7 +275,9 @@ def test_a_pushed_layer_is_read_as_hostile_input(member, reason):
 
 def test_a_layer_bomb_and_garbage():
     with pytest.raises(Poisoned, match="decompression bomb"):
-        layer.read(gzip.compress(b"\0" * (1 << 20), mtime=0) * 1, CaptureLimits(max_files=1, max_bytes=0))
+        ti, data = _member("io.jax.cache/a")
+        ti.pax_headers = {"comment": "x" * (4 << 20)}  # tarfile reads a pax header whole
+        layer.read(_tar([(ti, data)]), CaptureLimits(max_files=1, max_bytes=0))
     with pytest.raises(Poisoned, match="not a gzip-compressed tar"):
         layer.read(b"not gzip at all")
     twice = _tar([_member("io.jax.cache/a"), _member("io.jax.cache/a")])
