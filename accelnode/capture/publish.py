@@ -51,6 +51,50 @@ class Contribution:
     time: str  # RFC 3339
 
 
+CONTRIBUTION_TYPE = "application/vnd.accelnode.capture.contribution.v1+json"  # the artifactType
+EMPTY_CONFIG = b"{}"
+
+
+def push_contribution(lay: layer.Layer, repository: str, options: RegistryOptions) -> str:
+    """The node's hand-over: ``lay`` pushed to ``repository`` (the cache's capture repository,
+    under the namespace's push credentials) as an artifact manifest pushed by digest, no tag.
+    Returns its digest-pinned reference, which the agent records in the node's status."""
+    dest = Reference.parse(repository)
+    reg = Registry(dest.host, options, Deadline(options.timeout))
+    reg.upload_blob(dest.repository, lay.digest, lay.blob, repository)
+    cdigest = "sha256:" + hashlib.sha256(EMPTY_CONFIG).hexdigest()
+    reg.upload_blob(dest.repository, cdigest, EMPTY_CONFIG, repository)
+    body = json.dumps({"schemaVersion": 2, "mediaType": fmt.OCI_MANIFEST, "artifactType": CONTRIBUTION_TYPE,
+                       "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": cdigest,
+                                  "size": len(EMPTY_CONFIG)},
+                       "layers": [lay.descriptor]}, sort_keys=True, separators=(",", ":")).encode()
+    digest = reg.put_manifest(dest.repository, "sha256:" + hashlib.sha256(body).hexdigest(), body, fmt.OCI_MANIFEST,
+                              repository)
+    return dest.pinned(digest)
+
+
+def fetch_contribution(reference: str, node: str, pod: str, time: str, options: RegistryOptions,
+                       limits: CaptureLimits = CaptureLimits()) -> Contribution:
+    """A contribution a node reported (``reference`` digest-pinned); its manifest and layer are
+    hostile input: one layer of the contribution media type, no larger than the limits allow.
+    ``node``, ``pod`` and ``time`` come from the node's status, never from the pushed artifact."""
+    ref = Reference.parse(reference)
+    if not ref.digest:
+        raise Poisoned(f"{reference[:200]!r} is not digest-pinned")
+    reg = Registry(ref.host, options, Deadline(options.timeout))
+    lim = Limits()
+    _, doc, _, _ = get_manifest(reg, ref, reference, lim)
+    lays = doc.get("layers")
+    if doc.get("artifactType") != CONTRIBUTION_TYPE or not isinstance(lays, list) or len(lays) != 1:
+        raise Poisoned(f"{reference}: not a capture contribution (one layer, artifactType {CONTRIBUTION_TYPE})")
+    desc = lays[0]
+    cap = limits.max_bytes + (limits.max_files + 16) * 2048
+    if not isinstance(desc, dict) or desc.get("mediaType") != layer.MEDIA_TYPE or not isinstance(
+            desc.get("size"), int) or not 0 < desc["size"] <= cap:
+        raise Poisoned(f"{reference}: its layer is not a gzip tar of at most {cap} bytes")
+    return Contribution(reg.read_blob(ref.repository, desc, reference, limit=cap), node, pod, time)
+
+
 @dataclass
 class Merged:
     files: dict[str, bytes] = field(default_factory=dict)
