@@ -66,10 +66,10 @@ class Rules:
         return cls(out)
 
     def allows(self, namespace: str, repository: str) -> bool:
-        """``repository`` equals a prefix of the namespace's rule, or lies below one ending in
-        ``/`` with no ``..`` or URL syntax past it (no prefix is walked out of)."""
+        """``repository`` equals an entry of the namespace's rule that does not end in ``/``, or
+        lies below one that does, with no ``..`` or URL syntax past it (no prefix is walked out of)."""
         for p in self.prefixes.get(namespace, self.prefixes.get("*", ())):
-            if repository == p.rstrip("/"):
+            if repository == p and not p.endswith("/"):
                 return True
             if p.endswith("/") and repository.startswith(p) and not _WALKS.search(repository[len(p):]):
                 return True
