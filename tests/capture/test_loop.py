@@ -148,20 +148,26 @@ def jax_run(cache_dir: Path, size: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_jax_capture_loop(registry, tmp_path, keypair, capsys):
-    require_root()
+def jax_base(registry, tmp_path) -> tuple[str, dict]:
+    """A JAX cache image from a real run: the probe's program at another shape (some of its
+    kernels are the same at every shape, so a later run hits those and misses the rest)."""
     import importlib.util
 
     require(importlib.util.find_spec("jax") is not None, "jax (the CPU wheel)")
-    (tmp_path / "cosign").mkdir()
     written = tmp_path / "jax-base"
-    seed = jax_run(written, 64)  # the base cache: the same program at another shape
+    seed = jax_run(written, 64)
     assert seed["misses"] >= 1
     built = subprocess.run([*accelnode_cmd(), "cache", "build", str(written), f"{registry.host}/team-a/jax:base",
                             "--kind", "jax", "--plain-http", "--target", "backend=tpu,arch=v5e"],
                            capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
-    base = built.stdout.strip()
+    return built.stdout.strip(), seed
+
+
+def test_jax_capture_loop(registry, tmp_path, keypair, capsys):
+    require_root()
+    (tmp_path / "cosign").mkdir()
+    base, _ = jax_base(registry, tmp_path)
     pod = tmp_path / "pod" / "cache"
     node_a = Node(tmp_path / "node-a", registry)
     inst = node_a.view(base, pod)
