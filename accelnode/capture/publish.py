@@ -157,14 +157,17 @@ class Published:
 
 
 def publish(base: str, merged: Merged, kind: str, repository: str, options: RegistryOptions, *,
-            tag: str | None = None, limits: Limits | None = None) -> Published:
-    """Push ``base`` (a digest-pinned single-manifest cache image) plus the merged layer to
-    ``repository`` (HOST/REPO); returns the new image."""
+            base_options: RegistryOptions | None = None, tag: str | None = None,
+            limits: Limits | None = None) -> Published:
+    """Push ``base`` (a digest-pinned single-manifest cache image, read with ``base_options``,
+    default ``options``) plus the merged layer to ``repository`` (HOST/REPO) with ``options``;
+    returns the new image."""
     if not merged.files:
         raise ValueError("nothing to publish: no entry was kept")
     limits = limits or Limits()
     bref, dest = Reference.parse(base), Reference.parse(repository)
-    breg = Registry(bref.host, options, Deadline(options.timeout))
+    base_options = base_options or options
+    breg = Registry(bref.host, base_options, Deadline(base_options.timeout))
     _, manifest, media_type, base_digest = get_manifest(breg, bref, base, limits)
     if media_type in INDEX_TYPES:
         raise HostileContent("capture onto an image index is not supported: name the per-platform manifest", base)
