@@ -63,7 +63,7 @@ def trim_cache(obj: dict) -> dict:
             "metadata": {**{k: md[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in md},
                          "annotations": notes},
             "spec": {k: spec[k] for k in ("image",) if k in spec},
-            "status": {k: status[k] for k in ("resolvedDigest", "capture") if k in status}}
+            "status": {k: status[k] for k in ("resolvedDigest", "resolvedImage", "capture") if k in status}}
 
 
 def trim_node(obj: dict) -> dict:
@@ -107,8 +107,8 @@ class CaptureReconciler(Reconciler):
         ns, name = split_key(key)
         digest = (obj.get("status") or {}).get("resolvedDigest")
         image = (obj.get("spec") or {}).get("image", "")
-        if not digest:
-            return None  # the cache reconciler pins first
+        if not digest or (obj.get("status") or {}).get("resolvedImage") != image:
+            return None  # the cache reconciler pins (this spec.image) first
         base = Reference.parse(image).pinned(digest)
         sources = self._sources(ns, name, digest, wanted.repository)
         previous = (obj.get("status") or {}).get("capture") or {}
@@ -190,11 +190,13 @@ class CaptureReconciler(Reconciler):
                    "pods": sorted({c.pod for c in who})[:256], "nodes": sorted({c.node for c in who})[:256]}
         message = (f"{out.reference}: {out.entries} new entries from {len(record['pods'])} pod(s) on "
                    f"{len(record['nodes'])} node(s); {why}")
-        self._write(obj, {"state": PROMOTED if promote else OFFERED, "message": message, **record})
+        written = self._write(obj, {"state": PROMOTED if promote else OFFERED, "message": message, **record}) or obj
         events.record(obj, events.NORMAL, "CaptureOffered", message)
-        if promote:
+        if promote:  # held to the version just written: a spec.image the user changed meanwhile wins
             path = custom_path(GROUP, VERSION, "gkmcaches", ns, obj["metadata"]["name"])
-            self.client.request("PATCH", path, body={"spec": {"image": out.reference}}, metadata_only=True)
+            self.client.request("PATCH", path, metadata_only=True, body={
+                "metadata": {"resourceVersion": written["metadata"]["resourceVersion"]},
+                "spec": {"image": out.reference}})
             events.record(obj, events.NORMAL, "CapturePromoted", f"spec.image moved to {out.reference} ({why})")
         log.info("capture published", extra=kv(key=object_key(obj), image=out.reference, promoted=promote,
                                                entries=out.entries, refused=len(refused)))
@@ -222,14 +224,16 @@ class CaptureReconciler(Reconciler):
         except (binascii.Error, ValueError, TypeError):
             raise PullSecretError(f"{what}: data[{SIGNING_KEY}] is not base64") from None
 
-    def _write(self, obj: dict, capture: dict) -> None:
+    def _write(self, obj: dict, capture: dict) -> dict | None:
+        """``status.capture`` written when it changed (its time aside); the object as written."""
         status = dict(obj.get("status") or {})
         old = status.get("capture") or {}
         if {k: v for k, v in old.items() if k != "time"} == {k: v for k, v in capture.items() if k != "time"}:
-            return
+            return None
         status["capture"] = capture
         path = custom_path(GROUP, VERSION, "gkmcaches", obj["metadata"]["namespace"], obj["metadata"]["name"])
-        patch_status(self.client, path, obj, status)
+        written = patch_status(self.client, path, obj, status)
         if capture["state"] in (REFUSED, FAILED) and not capture.get("sources"):
             events.record(obj, events.WARNING, "CaptureRefused" if capture["state"] == REFUSED else "CaptureFailed",
                           capture["message"])
+        return written

@@ -91,7 +91,8 @@ def test_the_jax_capture_loop(node, control_plane, csi_rbac, cluster, caches_rba
         promoted = eventually(lambda: _promoted(cluster, ns, "kernels", repo), timeout=60)
         assert promoted, cluster.objs.get_namespaced_custom_object(*GKM, ns, "gkmcaches", "kernels").get("status")
         capture = promoted["status"]["capture"]
-        assert capture["state"] == "Promoted" and capture["signed"] and capture["sources"] == [done["contribution"]]
+        assert capture["state"] == "Promoted", capture
+        assert capture["signed"] and capture["sources"] == [done["contribution"]]
         assert capture["nodes"] == [node_name] and capture["entries"] == runs["kernels"]["misses"]
         assert promoted["spec"]["image"] == capture["offered"]
         assert eventually(lambda: _cache(cluster, ns, "kernels")["status"].get("resolvedDigest")
