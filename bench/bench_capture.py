@@ -31,15 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 N = 50
 JAX_SHAPES = [16 * (i + 2) for i in range(12)]
-JAX_PROBE = r"""
-import json, sys, time
-import jax, jax.numpy as jnp
-from jax import monitoring
-seen = {}
-monitoring.register_event_listener(lambda event, **kw: seen.__setitem__(event, seen.get(event, 0) + 1))
-jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# after tests/node/test_jax.py's probe header (JAX's event listener, the persistent-cache settings)
+JAX_PROBE_TAIL = r"""
+import time
 
 @jax.jit
 def step(x):
@@ -65,7 +59,10 @@ def _triton(cache_dir: Path, *args: str) -> dict:
 
 def _jax(cache_dir: Path, shapes: list[int]) -> dict:
     env = {**os.environ, "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", JAX_PROBE, str(cache_dir), json.dumps(shapes)], env=env,
+    from tests.node.test_jax import PROBE
+
+    probe = PROBE.split("@jax.jit")[0] + JAX_PROBE_TAIL
+    out = subprocess.run([sys.executable, "-c", probe, str(cache_dir), json.dumps(shapes)], env=env,
                          capture_output=True, text=True, timeout=900, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

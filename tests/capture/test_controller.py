@@ -6,38 +6,20 @@ is refused before anything is read or pushed."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import zstandard
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from kubernetes import client
 
 from accelnode.capture import layer, publish, settings
 from accelnode.capture.settings import Rules
-from accelnode.kube.pullsecrets import AGENT, CONTROLLER, lending
-from controller.caches.capture import SIGNING_KEY
 from tests.agent.conftest import GKM, eventually
 from tests.cache.cosign import get_manifest
 from tests.capture.test_loop import jax_base
-from tests.capture.test_node import b64, capture_reconcilers, signing_lent
+from tests.capture.test_node import capture_reconcilers, tenant
 
 
 def setup(cluster, registry, tmp_path, repo_prefix: str | None = None):
     base, _ = jax_base(registry, tmp_path)
-    ns = f"capc-{uuid.uuid4().hex[:8]}"
-    cluster.core.create_namespace(body={"metadata": {"name": ns}})
-    config = json.dumps({"auths": {registry.host: {"auth": b64("pusher:any")}}})
-    cluster.core.create_namespaced_secret(ns, {"metadata": {"name": "pusher"}, "type": "kubernetes.io/dockerconfigjson",
-                                               "data": {".dockerconfigjson": b64(config)}})
-    key = ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
-    cluster.core.create_namespaced_secret(ns, {"metadata": {"name": "signer"}, "data": {SIGNING_KEY: b64(key)}})
-    rbac = client.RbacAuthorizationV1Api(cluster.core.api_client)
-    for role, binding in (lending(ns, ["pusher"], (AGENT, CONTROLLER)), signing_lent(ns)):
-        rbac.create_namespaced_role(ns, role)
-        rbac.create_namespaced_role_binding(ns, binding)
-    repo = f"{registry.host}/{ns}/captured"
+    ns, repo = tenant(cluster, registry, "pusher")
     cluster.cache("kernels", base, namespace=ns, annotations={
         settings.ON: "on", settings.REPOSITORY: repo, settings.PUSH_SECRET: "pusher",
         settings.SIGNING_SECRET: "signer", settings.PROMOTION: "auto"})

@@ -31,22 +31,29 @@ def b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-def test_the_jax_capture_loop(node, control_plane, csi_rbac, cluster, caches_rbac, registry, tmp_path):
-    base, _ = jax_base(registry, tmp_path)
+def tenant(cluster, registry, *push_secrets: str) -> tuple[str, str]:
+    """A fresh namespace with Docker-config Secrets ``push_secrets`` (the first lent to the agent
+    and the controller, the others to no one) and a signing Secret ``signer`` lent to the
+    controller alone; (namespace, its capture repository)."""
     ns = f"cap-{uuid.uuid4().hex[:8]}"
     cluster.core.create_namespace(body={"metadata": {"name": ns}})
     config = json.dumps({"auths": {registry.host: {"auth": b64("pusher:any")}}})
-    for name in ("pusher", "not-lent"):
+    for name in push_secrets:
         cluster.core.create_namespaced_secret(ns, {"metadata": {"name": name}, "type": "kubernetes.io/dockerconfigjson",
                                                    "data": {".dockerconfigjson": b64(config)}})
     key = ec.generate_private_key(ec.SECP256R1()).private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
     cluster.core.create_namespaced_secret(ns, {"metadata": {"name": "signer"}, "data": {SIGNING_KEY: b64(key)}})
     rbac = client.RbacAuthorizationV1Api(cluster.core.api_client)
-    for role, binding in (lending(ns, ["pusher"], (AGENT, CONTROLLER)), signing_lent(ns)):
+    for role, binding in (lending(ns, [push_secrets[0]], (AGENT, CONTROLLER)), signing_lent(ns)):
         rbac.create_namespaced_role(ns, role)
         rbac.create_namespaced_role_binding(ns, binding)
-    repo = f"{registry.host}/{ns}/captured"
+    return ns, f"{registry.host}/{ns}/captured"
+
+
+def test_the_jax_capture_loop(node, control_plane, csi_rbac, cluster, caches_rbac, registry, tmp_path):
+    base, _ = jax_base(registry, tmp_path)
+    ns, repo = tenant(cluster, registry, "pusher", "not-lent")
     for cache, secret in (("kernels", "pusher"), ("sneaky", "not-lent")):
         cluster.cache(cache, base, namespace=ns, annotations={
             settings.ON: "on", settings.REPOSITORY: repo, settings.PUSH_SECRET: secret,
