@@ -3,7 +3,7 @@
 :meth:`Capturer.capture` runs inside the driver's unpublish, after the pod's overlay is unmounted
 (nothing writes the layer any more) and before its tmpfs goes: it reads the layer as hostile
 input (:mod:`accelnode.capture.reader`: no symlink followed, no device, set-uid, hard link, and
-bounded), keeps the valid entries of the cache's kind that the installed base lacks, and builds
+bounded; two layers at once), keeps the valid entries of the cache's kind that the installed base lacks, and builds
 their deterministic layer. One background thread pushes queued layers, each under the push
 credentials its namespace lent (never the node's, never another namespace's), to the repository
 the cache names; the result is kept for the node's status (``GKMCacheNode`` ``status.captures``),
@@ -62,8 +62,10 @@ class Capturer:
     cannot be read); ``on_change``: called when a result is recorded (the status reporter's poke)."""
 
     def __init__(self, store, push_options: Callable[[str, str], RegistryOptions], *,
-                 limits: CaptureLimits = CaptureLimits(), max_queued: int = 8, keep: int = 16):
+                 limits: CaptureLimits = CaptureLimits(), max_queued: int = 8, keep: int = 16, readers: int = 2):
         self.store, self.push_options, self.limits, self.keep = store, push_options, limits, keep
+        # layers read at once: each may hold limits.max_bytes in memory while it is judged
+        self._readers = threading.BoundedSemaphore(readers)
         self.on_change: Callable[[], None] = lambda: None
         self._queue: queue.Queue[_Job | None] = queue.Queue(max_queued)
         self._lock = threading.Lock()
@@ -90,12 +92,16 @@ class Capturer:
             return Answer(REFUSED, f"the base cache {digest} is not installed on this node (or has no kind)")
         pod_path = inst.labels.get(fmt.POD_PATH_LABEL) or f"/cache/{fmt.CACHE_DIR[inst.kind]}"
         now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if not self._readers.acquire(blocking=False):
+            return Answer(BUSY, "other views are being read; this layer is dropped")
         try:
             lay, sel = layer.contribute(upper, inst.kind, pod_path, inst.path, self.limits)
         except Poisoned as e:
             self._record(cache, {"state": "Refused", "message": str(e)[:1000], "time": now, "base": digest, **_pod(pod)})
             log.warning("capture refused", extra=kv(cache=f"{namespace}/{name}", pod=_pod(pod), reason=str(e)))
             return Answer(REFUSED, str(e))
+        finally:
+            self._readers.release()
         if lay is None:
             return Answer(NOTHING, f"no new valid entry (dropped: {sel.dropped or 'none'})")
         try:
