@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from accelnode.oci import cacheformat as fmt
-from accelnode.oci.errors import HostileContent
+from accelnode.oci.errors import HostileContent, ImageError
 from accelnode.oci.limits import Limits
 from accelnode.decode import CONFIG
 from accelnode.oci.manifest import get_manifest, json_object, read_config
@@ -182,6 +182,8 @@ def publish(base: str, merged: Merged, kind: str, repository: str, options: Regi
     for desc in base_layers:
         if dreg.blob_exists(dest.repository, desc["digest"], repository):
             continue
+        if bref.host == dest.host and _mounted(dreg, dest.repository, desc["digest"], bref.repository, repository):
+            continue  # the registry shares it between the repositories: nothing sent
         with tempfile.TemporaryFile() as spool, breg.open_blob(bref.repository, desc, base) as blob:
             while chunk := blob.read(1 << 20):
                 spool.write(chunk)
@@ -220,6 +222,14 @@ def publish(base: str, merged: Merged, kind: str, repository: str, options: Regi
                                fmt.OCI_MANIFEST, repository)
     return Published(dest.pinned(digest), digest, new.digest, pushed + len(config_body) + len(body),
                      len(merged.sources))
+
+
+def _mounted(reg: Registry, repository: str, digest: str, source: str, image: str) -> bool:
+    """Whether the registry mounted ``digest`` from ``source`` (refused or unsupported: copy it)."""
+    try:
+        return reg.mount_blob(repository, digest, source, image)
+    except ImageError:
+        return False
 
 
 def sign(image: str, private_pem: bytes, options: RegistryOptions) -> None:

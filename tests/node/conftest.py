@@ -132,7 +132,8 @@ def deployed(tmp_path_factory, registry):
         overlay = workdir / "overlay"
         overlay.mkdir()
         ports = write_overlay(overlay, BASE, node, sysfs_root=host.sysfs_root, dev_root=host.dev_root, api_port=cp.port,
-                              accelerator_type="v5litepod-4", topology="2x2", base_docs=_build(BASE))
+                              accelerator_type="v5litepod-4", topology="2x2", base_docs=_build(BASE),
+                              capture_repositories={"*": [f"{registry.host}/"]})  # docs/capture.md
         world = Deployed(cp, node, host, registry, ports, workdir)
         world.kubectl("apply", "--server-side", "-k", str(BASE / "crds"))  # as docs/operations.md installs
         world.kubectl("apply", "--server-side", "-k", str(overlay))
