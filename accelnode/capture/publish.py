@@ -123,15 +123,16 @@ def merge(contributions: list[Contribution], kind: str, pod_path: str,
         except Poisoned as e:
             out.refused.append((c, str(e)))
             continue
+        adds = sum(len(sel.files[p]) for key, paths in sel.keys.items() if key not in keyed for p in paths)
+        if total + adds > limits.max_bytes:  # refused whole: never a part of a contribution
+            out.refused.append((c, f"the merged layer would pass {limits.max_bytes} bytes"))
+            continue
+        total += adds
         for key, paths in sel.keys.items():
             content = {p: sel.files[p] for p in paths}
             if key in out.conflicts:
                 out.conflicts[key].append(c)
             elif key not in keyed:
-                total += sum(len(v) for v in content.values())
-                if total > limits.max_bytes:
-                    out.refused.append((c, f"the merged layer would pass {limits.max_bytes} bytes"))
-                    break
                 keyed[key] = content
                 out.sources[key] = [c]
             elif keyed[key] == content:
