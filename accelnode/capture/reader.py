@@ -52,8 +52,11 @@ def read_layer(upper: str, limits: CaptureLimits = CaptureLimits()) -> dict[str,
 def _walk(dfd: int, prefix: str, depth: int, out: dict, counts: list, limits: CaptureLimits) -> None:
     if depth > limits.max_depth:
         raise Poisoned(f"{prefix!r} is more than {limits.max_depth} directories deep")
-    with os.scandir(dfd) as it:
-        names = sorted(e.name for e in it)
+    try:
+        with os.scandir(dfd) as it:
+            names = sorted(e.name for e in it)
+    except OSError as e:
+        raise Poisoned(f"directory {prefix or '.'!r} cannot be listed ({e.strerror})") from None
     for name in names:
         rel = f"{prefix}{_checked_name(name, prefix)}"
         if len(os.fsencode(rel)) > limits.max_path:
@@ -61,7 +64,10 @@ def _walk(dfd: int, prefix: str, depth: int, out: dict, counts: list, limits: Ca
         counts[0] += 1
         if counts[0] > limits.max_files:
             raise Poisoned(f"more than {limits.max_files} entries (the capture file limit)")
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError as e:
+            raise Poisoned(f"{rel!r} changed while read ({e.strerror})") from None
         mode = st.st_mode
         if stat.S_ISDIR(mode):
             try:

@@ -73,6 +73,13 @@ def test_a_pod_compiles_and_the_next_pod_starts_warm(deployed, tmp_path):
     assert first["misses"] >= 1, first
     deployed.kubectl("delete", "pod", "first", "-n", ns, "--wait=true", "--timeout=90s")
 
+    def captured():
+        nodes = deployed.get("gkmcachenode", "-n", ns).get("items") or []
+        return [r for n in nodes for r in ((n.get("status") or {}).get("captures") or {}).get("jax") or ()]
+
+    (result,) = deployed.wait(captured, "the node to report the capture")
+    assert result["state"] == "Pushed" and result["contribution"].startswith(repo + "@"), result
+
     def promoted():
         cache = deployed.get("gkmcache", "jax", "-n", ns)
         capture = cache.get("status", {}).get("capture") or {}

@@ -492,6 +492,8 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
                  "volumeMounts": [{"$patch": "replace"},
                                   {"name": "cache-store", "mountPath": "/var/lib/accelnode/caches"},
                                   {"name": "agent-socket", "mountPath": "/run/accelnode"},
+                                  {"name": "views", "mountPath": "/var/lib/accelnode/views", "readOnly": True,
+                                   "mountPropagation": "HostToContainer"},
                                   {"name": "sys", "mountPath": str(sysfs_root), "readOnly": True},
                                   {"name": "dev", "mountPath": str(dev_root), "readOnly": True},
                                   {"name": "registry-credentials", "mountPath": "/etc/accelnode/registry/.docker",
