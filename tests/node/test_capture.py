@@ -87,7 +87,13 @@ def test_a_pod_compiles_and_the_next_pod_starts_warm(deployed, tmp_path):
         return (capture.get("state") == "Promoted" and cache["spec"]["image"] == capture.get("offered")
                 and capture["offered"].endswith("@" + digest)) and capture
 
-    capture = deployed.wait(promoted, "the capture to be published, signed, promoted and pinned", timeout=180)
+    try:
+        capture = deployed.wait(promoted, "the capture to be published, signed, promoted and pinned", timeout=180)
+    except AssertionError:
+        (ctl,) = deployed.pods(selector="app.kubernetes.io/name=accelnode-controller")
+        log = deployed.node.pod_log("accelnode-system", ctl["metadata"]["name"], "controller")
+        raise AssertionError(f"cache: {deployed.get('gkmcache', 'jax', '-n', ns)}\ncontroller log (capture):\n"
+                             + "\n".join(ln for ln in log.splitlines() if "captur" in ln.lower())[-6000:]) from None
     assert capture["signed"] and capture["entries"] == first["misses"] and capture["pods"] == [f"{ns}/first"]
 
     deployed.apply(holder("second", ns, "jax"))
