@@ -188,16 +188,20 @@ class CaptureReconciler(Reconciler):
         who = merged.contributors
         record |= {"offered": out.reference, "entries": out.entries, "signed": bool(verified),
                    "pods": sorted({c.pod for c in who})[:256], "nodes": sorted({c.node for c in who})[:256]}
+        if promote:  # held to the version read: a spec.image the user changed meanwhile wins
+            path = custom_path(GROUP, VERSION, "gkmcaches", ns, obj["metadata"]["name"])
+            try:
+                md = self.client.request("PATCH", path, metadata_only=True, body={
+                    "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                    "spec": {"image": out.reference}}).get("metadata") or {}
+                obj = {**obj, "metadata": {**obj["metadata"], **{k: md[k] for k in ("resourceVersion",) if k in md}}}
+                events.record(obj, events.NORMAL, "CapturePromoted", f"spec.image moved to {out.reference} ({why})")
+            except KubeError as e:  # e.g. a guard policy: offered instead, never published again for it
+                promote, why = False, f"{why}, but moving spec.image was refused: {quoted(e, 500)}"
         message = (f"{out.reference}: {out.entries} new entries from {len(record['pods'])} pod(s) on "
                    f"{len(record['nodes'])} node(s); {why}")
-        written = self._write(obj, {"state": PROMOTED if promote else OFFERED, "message": message, **record}) or obj
+        self._write(obj, {"state": PROMOTED if promote else OFFERED, "message": message, **record})
         events.record(obj, events.NORMAL, "CaptureOffered", message)
-        if promote:  # held to the version just written: a spec.image the user changed meanwhile wins
-            path = custom_path(GROUP, VERSION, "gkmcaches", ns, obj["metadata"]["name"])
-            self.client.request("PATCH", path, metadata_only=True, body={
-                "metadata": {"resourceVersion": written["metadata"]["resourceVersion"]},
-                "spec": {"image": out.reference}})
-            events.record(obj, events.NORMAL, "CapturePromoted", f"spec.image moved to {out.reference} ({why})")
         log.info("capture published", extra=kv(key=object_key(obj), image=out.reference, promoted=promote,
                                                entries=out.entries, refused=len(refused)))
         return None

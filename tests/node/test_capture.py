@@ -80,21 +80,30 @@ def test_a_pod_compiles_and_the_next_pod_starts_warm(deployed, tmp_path):
     (result,) = deployed.wait(captured, "the node to report the capture")
     assert result["state"] == "Pushed" and result["contribution"].startswith(repo + "@"), result
 
-    def promoted():
+    def published():
         cache = deployed.get("gkmcache", "jax", "-n", ns)
-        capture = cache.get("status", {}).get("capture") or {}
-        digest = cache.get("status", {}).get("resolvedDigest", "")
-        return (capture.get("state") == "Promoted" and cache["spec"]["image"] == capture.get("offered")
-                and capture["offered"].endswith("@" + digest)) and capture
+        return (cache.get("status", {}).get("capture") or {}).get("offered") and cache
 
     try:
-        capture = deployed.wait(promoted, "the capture to be published, signed, promoted and pinned", timeout=180)
+        cache = deployed.wait(published, "the capture to be published and signed", timeout=180)
     except AssertionError:
         (ctl,) = deployed.pods(selector="app.kubernetes.io/name=accelnode-controller")
         log = deployed.node.pod_log("accelnode-system", ctl["metadata"]["name"], "controller")
         raise AssertionError(f"cache: {deployed.get('gkmcache', 'jax', '-n', ns)}\ncontroller log (capture):\n"
                              + "\n".join(ln for ln in log.splitlines() if "captur" in ln.lower())[-6000:]) from None
+    capture = cache["status"]["capture"]
     assert capture["signed"] and capture["entries"] == first["misses"] and capture["pods"] == [f"{ns}/first"]
+    if capture["state"] == "Offered":
+        # the shipped guard (ValidatingAdmissionPolicy accelnode-controller-caches) keeps the
+        # controller off every cache's spec: automatic promotion is refused and said so; the
+        # cache's owner promotes the offered digest
+        assert "moving spec.image was refused" in capture["message"], capture
+        deployed.kubectl("patch", "gkmcache", "jax", "-n", ns, "--type=merge",
+                         "-p", json.dumps({"spec": {"image": capture["offered"]}}))
+    else:
+        assert capture["state"] == "Promoted", capture
+    deployed.wait(lambda: deployed.get("gkmcache", "jax", "-n", ns).get("status", {}).get("resolvedDigest")
+                  == capture["offered"].rsplit("@", 1)[1], "the promoted digest to be pinned")
 
     deployed.apply(holder("second", ns, "jax"))
     running(deployed, ns, "second")
