@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
     from accelnode.oci.limits import Limits
 
-    from . import core, reporter as status_reporter, service
+    from . import capture, core, reporter as status_reporter, service
     from .store import CacheStore, Capacity
 
     log = logging.getLogger("accelnode.agent")
@@ -174,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
                        capacity=Capacity(args.pull_headroom, high, args.gc_low_percent,
                                          args.gc_min_idle), access_mirrors=args.access_mirrors or ())
     registry = CollectorRegistry()
-    agent = core.Agent(store, found, core.Metrics(registry),
-                       max_pulls=args.max_pulls, credentials=_credentials(args, options))
+    chooser = _credentials(args, options)
+    agent = core.Agent(store, found, core.Metrics(registry), max_pulls=args.max_pulls, credentials=chooser)
+    capturer = capture.Capturer(store, chooser.push).start()
     health = Health()
     reporter = None  # set below with --node-name; ready once its watches have listed
 
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         return (False, "status reporter not started") if args.node_name else (True, "")
 
     metrics = MetricsServer(args.metrics_address, registry, ready, health).start()
-    server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(service.AgentService(agent), s),
+    server = grpcutil.serve_unix(sock, lambda s: service.add_to_server(service.AgentService(agent, capturer), s),
                                  max_workers=32)
     health.check("agent", lambda: grpcutil.serving_problem(sock))
     log.info("agent serving", extra=kv(socket=str(sock), store=args.store,
@@ -198,12 +199,12 @@ def run(args: argparse.Namespace) -> int:
     if args.node_name:
         try:
             reporter = status_reporter.for_agent(agent, args.node_name, args.kubeconfig, resync=args.status_resync,
-                                                 health=health)
+                                                 health=health, capturer=capturer)
         except (ValueError, OSError) as e:
             server.stop(grace=0)
             metrics.stop()
             raise exitcodes.CLIError(f"API server configuration: {e}", exitcodes.PREREQUISITE) from None
-        agent.on_change = reporter.poke
+        agent.on_change = capturer.on_change = reporter.poke
         reporter.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -216,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
             log.exception("watermark collection failed")
         trim()
     log.info("agent stopping")
+    capturer.stop()
     if reporter is not None:
         reporter.stop()
     server.stop(grace=5).wait()

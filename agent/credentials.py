@@ -64,5 +64,14 @@ class Chooser:
                                                           pull_secrets=found.secrets),
                            f"the pull secrets of namespace {namespace} ({names})")
 
+    def push(self, namespace: str, secret: str) -> RegistryOptions:
+        """The registry options of a capture's push: the one Secret ``secret`` that ``namespace``
+        lent (docs/capture.md), never the node's credentials nor its pull secrets.
+        :class:`PullSecretError` when it cannot be read."""
+        if self.secrets is None:
+            raise PullSecretError("this agent has no API server to read capture push secrets from")
+        found = self.secrets.named(namespace, secret, "capture push secret")
+        return dataclasses.replace(self.anonymous.options, anonymous=False, pull_secrets=(found,))
+
 
 __all__ = ["Chooser", "Credentials", "NODE_FLAG", "PullSecretError"]

@@ -110,6 +110,8 @@ class Local:
     proven: set = field(default_factory=set)  # proofs the agent holds
     pulls: dict = field(default_factory=dict)  # proof -> (QUEUED | PULLING | FAILED, message) of its latest pull
     failed: dict = field(default_factory=dict)  # cache key -> (digest, message) of its last failed prefetch
+    # (namespace, name) of a GKMCache -> its latest capture results on this node (agent/capture.py)
+    captures: dict = field(default_factory=dict)
 
     def manifest_of(self, digest: str) -> str | None:
         """The installed manifest digest for a cache digest (itself, or the manifest an index
@@ -232,6 +234,8 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
         if not keys:
             del history[cache_key]
 
+    for ns, _ in local.captures:
+        entries.setdefault(ns, {})
     out = {}
     for ns, caches_of_ns in entries.items():
         old = (previous.get(ns) or {}).get("caches") or {}
@@ -242,6 +246,9 @@ def node_statuses(node: str, accelerators, caches: list[Cache], local: Local, wa
                 entry["lastUpdated"] = stamp if before == entry and stamp else now
         out[ns] = {"nodeName": node, "gpus": gpu_list, "counts": _counts(caches_of_ns, deleting_pods),
                    "caches": caches_of_ns}
+        captured = {name: results for (cns, name), results in sorted(local.captures.items()) if cns == ns and ns}
+        if captured:
+            out[ns]["captures"] = captured
     return out
 
 

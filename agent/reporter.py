@@ -345,8 +345,8 @@ def _trim_pod(obj: dict) -> dict:
 # the agent core as the reporter sees it
 
 
-def local_view(agent: core.Agent) -> Local:
-    """The reporter's input from the in-process agent core."""
+def local_view(agent: core.Agent, capturer=None) -> Local:
+    """The reporter's input from the in-process agent core (and its capturer)."""
     installed, pulling, pulls = {}, set(), {}
     proven = agent.proven()
     for c in agent.caches():
@@ -361,15 +361,15 @@ def local_view(agent: core.Agent) -> Local:
             pulls[c.proof] = (QUEUED_PULL if c.queued else PULLING, "")
         elif c.state == core.FAILED:
             pulls[c.proof] = (FAILED, c.message)
-    return Local(installed, pulling, proven, pulls)
+    return Local(installed, pulling, proven, pulls, captures=capturer.results() if capturer is not None else {})
 
 
 def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: float,
-              pull_timeout: float = 600.0, health: Health | None = None) -> Reporter:
+              pull_timeout: float = 600.0, health: Health | None = None, capturer=None) -> Reporter:
     """A reporter over the in-process agent core, talking to the API server of ``kubeconfig``
     (when None: as kubectl finds it, the pod's service account last). Raises ValueError/OSError on bad configuration."""
     config = Config.load(kubeconfig)
-    return Reporter(Client(config), node, agent.accelerators, lambda: local_view(agent),
+    return Reporter(Client(config), node, agent.accelerators, lambda: local_view(agent, capturer),
                     lambda cache, image: agent.ensure_until_done(image, pull_timeout, cache=cache), resync=resync,
                     inspect=lambda cache, image: agent.inspect(image, cache),
                     collect=agent.collect, health=health, prefetch_bound=pull_timeout + 2 * GRACE_DEFAULT,

@@ -23,8 +23,8 @@ Ensure = pb.EnsureCacheResponse
 
 
 class AgentService(pb_grpc.AgentServicer):
-    def __init__(self, agent: Agent):
-        self.agent = agent
+    def __init__(self, agent: Agent, capturer=None):
+        self.agent, self.capturer = agent, capturer
 
     def EnsureCache(self, request, context):  # noqa: N802 (gRPC naming)
         cache = (request.cache.namespace, request.cache.name) if request.HasField("cache") else None
@@ -60,6 +60,15 @@ class AgentService(pb_grpc.AgentServicer):
             held=[pb.HeldCache(reference=_reference(m), digest=m["digest"], path=str(inst.path) if inst else "",
                                size_bytes=inst.size_bytes if inst else 0) for m, inst in held],
             shown=str(shown.path) if shown is not None else "")
+
+    def CaptureView(self, request, context):  # noqa: N802
+        if self.capturer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this agent does not capture")
+        pod = {"namespace": request.pod.namespace, "name": request.pod.name, "uid": request.pod.uid}
+        a = _call(context, self.capturer.capture, request.upper_dir, request.digest,
+                  (request.cache.namespace, request.cache.name), pod, request.repository, request.push_secret)
+        return pb.CaptureViewResponse(state=pb.CaptureViewResponse.State.Value(a.state), message=a.message,
+                                      entries=a.entries, layer_digest=a.layer_digest)
 
 
 def _call(context, fn, *args, **kw):

@@ -54,6 +54,10 @@ def register(sub) -> None:
                    help="concurrent reconciles per reconciler (default: %(default)s)")
     g.add_argument("--resync", type=float, default=300.0, metavar="SECONDS",
                    help="reconcile every watched object again this often, events or not (default: %(default)s)")
+    g.add_argument("--capture-repositories", metavar="FILE",
+                   help="JSON file of the repositories each namespace's capturing GKMCaches may publish to: "
+                        '{"<namespace>" or "*": ["registry/prefix/", "registry/exact-repo"]} (docs/capture.md); '
+                        "a namespace not named and no \"*\" may capture nowhere. Default: capture is refused")
     g = p.add_argument_group("serving")
     g.add_argument("--metrics-address", default="127.0.0.1:9813", metavar="HOST:PORT",
                    help="where /metrics, /healthz and /readyz listen (default: %(default)s)")
@@ -197,11 +201,24 @@ def platform_sets_tpu_env(choice: str, client, log) -> bool:
     return is_gke_version(version)
 
 
-def always_running(client, resolver) -> list:
+def capture_rules(path: str | None):
+    """--capture-repositories' rules (accelnode/capture/settings.py); none allow anything without the flag."""
+    from accelnode.capture.settings import Rules
+
+    if path is None:
+        return Rules({})
+    try:
+        return Rules.load(path)
+    except (OSError, ValueError) as e:
+        raise exitcodes.CLIError(f"--capture-repositories {path}: {e}", exitcodes.USAGE) from None
+
+
+def always_running(client, resolver, capture=None) -> list:
     """The reconcilers every controller runs; ``--tpu-node-groups`` and the self-managed webhook
     certificate add theirs in :func:`run`. ``resolver`` is the process's
     :class:`controller.caches.pinning.Resolver`, shared with the admission webhooks so that an
     image resolved at admission is not asked of the registry again."""
+    from controller.caches.capture import CaptureReconciler
     from controller.caches.claims import clustergkmcache_claims_reconciler, gkmcache_claims_reconciler
     from controller.caches.reconciler import clustergkmcache_reconciler, gkmcache_reconciler
     from controller.tpuenv.scale import statefulset_env_reconciler
@@ -211,6 +228,7 @@ def always_running(client, resolver) -> list:
         gkmcache_claims_reconciler(client, resolver),  # PV/PVC per workload namespace (docs/cache-claims.md)
         clustergkmcache_claims_reconciler(client, resolver),
         statefulset_env_reconciler(client, resolver),  # TPU env of StatefulSets scaled through /scale (docs/tpu-env.md)
+        CaptureReconciler(client, resolver, capture or capture_rules(None)),  # docs/capture.md
     ]
 
 
@@ -271,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     # pull secrets its namespace lends the controller (docs/security.md)
     resolver = Resolver(registry_options(args), secrets=PullSecretReader(client, who="the accelnode controller"))
     registry = CollectorRegistry()
-    reconcilers = always_running(client, resolver)
+    reconcilers = always_running(client, resolver, capture_rules(args.capture_repositories))
     if args.tpu_node_groups:
         from controller.nodegroups import reconciler as nodegroups
         from controller.nodegroups.compute import GCE

@@ -28,6 +28,7 @@ from accelnode.oci.refusal import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, V
 from .resolve import POLICY_MAX_AGE, CacheRef
 
 GROUP, VERSION = "gkm.io", "v1alpha1"
+CAPTURE_PREFIX = "accelnode.io/capture"  # the capture annotations (docs/capture.md) are kept, no other
 
 
 def trim(obj: dict) -> dict:
@@ -38,7 +39,9 @@ def trim(obj: dict) -> dict:
                            for c in status.get("conditions") or [] if isinstance(c, dict)]}
     if VERIFICATION in status:
         kept[VERIFICATION] = status[VERIFICATION]
-    return {"metadata": {k: md[k] for k in ("name", "namespace", "labels") if k in md},
+    notes = {k: v for k, v in (md.get("annotations") or {}).items() if k.startswith(CAPTURE_PREFIX)}
+    return {"metadata": {**{k: md[k] for k in ("name", "namespace", "labels") if k in md},
+                         **({"annotations": notes} if notes else {})},
             "spec": {k: spec[k] for k in ("image", "workloadNamespaces") if k in spec},
             "status": kept}
 

@@ -136,7 +136,11 @@ class NodeServer(csi_grpc.NodeServicer):
         # copy-on-write view: the volume's content, the store's copy, is never written; writes
         # stay in the pod's private layer. Only the pod's (or the PV's) readOnly forces a bind.
         read_only = request.readonly or "ro" in request.volume_capability.mount.mount_flags
-        size = views.writable_size(asked, ready.kind, read_only, self.writable_size) if self.views else None
+        size = (views.writable_size(asked, ready.kind, read_only, self.writable_size, image.capture is not None)
+                 if self.views else None)
+        capture = ({"cache_namespace": cache.namespace or "", "cache_name": cache.name, "pod_namespace": pod.namespace,
+                    "pod_name": pod.name, "pod_uid": pod.uid, **image.capture}
+                   if image.capture is not None and size is not None else None)
         if size is not None:
             flags &= ~mounts.MS_RDONLY
             try:
@@ -164,7 +168,8 @@ class NodeServer(csi_grpc.NodeServicer):
                     if size is None:
                         mounts.bind_readonly_at(ready.path, fd, flags & ~mounts.ALWAYS, target)
                     else:
-                        self.views.create(where, ready.path, size, flags, ready.digest, at=mounts.fd_path(fd))
+                        self.views.create(where, ready.path, size, flags, ready.digest, at=mounts.fd_path(fd),
+                                          capture=capture)
             except OSError as e:
                 if created:
                     with contextlib.suppress(OSError):  # not a directory any more: what replaced it is not ours
@@ -265,6 +270,7 @@ class NodeServer(csi_grpc.NodeServicer):
                 else:
                     context.abort(Code.INTERNAL, f"{target} still mounted after {MAX_STACKED_UNMOUNTS} unmounts")
                 if self.views is not None:
+                    self._capture(context, where)
                     self.views.remove(where)
                 _rmdir(where)
             except OSError as e:
@@ -273,6 +279,27 @@ class NodeServer(csi_grpc.NodeServicer):
                                    agent.ReleaseReferenceRequest(volume_id=vid, target_path=target))
         log.info("volume unpublished", extra=kv(volume_id=vid, target=target, released=released.released))
         return csi.NodeUnpublishVolumeResponse()
+
+    def _capture(self, context, where: str) -> None:
+        """Hand a capturing view's writable layer to the agent (docs/capture.md): the overlay is
+        unmounted, so no pod writes it any more, and its tmpfs is still there. Capture never
+        fails an unpublish: whatever goes wrong is logged and the view goes as always."""
+        rec = self.views.record(where)
+        c = rec.capture if rec is not None else None
+        if not c:
+            return
+        try:
+            answer = self.agent.call(context, "CaptureView", agent.CaptureViewRequest(
+                upper_dir=self.views.upper_of(where), digest=rec.digest,
+                cache=agent.CacheRef(namespace=c.get("cache_namespace", ""), name=c.get("cache_name", "")),
+                pod=agent.PodRef(namespace=c.get("pod_namespace", ""), name=c.get("pod_name", ""),
+                                 uid=c.get("pod_uid", "")),
+                repository=c.get("repository", ""), push_secret=c.get("push_secret", "")), timeout=120.0)
+            log.info("view captured", extra=kv(target=where, cache=f"{c.get('cache_namespace')}/{c.get('cache_name')}",
+                                               state=agent.CaptureViewResponse.State.Name(answer.state),
+                                               entries=answer.entries, message=answer.message))
+        except AgentError as e:
+            log.error("capture failed; the view goes without it", extra=kv(target=where, error=str(e)))
 
     def _check_holder(self, context, vid: str, target: str, where: str) -> None:
         """Refuse to take away what another volume holds at this target: the agent's references

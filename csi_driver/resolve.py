@@ -13,6 +13,8 @@ volume; the driver depends only on the :class:`Resolver` protocol.
 
 from __future__ import annotations
 
+from accelnode.capture import settings as capture_settings
+
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,6 +64,8 @@ class Image:
 
     reference: str
     anonymous: bool = False
+    # the cache captures (docs/capture.md): {"repository", "push_secret"} from its annotations
+    capture: dict | None = None
 
 
 class Resolver(Protocol):
@@ -130,7 +134,22 @@ class ApiResolver:
                                               "watches them again")
         check_verified(cache, (obj.get("metadata") or {}).get("labels") or {}, status, image.rsplit("@", 1)[1],
                        policies)
-        return Image(image)
+        return Image(image, capture=capturing(cache, obj))
+
+
+def capturing(cache: CacheRef, obj: dict) -> dict | None:
+    """What a GKMCache's capture annotations ask of the node (repository and push secret), or
+    None: capture off, a ClusterGKMCache (never captured: shared by tenants), or settings the
+    node cannot use. The operator's repository rules are the controller's to apply (it refuses
+    to publish from a repository they do not allow); the node pushes only with the Secret the
+    namespace lent, to the repository the namespace named."""
+    notes = (obj.get("metadata") or {}).get("annotations") or {}
+    if not cache.namespace or notes.get(capture_settings.ON) not in ("on", "true"):
+        return None
+    repository, secret = notes.get(capture_settings.REPOSITORY, ""), notes.get(capture_settings.PUSH_SECRET, "")
+    if not repository or not secret:
+        return None
+    return {"repository": repository, "push_secret": secret}
 
 
 class VolumeResolver:

@@ -33,6 +33,9 @@ SIZE_ATTR = "accelnode.io/writable-size"
 PREFIX = "accelnode.io/"
 READ_ONLY, COPY_ON_WRITE = "read-only", "copy-on-write"
 WRITING_KINDS = ("triton", "vllm")  # their consumers write the cache tree as they go
+# kinds that get a copy-on-write view when their cache captures (docs/capture.md): JAX writes its
+# persistent cache on a miss, so a capturing JAX cache needs somewhere to write
+CAPTURE_KINDS = ("triton", "vllm", "jax")
 SOURCE = "accelnode-view"  # the source name of both mounts, as df and the mount table show it
 RECORD = "view.json"
 MAX_STACKED = 16
@@ -99,13 +102,16 @@ def wanted(volume_context: dict, max_size: int) -> Wanted:
     return Wanted(view, n)
 
 
-def writable_size(w: Wanted, kind: str, read_only_request: bool, default_size: int) -> int | None:
+def writable_size(w: Wanted, kind: str, read_only_request: bool, default_size: int,
+                  capturing: bool = False) -> int | None:
     """Bytes of the writable layer this volume gets, or None for a read-only bind. A read-only
     request never gets a writable view; otherwise the attribute, else copy-on-write for the kinds
-    whose consumers write (:data:`WRITING_KINDS`) and read-only for the rest."""
+    whose consumers write (:data:`WRITING_KINDS`; every kind of :data:`CAPTURE_KINDS` when the
+    cache captures) and read-only for the rest."""
     if read_only_request:
         return None
-    view = w.view or (COPY_ON_WRITE if kind in WRITING_KINDS else READ_ONLY)
+    writes = kind in (CAPTURE_KINDS if capturing else WRITING_KINDS)
+    view = w.view or (COPY_ON_WRITE if writes else READ_ONLY)
     if view == READ_ONLY:
         return None
     return w.size or default_size
@@ -125,6 +131,9 @@ class Record:
     digest: str
     size: int
     overlay: tuple[int, int] | None  # identity of the overlay's root; None until mounted
+    # what the driver hands the agent at unpublish when the cache captures (docs/capture.md):
+    # cache_namespace, cache_name, pod_namespace, pod_name, pod_uid, repository, push_secret
+    capture: dict | None = None
 
 
 class Views:
@@ -149,7 +158,9 @@ class Views:
     def _read(d: str) -> Record | None:
         try:
             r = read_file(os.path.join(d, RECORD), SMALL)
-            return Record(r["target"], r["digest"], int(r["size"]), tuple(r["overlay"]) if r.get("overlay") else None)
+            capture = r.get("capture")
+            return Record(r["target"], r["digest"], int(r["size"]), tuple(r["overlay"]) if r.get("overlay") else None,
+                          {str(k): str(v) for k, v in capture.items()} if isinstance(capture, dict) else None)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -169,7 +180,8 @@ class Views:
 
     # -- making and taking away ----------------------------------------------------------------
 
-    def create(self, target: str, lower: str, size: int, flags: int, digest: str, at: str | None = None) -> None:
+    def create(self, target: str, lower: str, size: int, flags: int, digest: str, at: str | None = None,
+               capture: dict | None = None) -> None:
         """Mount a view of ``lower`` at ``target`` (an empty directory) with a ``size``-byte
         writable layer; ``flags``: nosuid, nodev (always) and noexec. ``at``: the path the overlay
         is mounted on, when not ``target`` (``/proc/self/fd/N`` of the directory the caller holds
@@ -185,14 +197,14 @@ class Views:
             upper, work = os.path.join(d, "upper"), os.path.join(d, "work")
             os.mkdir(work, 0o700)
             _writable_dirs(lower, upper)
-            self._write(d, Record(target, digest, size, None))
+            self._write(d, Record(target, digest, size, None, capture))
             mounts.mount(SOURCE, at or target, "overlay", flags, f"lowerdir={lower},upperdir={upper},workdir={work}")
             try:
                 got = mounts.options_at(target) if mounts.is_mountpoint(target) else None
                 if got is None or "ro" in got or not mounts.options_of(flags) <= got:
                     raise OSError(errno.EPERM, f"{target} is not mounted {sorted(mounts.options_of(flags))} "
                                                f"after the overlay mount (it has {sorted(got or [])})", target)
-                self._write(d, Record(target, digest, size, mounts.mounted_root(target)))
+                self._write(d, Record(target, digest, size, mounts.mounted_root(target), capture))
             except BaseException as e:
                 mounts.undo(at or target, e)
                 raise
@@ -205,8 +217,13 @@ class Views:
     def _write(d: str, rec: Record) -> None:
         # on the view's own tmpfs: gone at reboot with the view, so not flushed
         atomic.write(os.path.join(d, RECORD), json.dumps({"target": rec.target, "digest": rec.digest, "size": rec.size,
-                                                          "overlay": list(rec.overlay) if rec.overlay else None}),
+                                                          "overlay": list(rec.overlay) if rec.overlay else None,
+                                                          "capture": rec.capture}),
                      durable=False)
+
+    def upper_of(self, target: str) -> str:
+        """The writable layer of the view of ``target`` (what the agent reads at unpublish)."""
+        return os.path.join(self.dir_of(target), "upper")
 
     def remove(self, target: str) -> bool:
         """Take the view directory of ``target`` away (its tmpfs, then the directory); the caller

@@ -122,16 +122,28 @@ class PullSecretReader:
             name = ref.get("name") if isinstance(ref, dict) else None
             if not isinstance(name, str) or not name:
                 continue
-            what = f"pull secret {namespace}/{name}"
-            secret = self._get(f"/api/v1/namespaces/{namespace}/secrets/{name}", what, namespace)
-            if secret is None:
-                continue  # as kubelet: a named secret that does not exist is skipped
-            key = SECRET_TYPES.get(secret.get("type", ""))
-            if key is None:
-                raise PullSecretError(f"{what} is of type {secret.get('type')!r}, not one of "
-                                      f"{', '.join(SECRET_TYPES)}")
-            try:
-                content = base64.b64decode((secret.get("data") or {}).get(key, ""), validate=True).decode()
-            except (binascii.Error, UnicodeDecodeError, TypeError, ValueError):
-                raise PullSecretError(f"{what}: data[{key}] is not base64 of a Docker config") from None
-            yield f"{namespace}/{name}", content
+            found = self._docker_config(namespace, name, f"pull secret {namespace}/{name}")
+            if found is not None:  # as kubelet: a named secret that does not exist is skipped
+                yield found
+
+    def named(self, namespace: str, name: str, what: str) -> tuple[str, str]:
+        """(namespace/name, Docker config JSON) of one Secret the namespace lent by name (a
+        capture's push secret); :class:`PullSecretError` when it is missing, not lent or not a
+        Docker config. Never remembered: a revoked Role takes effect at the next push."""
+        found = self._docker_config(namespace, name, f"{what} {namespace}/{name}")
+        if found is None:
+            raise PullSecretError(f"{what} {namespace}/{name} does not exist")
+        return found
+
+    def _docker_config(self, namespace: str, name: str, what: str) -> tuple[str, str] | None:
+        secret = self._get(f"/api/v1/namespaces/{namespace}/secrets/{name}", what, namespace)
+        if secret is None:
+            return None
+        key = SECRET_TYPES.get(secret.get("type", ""))
+        if key is None:
+            raise PullSecretError(f"{what} is of type {secret.get('type')!r}, not one of {', '.join(SECRET_TYPES)}")
+        try:
+            content = base64.b64decode((secret.get("data") or {}).get(key, ""), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError, TypeError, ValueError):
+            raise PullSecretError(f"{what}: data[{key}] is not base64 of a Docker config") from None
+        return f"{namespace}/{name}", content

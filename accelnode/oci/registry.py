@@ -576,6 +576,15 @@ class Registry:
         resp.close()
         return resp.status_code == 200
 
+    def mount_blob(self, repository: str, digest: str, source: str, image: str) -> bool:
+        """Ask the registry to mount blob ``digest`` of ``source`` (a repository of the same
+        registry) into ``repository`` without sending it; False when it did not (it then opened
+        an upload session, which is left to expire)."""
+        resp = self.request("POST", f"{repository}/blobs/uploads/?mount={digest}&from={source}", image,
+                            "mounting a blob", ok=(201, 202), caps=("push",))
+        resp.close()
+        return resp.status_code == 201
+
     def upload_blob(self, repository: str, digest: str, data, image: str) -> None:
         """Monolithic upload (POST then PUT) of bytes or a binary file object."""
         if self.blob_exists(repository, digest, image):

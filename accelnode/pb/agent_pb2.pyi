@@ -214,3 +214,43 @@ class GetTargetResponse(_message.Message):
     held: _containers.RepeatedCompositeFieldContainer[HeldCache]
     shown: str
     def __init__(self, held: _Optional[_Iterable[_Union[HeldCache, _Mapping]]] = ..., shown: _Optional[str] = ...) -> None: ...
+
+class CaptureViewRequest(_message.Message):
+    __slots__ = ("upper_dir", "digest", "cache", "pod", "repository", "push_secret")
+    UPPER_DIR_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    REPOSITORY_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SECRET_FIELD_NUMBER: _ClassVar[int]
+    upper_dir: str
+    digest: str
+    cache: CacheRef
+    pod: PodRef
+    repository: str
+    push_secret: str
+    def __init__(self, upper_dir: _Optional[str] = ..., digest: _Optional[str] = ..., cache: _Optional[_Union[CacheRef, _Mapping]] = ..., pod: _Optional[_Union[PodRef, _Mapping]] = ..., repository: _Optional[str] = ..., push_secret: _Optional[str] = ...) -> None: ...
+
+class CaptureViewResponse(_message.Message):
+    __slots__ = ("state", "message", "entries", "layer_digest")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[CaptureViewResponse.State]
+        QUEUED: _ClassVar[CaptureViewResponse.State]
+        NOTHING: _ClassVar[CaptureViewResponse.State]
+        REFUSED: _ClassVar[CaptureViewResponse.State]
+        BUSY: _ClassVar[CaptureViewResponse.State]
+    STATE_UNSPECIFIED: CaptureViewResponse.State
+    QUEUED: CaptureViewResponse.State
+    NOTHING: CaptureViewResponse.State
+    REFUSED: CaptureViewResponse.State
+    BUSY: CaptureViewResponse.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    state: CaptureViewResponse.State
+    message: str
+    entries: int
+    layer_digest: str
+    def __init__(self, state: _Optional[_Union[CaptureViewResponse.State, str]] = ..., message: _Optional[str] = ..., entries: _Optional[int] = ..., layer_digest: _Optional[str] = ...) -> None: ...

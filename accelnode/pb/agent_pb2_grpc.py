@@ -59,6 +59,11 @@ class AgentStub:
                 request_serializer=accelnode_dot_pb_dot_agent__pb2.GetTargetRequest.SerializeToString,
                 response_deserializer=accelnode_dot_pb_dot_agent__pb2.GetTargetResponse.FromString,
                 _registered_method=True)
+        self.CaptureView = channel.unary_unary(
+                '/accelnode.agent.v1.Agent/CaptureView',
+                request_serializer=accelnode_dot_pb_dot_agent__pb2.CaptureViewRequest.SerializeToString,
+                response_deserializer=accelnode_dot_pb_dot_agent__pb2.CaptureViewResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -110,6 +115,17 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CaptureView(self, request, context):
+        """Capture (docs/capture.md): read the writable layer of a pod's copy-on-write view, which the
+        driver has unmounted from the pod and not yet taken away, as hostile input; keep the valid
+        entries of the cache's kind that the installed base lacks; queue their layer for a push
+        under the namespace's push credentials. Answers at once; the push happens in the
+        background and its result is in the node's status (GKMCacheNode captures).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +153,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.GetTarget,
                     request_deserializer=accelnode_dot_pb_dot_agent__pb2.GetTargetRequest.FromString,
                     response_serializer=accelnode_dot_pb_dot_agent__pb2.GetTargetResponse.SerializeToString,
+            ),
+            'CaptureView': grpc.unary_unary_rpc_method_handler(
+                    servicer.CaptureView,
+                    request_deserializer=accelnode_dot_pb_dot_agent__pb2.CaptureViewRequest.FromString,
+                    response_serializer=accelnode_dot_pb_dot_agent__pb2.CaptureViewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -274,6 +295,33 @@ class Agent:
             '/accelnode.agent.v1.Agent/GetTarget',
             accelnode_dot_pb_dot_agent__pb2.GetTargetRequest.SerializeToString,
             accelnode_dot_pb_dot_agent__pb2.GetTargetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CaptureView(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/accelnode.agent.v1.Agent/CaptureView',
+            accelnode_dot_pb_dot_agent__pb2.CaptureViewRequest.SerializeToString,
+            accelnode_dot_pb_dot_agent__pb2.CaptureViewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -145,7 +145,8 @@ def fit(world: Deployed, overlay: Path, base: Path, base_docs: list[dict]) -> No
     overlay.mkdir(exist_ok=True)
     world.ports = write_overlay(overlay, base, world.node, sysfs_root=world.host.sysfs_root,
                                 dev_root=world.host.dev_root, api_port=world.cp.port, accelerator_type="v5litepod-4",
-                                topology="2x2", base_docs=base_docs)
+                                topology="2x2", base_docs=base_docs,
+                                capture_repositories={"*": [f"{world.registry.host}/"]})  # docs/capture.md
 
 
 @pytest.fixture(scope="package")

@@ -415,7 +415,8 @@ SYSTEM_NS = "accelnode-system"
 
 
 def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_root: Path, api_port: int,
-                  accelerator_type: str = "", topology: str = "", base_docs: list[dict] | None = None) -> dict:
+                  accelerator_type: str = "", topology: str = "", base_docs: list[dict] | None = None,
+                  capture_repositories: dict | None = None) -> dict:
     """A kustomization in ``out`` over ``base`` (daemonsets/) for a :class:`Node` on loopback.
 
     Every pod uses the host's network (no kube-proxy, no pod network here) and reaches the API
@@ -426,7 +427,9 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
     inside and out); the agent talks plain HTTP to a loopback registry. The controller runs one
     replica; the API server reaches its webhooks through Service ``accelnode-controller`` made an
     ExternalName of 127.0.0.1 on the webhook port (the serving certificate still names the
-    Service). Returns the ports: ``device_plugin``, ``csi``, ``agent``, ``controller``, ``webhook``.
+    Service). ``capture_repositories``: the controller's --capture-repositories rules (a file
+    mounted at the same path). Returns the ports: ``device_plugin``, ``csi``, ``agent``,
+    ``controller``, ``webhook``.
     """
     ports = {k: free_port() for k in ("device_plugin", "csi", "agent", "controller", "webhook")}
     api = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
@@ -489,6 +492,8 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
                  "volumeMounts": [{"$patch": "replace"},
                                   {"name": "cache-store", "mountPath": "/var/lib/accelnode/caches"},
                                   {"name": "agent-socket", "mountPath": "/run/accelnode"},
+                                  {"name": "views", "mountPath": "/var/lib/accelnode/views", "readOnly": True,
+                                   "mountPropagation": "HostToContainer"},
                                   {"name": "sys", "mountPath": str(sysfs_root), "readOnly": True},
                                   {"name": "dev", "mountPath": str(dev_root), "readOnly": True},
                                   {"name": "registry-credentials", "mountPath": "/etc/accelnode/registry/.docker",
@@ -505,6 +510,13 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
                         {"name": "sys", "hostPath": {"path": str(sysfs_root)}},
                         {"name": "dev", "hostPath": {"path": str(dev_root)}},
                         {"name": "containerd-hosts", "hostPath": {"path": str(node.hosts_dir)}}]}}}}
+    capture_env, capture_mount, capture_volume = [], [], []
+    if capture_repositories is not None:
+        rules = node.workdir / "capture-repositories.json"
+        rules.write_text(json.dumps(capture_repositories))
+        capture_env = env(capture_repositories=rules)
+        capture_mount = [{"name": "capture-repositories", "mountPath": str(rules), "readOnly": True}]
+        capture_volume = [{"name": "capture-repositories", "hostPath": {"path": str(rules), "type": "File"}}]
     controller = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "accelnode-controller", "namespace": SYSTEM_NS},
         "spec": {"replicas": 1, "template": {"spec": {
@@ -512,10 +524,12 @@ def write_overlay(out: Path, base: Path, node: Node, *, sysfs_root: Path, dev_ro
             "containers": [{
                 "name": "controller",
                 "env": api + env(webhook_address=f"127.0.0.1:{ports['webhook']}",
-                                 metrics_address=f"127.0.0.1:{ports['controller']}", plain_http="true"),
+                                 metrics_address=f"127.0.0.1:{ports['controller']}", plain_http="true") + capture_env,
                 "ports": [{"$patch": "replace"}, {"name": "webhook", "containerPort": ports["webhook"]},
                           {"name": "metrics", "containerPort": ports["controller"]}],
-                **probes(ports["controller"])}]}}}}
+                **({"volumeMounts": capture_mount} if capture_mount else {}),
+                **probes(ports["controller"])}],
+            **({"volumes": capture_volume} if capture_volume else {})}}}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "accelnode-controller", "namespace": SYSTEM_NS},
                "spec": {"type": "ExternalName", "externalName": "127.0.0.1", "selector": None,
                         "ports": [{"$patch": "replace"}, {"name": "webhook", "port": ports["webhook"]}]}}
