@@ -320,3 +320,58 @@ def test_the_controller_never_changes_a_caches_spec(me, admin, kube_namespace):
     assert why.startswith("403") and "never changes a cache's spec" in why, why
     ok = {"metadata": {"annotations": {"gkm.io/resolvedDigest": "sha256:" + "a" * 64}}}
     assert not refused(lambda: me.request("PATCH", f"{path}/c", query=DRY, body=ok)).startswith("403")
+
+
+def test_the_controller_moves_spec_image_only_for_an_auto_capture_and_only_to_its_repository(me, admin, kube_namespace):
+    """docs/capture.md: the one spec change the caches guard lets through. Each attack is a write a
+    compromised controller could try on a cache whose namespace opted into automatic promotion
+    (or did not)."""
+    path = f"/apis/gkm.io/v1alpha1/namespaces/{kube_namespace}/gkmcaches"
+    repo = "registry.example.com/team/captured"
+
+    def cache(name: str, promotion: str) -> str:
+        admin.request("POST", path, body={
+            "apiVersion": "gkm.io/v1alpha1", "kind": "GKMCache",
+            "metadata": {"name": name, "annotations": {
+                "accelnode.io/capture": "on", "accelnode.io/capture-repository": repo,
+                "accelnode.io/capture-promotion": promotion}},
+            "spec": {"image": "registry.example.com/team/base@sha256:" + "a" * 64}})
+        return f"{path}/{name}"
+
+    def patch(at: str, body: dict) -> str:
+        return refused(lambda: me.request("PATCH", at, query=DRY, body=body))
+
+    auto, manual = cache("auto", "auto"), cache("manual", "manual")
+    new = {"spec": {"image": f"{repo}@sha256:" + "c" * 64}}
+    in_force(lambda: me.request("PATCH", manual, query=DRY, body=new), "the caches guard")
+    assert not patch(auto, new).startswith("403"), "an auto capture's promotion"
+    for body, what in (
+            (new, "a cache that chose manual promotion"),
+            ({"spec": {"image": "attacker.example.com/x@sha256:" + "c" * 64}}, "another repository"),
+            ({"spec": {"image": f"{repo}-evil@sha256:" + "c" * 64}}, "a repository that only starts like it"),
+            ({"spec": {"image": f"{repo}:latest"}}, "a tag"),
+            ({"spec": {"image": f"{repo}@sha256:" + "c" * 64, "storageClassName": "fast"}}, "another spec field"),
+            ({"metadata": {"annotations": {"accelnode.io/capture-repository": "attacker.example.com/x"}},
+              "spec": {"image": "attacker.example.com/x@sha256:" + "c" * 64}}, "the repository moved in the same write"),
+    ):
+        at = manual if what.startswith("a cache that chose") else auto
+        why = patch(at, body)
+        assert why.startswith("403") and "never changes a cache's spec" in why, (what, why)
+    # turning auto on in the very write that promotes is no opt-in
+    flip = {"metadata": {"annotations": {"accelnode.io/capture-promotion": "auto"}}, **new}
+    why = patch(manual, flip)
+    assert why.startswith("403"), why
+
+
+def test_the_caches_guard_names_every_spec_field_of_a_cache():
+    """A spec field added to the CRD must be held unchanged by the promotion exception too."""
+    crds = yaml.safe_load((ROOT / "daemonsets/crds/gkm.io.yaml").read_text())["items"]
+    (crd,) = [d for d in crds if d["spec"]["names"]["plural"] == "gkmcaches"]
+    fields = set()
+    for v in crd["spec"]["versions"]:
+        fields |= set(v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"])
+    guards = list(yaml.safe_load_all((ROOT / "daemonsets/rbac-controller-guards.yaml").read_text()))
+    (policy,) = [d for d in guards if d and d["kind"] == "ValidatingAdmissionPolicy"
+                 and d["metadata"]["name"] == "accelnode-controller-caches"]
+    (promoting,) = [v["expression"] for v in policy["spec"]["variables"] if v["name"] == "promoting"]
+    assert {f for f in fields if f"object.spec.?{f} == oldObject.spec.?{f}" not in promoting} == {"image"}

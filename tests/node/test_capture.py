@@ -93,15 +93,9 @@ def test_a_pod_compiles_and_the_next_pod_starts_warm(deployed, tmp_path):
                              + "\n".join(ln for ln in log.splitlines() if "captur" in ln.lower())[-6000:]) from None
     capture = cache["status"]["capture"]
     assert capture["signed"] and capture["entries"] == first["misses"] and capture["pods"] == [f"{ns}/first"]
-    if capture["state"] == "Offered":
-        # the shipped guard (ValidatingAdmissionPolicy accelnode-controller-caches) keeps the
-        # controller off every cache's spec: automatic promotion is refused and said so; the
-        # cache's owner promotes the offered digest
-        assert "moving spec.image was refused" in capture["message"], capture
-        deployed.kubectl("patch", "gkmcache", "jax", "-n", ns, "--type=merge",
-                         "-p", json.dumps({"spec": {"image": capture["offered"]}}))
-    else:
-        assert capture["state"] == "Promoted", capture
+    # promotion: auto, through the shipped guard (ValidatingAdmissionPolicy accelnode-controller-caches),
+    # which lets the controller move spec.image to a digest of the capture repository and nothing else
+    assert capture["state"] == "Promoted", capture
     deployed.wait(lambda: deployed.get("gkmcache", "jax", "-n", ns).get("status", {}).get("resolvedDigest")
                   == capture["offered"].rsplit("@", 1)[1], "the promoted digest to be pinned")
 
