@@ -56,16 +56,26 @@ class _Job:
     time: str
 
 
+READ_WAIT = 30.0  # seconds a view waits for the reader (one at a time: memory, see Capturer)
+
+
 class Capturer:
     """``store``: the agent's :class:`~agent.store.CacheStore`; ``push_options(namespace,
     secret)``: the registry options carrying that namespace's lent push secret (raising when it
     cannot be read); ``on_change``: called when a result is recorded (the status reporter's poke)."""
 
     def __init__(self, store, push_options: Callable[[str, str], RegistryOptions], *,
-                 limits: CaptureLimits = CaptureLimits(), max_queued: int = 8, keep: int = 16, readers: int = 2):
+                 limits: CaptureLimits = CaptureLimits(), max_queued: int = 8, keep: int = 16, readers: int = 1,
+                 max_queued_bytes: int | None = None):
         self.store, self.push_options, self.limits, self.keep = store, push_options, limits, keep
-        # layers read at once: each may hold limits.max_bytes in memory while it is judged
+        # The agent's memory, not the number of pods, bounds what capture holds: a layer being read
+        # holds up to limits.max_bytes of content (and its tar and gzip while built), and the layers
+        # waiting for their push (the one being pushed among them) at most max_queued_bytes of blobs
+        # together. With the defaults (32 MiB; one reader) that is ~130 MiB at worst, inside the agent
+        # container's 256Mi beside its ~70 MB at rest (daemonsets/csi-driver.yaml).
         self._readers = threading.BoundedSemaphore(readers)
+        self.max_queued_bytes = limits.max_bytes if max_queued_bytes is None else max_queued_bytes
+        self._queued_bytes = 0
         self.on_change: Callable[[], None] = lambda: None
         self._queue: queue.Queue[_Job | None] = queue.Queue(max_queued)
         self._lock = threading.Lock()
@@ -92,8 +102,8 @@ class Capturer:
             return Answer(REFUSED, f"the base cache {digest} is not installed on this node (or has no kind)")
         pod_path = inst.labels.get(fmt.POD_PATH_LABEL) or f"/cache/{fmt.CACHE_DIR[inst.kind]}"
         now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        if not self._readers.acquire(blocking=False):
-            return Answer(BUSY, "other views are being read; this layer is dropped")
+        if not self._readers.acquire(timeout=READ_WAIT):  # the CSI driver's call waits up to 120 s
+            return Answer(BUSY, f"other views were being read for {READ_WAIT:.0f} s; this layer is dropped")
         try:
             lay, sel = layer.contribute(upper, inst.kind, pod_path, inst.path, self.limits)
         except Poisoned as e:
@@ -104,10 +114,16 @@ class Capturer:
             self._readers.release()
         if lay is None:
             return Answer(NOTHING, f"no new valid entry (dropped: {sel.dropped or 'none'})")
-        try:
-            self._queue.put_nowait(_Job(cache, digest, lay, len(sel.keys), pod, repository, push_secret, now))
-        except queue.Full:
-            return Answer(BUSY, f"the push queue is full ({self._queue.maxsize} layers wait); this layer is dropped")
+        size = len(lay.blob)
+        with self._lock:
+            if self._queued_bytes + size > self.max_queued_bytes:
+                return Answer(BUSY, f"layers waiting for their push hold {self._queued_bytes} bytes; this one "
+                                    f"({size}) would pass {self.max_queued_bytes}: dropped")
+            try:
+                self._queue.put_nowait(_Job(cache, digest, lay, len(sel.keys), pod, repository, push_secret, now))
+            except queue.Full:
+                return Answer(BUSY, f"the push queue is full ({self._queue.maxsize} layers wait); this layer is dropped")
+            self._queued_bytes += size
         log.info("capture queued", extra=kv(cache=f"{namespace}/{name}", pod=_pod(pod), entries=len(sel.keys),
                                             layer=lay.digest, dropped=sel.dropped))
         return Answer(QUEUED, "", len(sel.keys), lay.digest)
@@ -124,7 +140,11 @@ class Capturer:
             except Exception as e:  # the thread must live on: a failure is reported, not fatal
                 log.exception("capture push failed")
                 result |= {"state": FAILED, "message": f"{type(e).__name__}: {str(e)[:1000]}"}
-            self._record(job.cache, result)
+            cache, size = job.cache, len(job.lay.blob)
+            del job  # the blob goes now, not when the next job arrives
+            with self._lock:
+                self._queued_bytes -= size
+            self._record(cache, result)
 
     def _record(self, cache: tuple[str, str], result: dict) -> None:
         with self._lock:

@@ -73,11 +73,18 @@ def push_contribution(lay: layer.Layer, repository: str, options: RegistryOption
     return dest.pinned(digest)
 
 
+class OverBudget(Exception):
+    """A contribution that does not fit in what is left of one publication's memory budget: not
+    poisoned, only not taken this time (a later publication, with fewer sources, may take it)."""
+
+
 def fetch_contribution(reference: str, node: str, pod: str, time: str, options: RegistryOptions,
-                       limits: CaptureLimits = CaptureLimits()) -> Contribution:
+                       limits: CaptureLimits = CaptureLimits(), room: int | None = None) -> Contribution:
     """A contribution a node reported (``reference`` digest-pinned); its manifest and layer are
     hostile input: one layer of the contribution media type, no larger than the limits allow.
-    ``node``, ``pod`` and ``time`` come from the node's status, never from the pushed artifact."""
+    ``node``, ``pod`` and ``time`` come from the node's status, never from the pushed artifact.
+    ``room``: bytes left of the publication's budget (:func:`fetch_within`); a larger layer is
+    :class:`OverBudget`, read not at all."""
     ref = Reference.parse(reference)
     if not ref.digest:
         raise Poisoned(f"{reference[:200]!r} is not digest-pinned")
@@ -92,7 +99,34 @@ def fetch_contribution(reference: str, node: str, pod: str, time: str, options: 
     if not isinstance(desc, dict) or desc.get("mediaType") != layer.MEDIA_TYPE or not isinstance(
             desc.get("size"), int) or not 0 < desc["size"] <= cap:
         raise Poisoned(f"{reference}: its layer is not a gzip tar of at most {cap} bytes")
+    if room is not None and desc["size"] > room:
+        raise OverBudget(f"{reference}: its layer ({desc['size']} bytes) passes what is left of this "
+                         f"publication's budget ({max(room, 0)} bytes)")
     return Contribution(reg.read_blob(ref.repository, desc, reference, limit=cap), node, pod, time)
+
+
+def fetch_within(sources, options: RegistryOptions, limits: CaptureLimits = CaptureLimits()):
+    """The contributions of ``sources`` ((reference, node, pod, time), newest last) that one
+    publication holds in memory at once: their compressed layers together at most
+    ``limits.max_bytes`` (the merge then holds at most that much content, the new layer about as
+    much again), so the controller's memory is bounded by the limits, not by how many nodes
+    contributed or how large each made its layer. Newest first; returns (contributions, refused
+    lines, left for later lines)."""
+    contributions, refused, later = [], [], []
+    room = limits.max_bytes
+    for ref, node, pod, when in reversed(list(sources)):
+        try:
+            c = fetch_contribution(ref, node, pod, when, options, limits, room=room)
+        except Poisoned as e:
+            refused.append(f"{node} {pod}: {e}")
+            continue
+        except OverBudget as e:
+            later.append(f"{node} {pod}: {e}")
+            continue
+        room -= len(c.blob)
+        contributions.append(c)
+    contributions.reverse()
+    return contributions, refused, later
 
 
 @dataclass

@@ -26,8 +26,12 @@ NAME_MAX = 255
 @dataclass(frozen=True)
 class CaptureLimits:
     max_files: int = 20_000  # files (and directories) of one contribution
-    max_bytes: int = 256 << 20  # content bytes of one contribution, all files together
-    max_file_bytes: int = 64 << 20  # one file
+    # Content bytes of one contribution, all files together. It is read into memory (and a
+    # publication holds at most this much of compressed contributions, fetch_within), so it is
+    # sized by the agent's and the controller's memory limits (256Mi each), not by how large a
+    # cache may grow: a larger capture is refused whole with its reason.
+    max_bytes: int = 32 << 20
+    max_file_bytes: int = 32 << 20  # one file
     max_depth: int = 16  # directories deep
     max_path: int = 1024  # bytes of one relative path
 

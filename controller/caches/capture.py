@@ -28,7 +28,6 @@ from datetime import datetime, timezone
 from cryptography.hazmat.primitives import serialization
 
 from accelnode.capture import publish, settings as capture_settings
-from accelnode.capture.errors import Poisoned
 from accelnode.capture.reader import CaptureLimits
 from accelnode.kube.client import Client, KubeError, Unreachable, custom_path, is_forbidden, is_not_found
 from accelnode.kube.pullsecrets import PullSecretError
@@ -159,12 +158,9 @@ class CaptureReconciler(Reconciler):
                                                                          "cache image of a known kind"})
             return None
         pod_path = info[0]["labels"].get(fmt.POD_PATH_LABEL) or f"/cache/{fmt.CACHE_DIR[kind]}"
-        contributions, refused = [], []
-        for ref, node, pod, when in sources:
-            try:
-                contributions.append(publish.fetch_contribution(ref, node, pod, when, push_options, self.limits))
-            except Poisoned as e:
-                refused.append(f"{node} {pod}: {e}")
+        contributions, refused, later = publish.fetch_within(sources, push_options, self.limits)
+        for line in later:
+            log.info("capture source left for a later publication", extra=kv(detail=line))
         merged = publish.merge(contributions, kind, pod_path, self.limits)
         refused += [f"{c.node} {c.pod}: {why}" for c, why in merged.refused]
         record = {"base": base, "sources": [s[0] for s in sources], "refused": [r[:2048] for r in refused][:64],
