@@ -106,7 +106,8 @@ def validate_manifest(manifest: dict, image: str, limits: Limits) -> tuple[list[
     if config.get("mediaType") not in fmt.CONFIG_TYPES:
         raise HostileContent(f"unsupported config media type {config.get('mediaType')!r}", image)
     for i, d in enumerate(layers):
-        if not isinstance(d, dict) or d.get("mediaType") not in fmt.LAYER_TYPES:
+        kind = d.get("mediaType") if isinstance(d, dict) else None
+        if not isinstance(kind, str) or kind not in fmt.LAYER_TYPES:  # a list or object: unhashable
             raise HostileContent(f"layer {i} has unsupported media type "
                                  f"{d.get('mediaType') if isinstance(d, dict) else d!r}", image)
         check_digest(d.get("digest"), image)
