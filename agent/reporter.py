@@ -426,4 +426,5 @@ def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: f
                     lambda cache, image: agent.ensure_until_done(image, pull_timeout, cache=cache), resync=resync,
                     inspect=lambda cache, image: agent.inspect(image, cache),
                     collect=agent.collect, health=health, prefetch_bound=pull_timeout + 2 * GRACE_DEFAULT,
-                    proof_of=agent.proof_of, start_pull=lambda cache, image: agent.ensure(image, 0, cache=cache))
+                    proof_of=agent.proof_of,
+                    start_pull=lambda cache, image: agent.ensure(image, 0, cache=cache))  # 0: do not wait

@@ -89,14 +89,16 @@ def _ours(node, container: str) -> list[dict]:
     return out
 
 
-def pod_phases(node, pod: str, created: float, running: float) -> dict[str, float]:
+def pod_phases(node, pod: str, created: float, running: float) -> tuple[dict[str, float], float, float]:
     """Where a workload pod's time from created to Running went, from the components' own logs:
     the API server and scheduler until kubelet has it (``to_kubelet``); kubelet's volume manager
     until it calls NodePublishVolume (``to_publish``); our NodePublishVolume as kubelet saw it,
-    split into the agent's pull (``pull``, 0 when the cache was there) and the rest
-    (``publish_rest``: resolve, EnsureCache, reference, mount, gRPC); kubelet noticing the
+    split into waiting for the agent's pull (``pull_wait``, 0 when the cache was there) and the
+    rest (``publish_rest``: resolve, EnsureCache, reference, mount, gRPC); kubelet noticing the
     mount (``to_sandbox``, its 300 ms poll); the pod sandbox (``sandbox``); the container
-    (``container``); the status reaching the API server and this poller (``to_running``)."""
+    (``container``); the status reaching the API server and this poller (``to_running``).
+    Also the pull's own seconds and how long it had run when NodePublishVolume came (its head
+    start from the agent's pod watch), both 0 without a pull."""
     from tests.rigs.nodedemo import NS
 
     year = time.gmtime(created).tm_year
@@ -118,20 +120,26 @@ def pod_phases(node, pod: str, created: float, running: float) -> dict[str, floa
     missing = [k for k, v in marks.items() if v is None]
     if missing:
         print(f"pod {pod}: no kubelet log line for {', '.join(missing)}; its phases are left out", file=sys.stderr)
-        return {}
-    pull = next((r["seconds"] for r in _ours(node, "agent") if r.get("msg") == "pull finished"
-                 and marks["publish_call"] <= r["t"] <= marks["published"] + 0.01), 0.0)
+        return {}, 0.0, 0.0
+    finished = next((r for r in _ours(node, "agent")
+                     if r.get("msg") == "pull finished" and created <= r["t"] <= marks["published"] + 0.01), None)
     publish = marks["published"] - marks["publish_call"]
-    return {
+    # the part of the publish spent waiting for the pull (one started early, at the pod's binding,
+    # may be over by then: see head_start)
+    pull_wait = 0.0 if finished is None else min(publish, max(0.0, finished["t"] - marks["publish_call"]))
+    out = {
         "to_kubelet": marks["kubelet"] - created,
         "to_publish": marks["publish_call"] - marks["kubelet"],
-        "pull": pull,
-        "publish_rest": publish - pull,
+        "pull_wait": pull_wait,
+        "publish_rest": publish - pull_wait,
         "to_sandbox": marks["mounted"] - marks["published"],
         "sandbox": marks["sandbox"] - marks["mounted"],
         "container": marks["started"] - marks["sandbox"],
         "to_running": running - marks["started"],
     }
+    if finished is None:
+        return out, 0.0, 0.0
+    return out, finished["seconds"], max(0.0, marks["publish_call"] - (finished["t"] - finished["seconds"]))
 
 
 DAEMONS = ("device-plugin", "csi", "agent")
@@ -192,6 +200,7 @@ def main() -> None:
             warm = start("warm")
             phases = {name: pod_phases(demo.node, name, created[name], created[name] + took)
                       for name, took in (("cold", cold), ("warm", warm))}
+            pull_s, head_start = phases["cold"][1:]
             t0 = time.monotonic()
             pulled = demo.node.ctr("images", "pull", "--plain-http", ref, check=False)
             anchor = time.monotonic() - t0
@@ -209,9 +218,11 @@ def main() -> None:
         emit("ctr_pull_s", anchor)
         emit("cold_vs_ctr_ratio", cold / anchor)
         emit("pod_running_warm_s", warm)
-        for name, got in phases.items():
+        for name, (got, _, _) in phases.items():
             for phase, seconds in got.items():
                 emit(f"{name}_phase_{phase}_s", seconds)
+        emit("cold_pull_s", pull_s)
+        emit("cold_pull_head_start_s", head_start)
         emit("node_daemons", len(procs), "d")
         for name in DAEMONS:
             if name in mems:
