@@ -30,12 +30,16 @@ def test_a_bound_pod_pulls_its_cache_before_any_publish(cluster, node_factory, i
     ns = kube_namespace
     node = node_factory(labels={}).start()  # matches no prefetch selector of other tests
     cluster.cache("kernels", images.tpu, namespace=ns)
+    shared = f"shared-{ns}"
+    cluster.cache(shared, images.shared, workload_namespaces=[ns])
     eventually(lambda: cluster.node_status(node.name))
     assert not pulled_or_pulling(node, images.tpu)
     cluster.core.create_namespaced_pod(ns, pod("trainer", node.name, {resolve.CACHE_KEY: "kernels",
-                                                                      resolve.NAMESPACE_KEY: ns}))
-    # no EnsureCache was asked: the pod watch alone started the pull, as the cache's own request
-    assert eventually(lambda: node.store.installed(images.tpu.rsplit("@", 1)[1]) is not None)
+                                                                      resolve.NAMESPACE_KEY: ns},
+                                               {resolve.CACHE_KEY: shared}))
+    # no EnsureCache was asked: the pod watch alone started the pulls, as the caches' own requests
+    for image in (images.tpu, images.shared):
+        assert eventually(lambda: node.store.installed(image.rsplit("@", 1)[1]) is not None), image
     assert node.agent.proof_of(images.tpu, (ns, "kernels")) in node.agent.proven()
 
 
