@@ -29,6 +29,12 @@ from .prefetch import Prefetcher
 log = logging.getLogger("accelnode.agent.status")
 WATCH_JITTER = 1.0  # each watch lasts 300 to 600 s (accelnode/kube/reflector.py), as client-go's
 
+# A pod's csi.gkm.io inline volume (docs/csi.md): the driver, and the attributes naming its cache
+DRIVER, CACHE_ATTR, NAMESPACE_ATTR, IMAGE_ATTR = "csi.gkm.io", "csi.gkm.io/GKMCache", "csi.gkm.io/namespace", \
+    "csi.gkm.io/image"
+MAX_POD_CACHES = 16  # caches of one pod whose pulls start when it is bound
+MAX_PULLED_FOR = 4096  # pods remembered as having had their pulls started
+
 
 @dataclass
 class Writes:
@@ -54,17 +60,24 @@ class Reporter:
     message)`` pulls one digest-pinned image for a cache, with its credentials (blocking), and
     says whether it is on the node now, proved for that cache; ``proof_of(image, cache key)`` is
     the proof a cache's requests for that image are asked under (None: unknown now).
+    ``start_pull(cache key, image)`` starts the pull of a cache's image without waiting (None:
+    never): called as soon as the pod watch shows a pod bound to this node with a volume of that
+    cache (:meth:`_pod_event`), so the pull runs while kubelet admits the pod and gets to
+    NodePublishVolume, which then joins it (docs/agent-store.md, "Speed of a cold pull").
     """
 
     CONFLICT_ATTEMPTS = 3
 
     def __init__(self, client: Client, node: str, accelerators, view, prefetch, *, resync: float = 2.0,
                  inspect=None, collect=None, health: Health | None = None, grace: float = GRACE_DEFAULT,
-                 prefetch_bound: float = 600.0 + 2 * GRACE_DEFAULT, proof_of=lambda image, cache: None):
+                 prefetch_bound: float = 600.0 + 2 * GRACE_DEFAULT, proof_of=lambda image, cache: None,
+                 start_pull=None):
         """``prefetch_bound``: the most seconds one prefetch (inspect and pull) may take before
         the prefetch loop counts as stuck."""
         self.client, self.node, self.accelerators = client, node, list(accelerators)
         self.view, self.resync, self._proof_of = view, resync, proof_of
+        self._start_pull = start_pull
+        self._pulled_for: set[str] = set()  # uids of pods whose caches' pulls were started (bounded)
         health = health or Health()
         self.grace = grace
         # one reconcile step (the local view, or one object's write with its conflict retries)
@@ -84,7 +97,7 @@ class Reporter:
                                         trim=_trim_cache, beat=beat("ClusterGKMCaches"), **spread)
         self.node_obj = Reflector(client, "/api/v1/nodes", name=node, trim=_trim_node, beat=beat("Node"), **spread)
         self.pods = Reflector(client, "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"},
-                              trim=_trim_pod, beat=beat("Pods"), **spread)
+                              on_event=self._pod_event, trim=_trim_pod, beat=beat("Pods"), **spread)
         self._reflectors = (self.caches, self.cluster_caches, self.node_obj, self.pods)
         # touched by the reconcile thread only
         self._written: dict[str, _Written] | None = None  # None until read back from the API
@@ -134,6 +147,38 @@ class Reporter:
         if missing:
             return False, f"{', '.join(missing)} not read from the API server yet"
         return True, ""
+
+    # -- a pod's caches, pulled when it is bound ----------------------------------------------
+
+    def _pod_event(self, kind: str, pod: dict) -> None:
+        """A pod bound to this node that has not started names caches in csi.gkm.io volumes:
+        start each one's pull now, as its cache (its credentials, the controller's pin), under
+        the rules a publish applies first: a cache the pod's namespace may use
+        (:meth:`Cache.admits`) whose signature rule lets it be pulled. Nothing waits here."""
+        md = pod.get("metadata") or {}
+        uid = md.get("uid", "")
+        if kind == "DELETED":
+            self._pulled_for.discard(uid)
+            return
+        if (self._start_pull is None or not pod.get("caches") or not pod.get("pending") or not uid
+                or md.get("deletionTimestamp") or uid in self._pulled_for):
+            return
+        if len(self._pulled_for) >= MAX_PULLED_FOR:  # pods set nodeName themselves; forget, never grow
+            self._pulled_for.clear()
+        self._pulled_for.add(uid)
+        for ns, name in pod["caches"]:
+            obj = (self.caches if ns else self.cluster_caches).get(ns or None, name)
+            if obj is None:
+                continue
+            cache = Cache.from_object(obj)
+            image = cache.prefetchable()
+            if image is None or cache.refused is not None or not cache.admits(md.get("namespace", "")):
+                continue
+            try:
+                self._start_pull(cache.key, image)
+            except Exception as e:  # the publish asks again and answers kubelet; this was a head start
+                log.info("pull for a bound pod not started", extra=kv(
+                    pod=f"{md.get('namespace')}/{md.get('name')}", image=image, error=str(e)))
 
     # -- reconcile -----------------------------------------------------------------------------
 
@@ -337,8 +382,25 @@ def _trim_node(obj: dict) -> dict:
 
 
 def _trim_pod(obj: dict) -> dict:
+    """A pod's names, whether it has not started yet, and the caches its csi.gkm.io volumes name
+    ((namespace, name); namespace "" for a ClusterGKMCache; at most MAX_POD_CACHES). A volume
+    naming its image itself (``csi.gkm.io/image``) is left to the publish: it is pulled
+    anonymously, with no cache's credentials."""
     md = obj.get("metadata") or {}
-    return {"metadata": {k: md[k] for k in ("name", "namespace", "uid", "deletionTimestamp") if k in md}}
+    spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
+    caches = []
+    for vol in spec.get("volumes") or ():
+        csi = vol.get("csi") if isinstance(vol, dict) else None
+        attrs = csi.get("volumeAttributes") if isinstance(csi, dict) and csi.get("driver") == DRIVER else None
+        if not isinstance(attrs, dict) or IMAGE_ATTR in attrs or not isinstance(attrs.get(CACHE_ATTR), str):
+            continue
+        ns = attrs.get(NAMESPACE_ATTR)
+        key = (ns if isinstance(ns, str) else "", attrs[CACHE_ATTR])
+        if key not in caches and len(caches) < MAX_POD_CACHES:
+            caches.append(key)
+    phase = (obj.get("status") or {}).get("phase") if isinstance(obj.get("status"), dict) else None
+    return {"metadata": {k: md[k] for k in ("name", "namespace", "uid", "deletionTimestamp") if k in md},
+            "pending": phase in (None, "", "Pending"), "caches": caches}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,4 +435,5 @@ def for_agent(agent: core.Agent, node: str, kubeconfig: str | None, *, resync: f
                     lambda cache, image: agent.ensure_until_done(image, pull_timeout, cache=cache), resync=resync,
                     inspect=lambda cache, image: agent.inspect(image, cache),
                     collect=agent.collect, health=health, prefetch_bound=pull_timeout + 2 * GRACE_DEFAULT,
-                    proof_of=agent.proof_of)
+                    proof_of=agent.proof_of,
+                    start_pull=lambda cache, image: agent.ensure(image, 0, cache=cache))  # 0: do not wait

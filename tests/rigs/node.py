@@ -90,8 +90,9 @@ def prerequisites(tools_bin: Path) -> list[str]:
 
 class Node:
     def __init__(self, workdir: Path, tools_bin: Path, control_plane: ControlPlane, *, name: str = "accelnode-e2e",
-                 labels: dict[str, str] | None = None, log=lambda msg: None):
+                 labels: dict[str, str] | None = None, log=lambda msg: None, verbosity: int = 1):
         self.workdir = Path(workdir)
+        self.verbosity = verbosity  # kubelet's --v (2 logs each pod's sync events: bench/bench_e2e.py)
         self.tools_bin = Path(tools_bin)
         self.cp = control_plane
         self.name = name
@@ -232,7 +233,7 @@ state = '{d / 'state'}'
         argv = [str(self.tools_bin / "kubelet"), f"--config={path}",
                 f"--kubeconfig={self.cp.node_kubeconfig(self.name)}", f"--root-dir={self.root_dir}",
                 f"--cert-dir={self.workdir / 'kubelet-pki'}", f"--hostname-override={self.name}",
-                "--v=1", *([f"--node-labels={labels}"] if labels else [])]
+                f"--v={self.verbosity}", *([f"--node-labels={labels}"] if labels else [])]
         self._kubelet = _Proc("kubelet", argv, self.workdir / "kubelet.log")
         self._kubelet.start()
 

@@ -37,8 +37,9 @@ def say(title: str) -> None:
 
 
 class Demo:
-    def __init__(self, workdir: Path, tools_bin: Path):
+    def __init__(self, workdir: Path, tools_bin: Path, *, kubelet_verbosity: int = 1):
         self.workdir, self.tools_bin = workdir, tools_bin
+        self.kubelet_verbosity = kubelet_verbosity
         self.cp = self.node = self.registry = None
         self.reg_host = ""
         self.timings: dict[str, float] = {}
@@ -102,7 +103,7 @@ class Demo:
         say("4. the node: containerd 2 (built here) + runc and CNI (Debian), kubelet, our image imported with `ctr images import`")
         t0 = time.monotonic()
         self.node = Node(self.workdir / "node", self.tools_bin, self.cp, labels=LABELS,
-                         log=lambda m: print(f"   {m}", flush=True))
+                         log=lambda m: print(f"   {m}", flush=True), verbosity=self.kubelet_verbosity)
         self.node.start([image])
         print(f"   Node {self.node.name} Ready in {time.monotonic() - t0:.0f}s")
 
