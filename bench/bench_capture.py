@@ -94,7 +94,7 @@ def _loop(name: str, kind: str, work: Path, reg, base_src: Path, first, warm, ke
         out = publish.publish(base, merged, kind, f"{reg.host}/bench/{name}-captured", opts)
         private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())
-        publish.sign(out.reference, private, opts)
+        signatures.sign_v2(out.reference, private, opts)
         public = key.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo).decode()
         assert signatures.verify(f"{reg.host}/bench/{name}-captured", out.digest,

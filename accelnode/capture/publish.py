@@ -7,21 +7,18 @@ reason; the same key from several pods with the same bytes is kept once; a key w
 bytes from two pods is kept from neither and reported. :func:`publish` pushes the base cache's
 layers plus one merged layer to the capture repository (a delta: the base layers are copied
 only when that repository lacks them, and the registry stores an identical layer once), with the
-base's labels updated and the provenance in ``io.accelnode.capture/*`` labels; :func:`sign`
-writes a cosign-v2 signature (simple signing under ``sha256-<hex>.sig``, ECDSA P-256 / SHA-256,
-what ``cosign verify --key`` accepts) with a PEM private key from the namespace's Secret.
+base's labels updated and the provenance in ``io.accelnode.capture/*`` labels; the controller then
+signs it with :func:`accelnode.oci.signatures.sign_v2` (beside the reader of that format) with a
+PEM private key from the namespace's Secret.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import tempfile
 from dataclasses import dataclass, field
 
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from accelnode.oci import cacheformat as fmt
 from accelnode.oci.errors import HostileContent, ImageError
@@ -30,7 +27,6 @@ from accelnode.decode import CONFIG
 from accelnode.oci.manifest import get_manifest, json_object, read_config
 from accelnode.oci.reference import Reference
 from accelnode.oci.registry import INDEX_TYPES, Deadline, Registry, RegistryOptions
-from accelnode.oci.signatures import SIG_ANNOTATION, SIMPLESIGNING
 
 from . import entries, layer
 from .errors import Poisoned
@@ -55,6 +51,22 @@ CONTRIBUTION_TYPE = "application/vnd.accelnode.capture.contribution.v1+json"  # 
 EMPTY_CONFIG = b"{}"
 
 
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _put_manifest(reg: Registry, repository: str, image: str, config: bytes, config_type: str, layers: list,
+                  ref: str | None = None, **fields) -> tuple[str, int]:
+    """Upload ``config`` and put an OCI manifest of it and ``layers`` (their blobs already in
+    ``repository``) under ``ref`` (default: its own digest). Returns (digest, manifest bytes)."""
+    cdigest = _digest(config)
+    reg.upload_blob(repository, cdigest, config, image)
+    body = json.dumps({"schemaVersion": 2, "mediaType": fmt.OCI_MANIFEST, **fields,
+                       "config": {"mediaType": config_type, "digest": cdigest, "size": len(config)},
+                       "layers": layers}, sort_keys=True, separators=(",", ":")).encode()
+    return reg.put_manifest(repository, ref or _digest(body), body, fmt.OCI_MANIFEST, image), len(body)
+
+
 def push_contribution(lay: layer.Layer, repository: str, options: RegistryOptions) -> str:
     """The node's hand-over: ``lay`` pushed to ``repository`` (the cache's capture repository,
     under the namespace's push credentials) as an artifact manifest pushed by digest, no tag.
@@ -62,14 +74,8 @@ def push_contribution(lay: layer.Layer, repository: str, options: RegistryOption
     dest = Reference.parse(repository)
     reg = Registry(dest.host, options, Deadline(options.timeout))
     reg.upload_blob(dest.repository, lay.digest, lay.blob, repository)
-    cdigest = "sha256:" + hashlib.sha256(EMPTY_CONFIG).hexdigest()
-    reg.upload_blob(dest.repository, cdigest, EMPTY_CONFIG, repository)
-    body = json.dumps({"schemaVersion": 2, "mediaType": fmt.OCI_MANIFEST, "artifactType": CONTRIBUTION_TYPE,
-                       "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": cdigest,
-                                  "size": len(EMPTY_CONFIG)},
-                       "layers": [lay.descriptor]}, sort_keys=True, separators=(",", ":")).encode()
-    digest = reg.put_manifest(dest.repository, "sha256:" + hashlib.sha256(body).hexdigest(), body, fmt.OCI_MANIFEST,
-                              repository)
+    digest, _ = _put_manifest(reg, dest.repository, repository, EMPTY_CONFIG, "application/vnd.oci.empty.v1+json",
+                              [lay.descriptor], artifactType=CONTRIBUTION_TYPE)
     return dest.pinned(digest)
 
 
@@ -246,16 +252,11 @@ def publish(base: str, merged: Merged, kind: str, repository: str, options: Regi
     config.setdefault("rootfs", {"type": "layers", "diff_ids": []})["diff_ids"] = (
         list(config["rootfs"].get("diff_ids") or []) + [new.diff_id])
     config_body = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
-    config_desc = {"mediaType": manifest["config"].get("mediaType", fmt.CONFIG_TYPES[0]),
-                   "digest": "sha256:" + hashlib.sha256(config_body).hexdigest(), "size": len(config_body)}
-    dreg.upload_blob(dest.repository, config_desc["digest"], config_body, repository)
-    body = json.dumps({"schemaVersion": 2, "mediaType": fmt.OCI_MANIFEST, "config": config_desc,
-                       "layers": [*base_layers, new.descriptor],
-                       "annotations": {fmt.TITLE_LABEL: dest.repository.rsplit("/", 1)[-1]}},
-                      sort_keys=True, separators=(",", ":")).encode()
-    digest = dreg.put_manifest(dest.repository, tag or "sha256:" + hashlib.sha256(body).hexdigest(), body,
-                               fmt.OCI_MANIFEST, repository)
-    return Published(dest.pinned(digest), digest, new.digest, pushed + len(config_body) + len(body),
+    digest, size = _put_manifest(dreg, dest.repository, repository, config_body,
+                                 manifest["config"].get("mediaType", fmt.CONFIG_TYPES[0]),
+                                 [*base_layers, new.descriptor], tag,
+                                 annotations={fmt.TITLE_LABEL: dest.repository.rsplit("/", 1)[-1]})
+    return Published(dest.pinned(digest), digest, new.digest, pushed + len(config_body) + size,
                      len(merged.sources))
 
 
@@ -265,37 +266,6 @@ def _mounted(reg: Registry, repository: str, digest: str, source: str, image: st
         return reg.mount_blob(repository, digest, source, image)
     except ImageError:
         return False
-
-
-def sign(image: str, private_pem: bytes, options: RegistryOptions) -> None:
-    """A cosign-v2 signature of ``image`` (digest-pinned) with an unencrypted PEM EC private key."""
-    ref = Reference.parse(image)
-    if not ref.digest:
-        raise ValueError(f"{image}: sign a digest-pinned reference")
-    try:
-        key = serialization.load_pem_private_key(private_pem, password=None)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"the signing key is not an unencrypted PEM private key: {str(e)[:120]}") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ValueError("the signing key must be an ECDSA key (cosign's default, P-256)")
-    payload = json.dumps({"critical": {"identity": {"docker-reference": f"{ref.host}/{ref.repository}"},
-                                       "image": {"docker-manifest-digest": ref.digest},
-                                       "type": "cosign container image signature"},
-                          "optional": None}, separators=(",", ":")).encode()
-    signature = base64.b64encode(key.sign(payload, ec.ECDSA(hashes.SHA256()))).decode()
-    reg = Registry(ref.host, options, Deadline(options.timeout))
-    pdigest = "sha256:" + hashlib.sha256(payload).hexdigest()
-    reg.upload_blob(ref.repository, pdigest, payload, image)
-    config = b"{}"
-    cdigest = "sha256:" + hashlib.sha256(config).hexdigest()
-    reg.upload_blob(ref.repository, cdigest, config, image)
-    body = json.dumps({"schemaVersion": 2, "mediaType": fmt.OCI_MANIFEST,
-                       "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cdigest,
-                                  "size": len(config)},
-                       "layers": [{"mediaType": SIMPLESIGNING, "digest": pdigest, "size": len(payload),
-                                   "annotations": {SIG_ANNOTATION: signature}}]},
-                      separators=(",", ":")).encode()
-    reg.put_manifest(ref.repository, ref.digest.replace(":", "-") + ".sig", body, fmt.OCI_MANIFEST, image)
 
 
 def promotable(promotion: str, min_pods: int, merged: Merged, verified: bool | None) -> tuple[bool, str]:

@@ -16,6 +16,7 @@ import base64
 import binascii
 import datetime
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from accelnode.decode import MANIFEST, SIGNATURE, DocumentError, decode
 
 from .errors import ImageNotFound, IntegrityError, RegistryUnavailable, quoted
 from .refusal import FORMATS, SIGNATURE_FORMAT_LABEL, V2, V3, pull_refusal  # noqa: F401 (here too: the names callers know)
+from .cacheformat import OCI_MANIFEST
 from .reference import Reference, check_digest
 from .registry import Deadline, Registry, RegistryOptions
 
@@ -353,6 +355,37 @@ def _pem_ders(*pems) -> tuple[bytes, ...]:
         except ValueError:
             continue
     return tuple(out[:MAX_CHAIN + 1])
+
+
+def sign_v2(image: str, private_pem: bytes, options: RegistryOptions) -> None:
+    """Write a cosign-v2 signature (what :func:`fetch_v2` reads) of ``image`` (digest-pinned) with an unencrypted PEM EC private key."""
+    ref = Reference.parse(image)
+    if not ref.digest:
+        raise ValueError(f"{image}: sign a digest-pinned reference")
+    try:
+        key = serialization.load_pem_private_key(private_pem, password=None)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the signing key is not an unencrypted PEM private key: {str(e)[:120]}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError("the signing key must be an ECDSA key (cosign's default, P-256)")
+    payload = json.dumps({"critical": {"identity": {"docker-reference": f"{ref.host}/{ref.repository}"},
+                                       "image": {"docker-manifest-digest": ref.digest},
+                                       "type": "cosign container image signature"},
+                          "optional": None}, separators=(",", ":")).encode()
+    signature = base64.b64encode(key.sign(payload, ec.ECDSA(hashes.SHA256()))).decode()
+    reg = Registry(ref.host, options, Deadline(options.timeout))
+    pdigest = "sha256:" + hashlib.sha256(payload).hexdigest()
+    reg.upload_blob(ref.repository, pdigest, payload, image)
+    config = b"{}"
+    cdigest = "sha256:" + hashlib.sha256(config).hexdigest()
+    reg.upload_blob(ref.repository, cdigest, config, image)
+    body = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST,
+                       "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cdigest,
+                                  "size": len(config)},
+                       "layers": [{"mediaType": SIMPLESIGNING, "digest": pdigest, "size": len(payload),
+                                   "annotations": {SIG_ANNOTATION: signature}}]},
+                      separators=(",", ":")).encode()
+    reg.put_manifest(ref.repository, _sig_tag(ref.digest) + ".sig", body, OCI_MANIFEST, image)
 
 
 def _referrers(reg: Registry, ref: Reference, digest: str, image: str) -> list[dict]:

@@ -174,7 +174,7 @@ class CaptureReconciler(Reconciler):
         verified = None
         if wanted.signing_secret:
             private = self._signing_key(ns, wanted.signing_secret)
-            publish.sign(out.reference, private, push_options)
+            signatures.sign_v2(out.reference, private, push_options)
             public = serialization.load_pem_private_key(private, None).public_key().public_bytes(
                 serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
             verified = signatures.verify(wanted.repository, out.digest,

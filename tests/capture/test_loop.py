@@ -87,7 +87,7 @@ def capture_and_publish(registry, tmp_path, base: str, kind: str, pod_path: str,
     merged = publish.merge([contribution], kind, pod_path)
     assert not merged.refused and not merged.conflicts and set(merged.sources) == set(sel.keys)
     out = publish.publish(base, merged, kind, repo, opts)
-    publish.sign(out.reference, private, opts)
+    signatures.sign_v2(out.reference, private, opts)
     verdict = signatures.verify(repo, out.digest, [signatures.TrustedKey.from_pem("team-a", public)], opts,
                                 formats=(signatures.V2,))
     assert verdict.ok, verdict
