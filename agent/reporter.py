@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from accelnode import volumeattrs
 from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path, is_conflict, is_not_found
 from accelnode.kube.reflector import Reflector
@@ -30,8 +31,8 @@ log = logging.getLogger("accelnode.agent.status")
 WATCH_JITTER = 1.0  # each watch lasts 300 to 600 s (accelnode/kube/reflector.py), as client-go's
 
 # A pod's csi.gkm.io inline volume (docs/csi.md): the driver, and the attributes naming its cache
-DRIVER, CACHE_ATTR, NAMESPACE_ATTR, IMAGE_ATTR = "csi.gkm.io", "csi.gkm.io/GKMCache", "csi.gkm.io/namespace", \
-    "csi.gkm.io/image"
+DRIVER, CACHE_ATTR, NAMESPACE_ATTR, IMAGE_ATTR = (volumeattrs.DRIVER, volumeattrs.CACHE, volumeattrs.NAMESPACE,
+                                                  volumeattrs.IMAGE)
 MAX_POD_CACHES = 16  # caches of one pod whose pulls start when it is bound
 MAX_PULLED_FOR = 4096  # pods remembered as having had their pulls started
 

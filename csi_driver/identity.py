@@ -10,11 +10,11 @@ from __future__ import annotations
 import grpc
 from google.protobuf import wrappers_pb2
 
-from accelnode import __version__
+from accelnode import __version__, volumeattrs
 
 from .api import agent, csi, csi_grpc
 
-DRIVER_NAME = "csi.gkm.io"
+DRIVER_NAME = volumeattrs.DRIVER
 PROBE_TIMEOUT = 2.0
 
 

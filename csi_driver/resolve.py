@@ -18,13 +18,12 @@ from accelnode.capture import settings as capture_settings
 from dataclasses import dataclass
 from typing import Protocol
 
+from accelnode import volumeattrs
 from accelnode.oci.errors import InvalidReference
 from accelnode.oci.refusal import mount_refusal
 from accelnode.oci.reference import DIGEST_PINNED, Reference
 
-CACHE_KEY = "csi.gkm.io/GKMCache"
-NAMESPACE_KEY = "csi.gkm.io/namespace"
-IMAGE_KEY = "csi.gkm.io/image"
+CACHE_KEY, NAMESPACE_KEY, IMAGE_KEY = volumeattrs.CACHE, volumeattrs.NAMESPACE, volumeattrs.IMAGE
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
 POD_NAME = "csi.storage.k8s.io/pod.name"
 POD_UID = "csi.storage.k8s.io/pod.uid"

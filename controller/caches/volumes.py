@@ -12,15 +12,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from accelnode import volumeattrs
 from accelnode.kube.quantity import to_bytes
 from controller.caches.pinning import GROUP, SIZE_ANNOTATION, VERSION
 
 FINALIZER = "gkm.io/claims"  # on a cache with claims: they are deleted, in order, before it goes
-DRIVER = "csi.gkm.io"
-# the CSI driver's volume attributes (csi_driver/resolve.py reads them; components do not import
-# each other, so the names are written here too and a test checks they match)
-CACHE_ATTRIBUTE = "csi.gkm.io/GKMCache"
-NAMESPACE_ATTRIBUTE = "csi.gkm.io/namespace"
+DRIVER = volumeattrs.DRIVER
+# the CSI driver's volume attributes (csi_driver/resolve.py reads them)
+CACHE_ATTRIBUTE, NAMESPACE_ATTRIBUTE = volumeattrs.CACHE, volumeattrs.NAMESPACE
 
 KIND_LABEL = "gkm.io/cache-kind"  # GKMCache | ClusterGKMCache: what the reconcilers' watches select
 NAME_LABEL = "gkm.io/cache-name"  # the cache's name (left out when longer than a label value may be)
