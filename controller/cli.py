@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     from accelnode.oci.flags import registry_options
 
     from controller.webhooks.server import AdmissionMetrics, AdmissionServer
-    from controller.webhooks.cabundle import CABundleReconciler
+    from controller.webhooks.cabundle import CABundleReconciler, TrustGate
     from controller.caches.webhooks import ControllerIdentity
     from controller.caches.webhooks import routes as cache_routes
     from controller.tpuenv.webhooks import routes as env_routes
@@ -319,10 +319,12 @@ def run(args: argparse.Namespace) -> int:
           registry=registry).set_function(lambda: 1 if elector.leading.is_set() else 0)
     lease = f"{namespace}/{args.lease_name}"
 
-    certs = None
+    certs = trust = None
     if self_managed:
         certs = ServingCerts(client, namespace, args.webhook_secret,
                              service_names(args.webhook_service, service_namespace), policy=policy, registry=registry)
+        trust = TrustGate(client, lambda: certs.certificate, service=args.webhook_service,
+                          service_namespace=service_namespace)
     elif not args.disable_webhooks:  # certificates from files (cert-manager): the one served, as soon as served
         Gauge("accelnode_controller_webhook_cert_expiry_timestamp_seconds",
               "Unix time the served webhook certificate expires (0 before the webhooks are served)",
@@ -340,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
         if certs is not None and webhooks is None:
             problems.append(f"no webhook serving certificate yet (Secret {namespace}/{args.webhook_secret}): "
                             f"{certs.last_error or 'not read yet'}")
+        if trust is not None and webhooks is not None and (untrusted := trust.check()):
+            problems.append(untrusted)
         return not problems, "; ".join(problems)
 
     webhooks = None

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 
-from accelnode.kube.client import Client
+from accelnode.kube.client import Client, KubeError, Unreachable
 from accelnode.log import kv
 
-from controller.webhooks.certs import parse_bundle
+from controller.webhooks.certs import issuer_of, parse_bundle
 from controller.runtime.reconciler import Reconciler, Result, Watch
 from controller.runtime.writes import ReadYourWrites, update_if_changed
 
@@ -101,3 +102,65 @@ def _ca_only(secret: dict) -> dict:
     md = secret.get("metadata") or {}
     return {"metadata": {k: md.get(k) for k in ("name", "namespace", "resourceVersion")},
             "data": {"ca.crt": (secret.get("data") or {}).get("ca.crt")}}
+
+
+class TrustGate:
+    """Readiness of a replica until the webhook configurations trust the certificate it serves.
+
+    Every webhook of ours (labelled ``part-of=accelnode``, calling our Service, not left to
+    cert-manager) must carry a ``caBundle`` holding the CA that signed ``served()``. Without this a
+    fresh install is Ready (and ``helm install --wait`` returns) while every admission call still
+    fails TLS: the leader writes ``caBundle`` only once it holds the Lease, which after a reinstall
+    means after the previous leader's Lease expired. Once a serving certificate is trusted the
+    answer is kept for it (readiness probes then read nothing); a new certificate is checked again.
+    No configuration of ours at all is no reason to wait (and is not kept: checked again at most
+    every ``recheck`` seconds)."""
+
+    def __init__(self, client: Client, served, *, service: str, service_namespace: str, recheck: float = 30.0,
+                 clock=time.monotonic):
+        self.client, self.served = client, served  # served(): the x509 certificate served now, or None
+        self.service, self.service_namespace, self.recheck = service, service_namespace, recheck
+        self.clock = clock
+        self._trusted_serial: int | None = None
+        self._vacuous_until = 0.0
+
+    def check(self) -> str:
+        """"" when ready, else why not."""
+        cert = self.served()
+        if cert is None:
+            return ""  # the certificate check of readiness says so
+        if cert.serial_number == self._trusted_serial or self.clock() < self._vacuous_until:
+            return ""
+        try:
+            configs = [(kind, obj) for kind, path in KINDS.items()
+                       for obj in self.client.list(path, query={"labelSelector": PART_OF}, timeout=3.0)["items"]]
+        except (KubeError, Unreachable, OSError) as e:
+            return f"cannot read the webhook configurations: {e}"
+        untrusted, seen = [], 0
+        for kind, obj in configs:
+            if CERT_MANAGER_ANNOTATION in ((obj.get("metadata") or {}).get("annotations") or {}):
+                continue
+            for hook in obj.get("webhooks") or []:
+                if not ours(hook, self.service, self.service_namespace):
+                    continue
+                seen += 1
+                if not _bundle_trusts((hook.get("clientConfig") or {}).get("caBundle"), cert):
+                    untrusted.append(f"{kind}/{obj['metadata']['name']}")
+        if untrusted:
+            return (f"the caBundle of {', '.join(sorted(set(untrusted)))} does not trust the served certificate yet "
+                    "(the leader writes it)")
+        if seen:
+            self._trusted_serial = cert.serial_number
+        else:
+            self._vacuous_until = self.clock() + self.recheck
+        return ""
+
+
+def _bundle_trusts(bundle_b64, cert) -> bool:
+    if not isinstance(bundle_b64, str) or not bundle_b64:
+        return False
+    try:
+        cas = parse_bundle(base64.b64decode(bundle_b64, validate=True))
+    except ValueError:
+        return False
+    return issuer_of(cert, cas) is not None

@@ -175,7 +175,7 @@ def _load_cert(pem: bytes | None) -> x509.Certificate | None:
         return None
 
 
-def _issuer_of(cert: x509.Certificate, cas: list[x509.Certificate]) -> x509.Certificate | None:
+def issuer_of(cert: x509.Certificate, cas: list[x509.Certificate]) -> x509.Certificate | None:
     for ca in cas:
         try:
             cert.verify_directly_issued_by(ca)
@@ -241,7 +241,7 @@ def plan(data: dict[str, bytes] | None, names: list[str], policy: Policy, now: f
         need = "no serving certificate matching its key"
     elif sorted(_dns_names(leaf)) != sorted(names):
         need = "the serving certificate's names are not the Service's"
-    elif _issuer_of(leaf, live) is None:
+    elif issuer_of(leaf, live) is None:
         need = "the serving certificate is not issued by a CA of the bundle"
     elif now >= expires_at(leaf):
         need = "the serving certificate has expired"
@@ -304,6 +304,7 @@ class ServingCerts:
         self.last_error = ""
         self._expiry: float | None = None
         self._installed_pair: tuple[bytes, bytes] | None = None
+        self.certificate: x509.Certificate | None = None  # the serving certificate installed
         if registry is not None:
             Gauge("accelnode_controller_webhook_cert_expiry_timestamp_seconds",
                   "Unix time the installed webhook serving certificate expires (0 before one is installed)",
@@ -387,6 +388,7 @@ class ServingCerts:
         atomic.write(self.cert_file, pair[0], mode=0o600, durable=False)
         cert = x509.load_pem_x509_certificate(pair[0])
         self._installed_pair, self.serial, self._expiry = pair, cert.serial_number, expires_at(cert)
+        self.certificate = cert
         self.installed.set()
         log.info("webhook serving certificate installed",
                  extra=kv(serial=format(cert.serial_number, "x"), expires=cert.not_valid_after_utc.isoformat()))

@@ -245,7 +245,7 @@ def test_two_replicas_race_to_one_secret_and_the_api_server_calls_them(world):
         assert eventually(lambda p=port: _serial(p, ca, name) == want, timeout=WAIT), (a.log(), b.log())
     expiry = x509.load_pem_x509_certificate(secret_data(w, "tls.crt")).not_valid_after_utc.timestamp()
     for c in (a, b):
-        assert http_get(c.metrics_port, "/readyz")[0] == 200
+        assert eventually(lambda c=c: http_get(c.metrics_port, "/readyz")[0] == 200, timeout=WAIT), c.log()
         assert metric(c, "accelnode_controller_webhook_cert_expiry_timestamp_seconds") == expiry
     assert eventually(w.filled, timeout=WAIT), f"caBundle not written:\n{a.log()}\n{b.log()}"
     assert eventually(w.webhooks_called, timeout=WAIT), "the API server did not call the webhooks"
@@ -384,6 +384,60 @@ def test_renewal_and_ca_rotation_are_served_without_a_restart_or_a_failed_call(w
     assert {"the serving certificate is due for renewal", "the CA is due for renewal"} <= {
         reason for r in renewals for reason in r["reasons"]}
     w.stop_all()
+
+
+def _hold_lease(w: World, holder: str, seconds: int) -> None:
+    """The controllers' Lease as another candidate would hold it (``holder`` "" lets it go)."""
+    from accelnode.kube.client import is_conflict
+    from tests.controller.conftest import LEASE_PATH
+
+    for _ in range(10):
+        lease = w.admin.request("GET", LEASE_PATH)
+        now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+        lease["spec"] = {**lease.get("spec", {}), "holderIdentity": holder, "leaseDurationSeconds": seconds,
+                         "acquireTime": now, "renewTime": now}
+        try:
+            w.admin.request("PUT", LEASE_PATH, body=lease)
+            return
+        except KubeError as e:
+            if not is_conflict(e):
+                raise
+
+
+def test_a_replica_is_not_ready_until_the_webhook_configurations_trust_it(world):
+    """A reinstall: the configurations come back without caBundle while the old leader's Lease
+    has not expired. Every replica serves its certificate, but the API server cannot call it:
+    /readyz says so (helm install --wait must not return yet), and turns 200 once the replica
+    leads and has written caBundle."""
+    w = world
+    w.stop_all()
+    w.core.delete_namespaced_secret(SECRET, NAMESPACE)  # the short-lived one of the test above
+    _hold_lease(w, "the-previous-install", 3600)
+    for kind in ("mutating", "validating"):
+        cfg = w.config(kind)
+        for hook in cfg["webhooks"]:
+            if hook["clientConfig"]["service"]["name"] == w.service:
+                hook["clientConfig"].pop("caBundle", None)
+        w.admin.request("PUT", f"/apis/admissionregistration.k8s.io/v1/{kind}webhookconfigurations/{CONFIG}",
+                        body=cfg)
+    c = w.start("certs-late", w.ports[0])
+    try:
+        assert eventually(lambda: w.secret() and _serial(w.ports[0], secret_data(w, "ca.crt"),
+                                                         f"{w.service}.{NAMESPACE}.svc"),
+                          timeout=WAIT), c.log()  # it serves its certificate...
+        assert eventually(lambda: "does not trust" in http_get(c.metrics_port, "/readyz")[1], timeout=WAIT), (
+            http_get(c.metrics_port, "/readyz"), lease_spec(w.admin),
+            [ln for ln in c.log().splitlines() if "lease" in ln.lower() or "caBundle" in ln])
+        status, body = http_get(c.metrics_port, "/readyz")
+        assert status == 503 and "does not trust the served certificate yet" in body, (status, body)
+        assert f"mutating/{CONFIG}" in body and f"validating/{CONFIG}" in body, body
+        assert not w.webhooks_called()  # ... and the API server cannot call it: not Ready is the truth
+        _hold_lease(w, "", 1)  # the old Lease expires
+        assert eventually(w.filled, timeout=WAIT), c.log()
+        assert eventually(lambda: http_get(c.metrics_port, "/readyz")[0] == 200, timeout=WAIT), c.log()
+        assert eventually(w.webhooks_called, timeout=WAIT)
+    finally:
+        w.stop_all()
 
 
 def _current(w: World) -> int:

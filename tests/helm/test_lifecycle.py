@@ -111,11 +111,12 @@ def test_install_upgrade_rollback_uninstall_with_helm(world, registry, tmp_path)
         assert p["status"]["phase"] == "Running" and world.ready(p), p["metadata"]["name"]
     ns = namespace(world)
     ref = registry.push(make_cache(tmp_path / "cache", FILES), "e2e/jax-v5e", tag="v1", kind="jax", targets=V5E)
-    # the webhooks answer once the new leader wrote caBundle: after a reinstall the old leader's
-    # Lease (not the release's) must expire first, up to its 15 s, though every pod is Ready
+    # the controller is Ready only once caBundle trusts it (after a reinstall the old leader's Lease
+    # must expire first, up to 15 s, before the new leader writes it); what is left to wait for is
+    # the Service's endpoints and the API server's copy of the configurations
     cached = yaml.safe_dump(cache_object("jax-v5e", ns, f"{registry.host}/e2e/jax-v5e:v1"))
     world.wait(lambda: world.kubectl("apply", "-f", "-", stdin=cached, check=False).returncode == 0,
-               "the GKMCache admitted by the new controller's webhooks", timeout=60)
+               "the GKMCache admitted by the new controller's webhooks", timeout=15)
     world.wait(lambda: world.get("gkmcache", "jax-v5e", "-n", ns).get("status", {}).get("resolvedDigest")
                == ref.split("@")[1], "the controller to pin the GKMCache")
     world.apply(workload("tpu-pod", ns, inline("jax-v5e", ns)))
