@@ -252,7 +252,7 @@ def render(docs: list[dict], cond: str | None, src: str) -> str:
             continue
         m = re.fullmatch(r"(\s*)- '@@ITEMS:(.+)@@'", line)
         if m:  # list items from a named template (perhaps none)
-            out.append(f'{{{{- include "{m.group(2)}" . | nindent {indent} }}}}')
+            out.append(f'{{{{- include "{m.group(2)}" . | trim | nindent {indent} }}}}')
             continue
         out.append(line)
     text = re.sub(r"(?<=: |- )'@@VAL:([^'@]+)@@'$", r"{{ \1 }}", "\n".join(out) + "\n", flags=re.M)  # a whole scalar

@@ -71,7 +71,7 @@ def pod(objs, kind, name) -> dict:
     return objs[(kind, name)]["spec"]["template"]["spec"]
 
 
-def test_values_reach_the_objects():
+def test_values_reach_the_objects(tmp_path):
     kdir = "/var/lib/rancher/k3s/agent/kubelet"
     placement = json.loads((ROOT / "examples/tpu/node-group-rules.json").read_text())
     sets = [f"kubeletDir={kdir}", "containerdHostsDir=/var/lib/rancher/k3s/agent/etc/containerd/certs.d",
@@ -82,7 +82,9 @@ def test_values_reach_the_objects():
             "controller.priorityClassName=high", "devicePlugin.resources.limits.memory=200Mi",
             "csiDriver.agent.extraEnv[0].name=ACCELNODE_GC_INTERVAL",
             "gke.criticalPodsQuota=false"]
+    capture = {"team-a": ["registry.example.com/team-a/"], "*": ["registry.example.com/shared/captures"]}
     rendered = template(CHART, sets, "--set-json", f"controller.tpuNodeGroups.placement={json.dumps(placement)}",
+                        "--set-json", f"controller.captureRepositories={json.dumps(capture)}",
                         "--set-string", "controller.extraArgs[1]=4,csiDriver.agent.extraEnv[0].value=60")
     objs = objects(rendered)
     image = "registry.example.com/team/accelnode@sha256:" + "a" * 64
@@ -121,6 +123,18 @@ def test_values_reach_the_objects():
     assert rules == placement and Policy.parse(rules)
     assert env["ACCELNODE_NODE_GROUP_PLACEMENT"] == "/etc/accelnode/node-group-placement/rules.json"
     assert {"name": "node-group-placement", "configMap": {"name": "accelnode-node-group-placement"}} in ctl["volumes"]
+    # the capture rules: the file --capture-repositories reads, loaded by the controller's own loader
+    from accelnode.capture.settings import Rules
+
+    rules_file = tmp_path / "capture.json"
+    rules_file.write_text(objs[("ConfigMap", "accelnode-capture-repositories")]["data"]["rules.json"])
+    loaded = Rules.load(str(rules_file))
+    assert loaded.allows("team-a", "registry.example.com/team-a/jax")
+    assert not loaded.allows("team-b", "registry.example.com/team-a/jax")
+    assert env["ACCELNODE_CAPTURE_REPOSITORIES"] == "/etc/accelnode/capture-repositories/rules.json"
+    assert {"name": "capture-repositories", "mountPath": "/etc/accelnode/capture-repositories",
+            "readOnly": True} in c["volumeMounts"]
+    assert {"name": "capture-repositories", "configMap": {"name": "accelnode-capture-repositories"}} in ctl["volumes"]
     for d in rendered:
         if d["kind"].endswith("WebhookConfiguration"):
             for w in d["webhooks"]:
@@ -164,6 +178,7 @@ BAD = [  # (the value, where Helm's message points)
     ("controller.tpuNodeGroups.placement.team-a.zones[0]=us-central1-a",
      "'/controller/tpuNodeGroups/placement/team-a': missing property 'projects'"),
     ("controller.replicas=0", "'/controller/replicas'"),
+    ("controller.captureRepositories.team-a=registry.example.com/team-a/", "'/controller/captureRepositories/team-a'"),
     ("csiDriver.resource.limits.memory=1Gi", "additional properties 'resource' not allowed"),
     ("namespaceOverride=Bad_NS", "'/namespaceOverride'"),
 ]

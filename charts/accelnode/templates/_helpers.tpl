@@ -62,6 +62,9 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- if and $g.enabled $g.placement }}
 - {name: ACCELNODE_NODE_GROUP_PLACEMENT, value: /etc/accelnode/node-group-placement/rules.json}
 {{- end }}
+{{- if $c.captureRepositories }}
+- {name: ACCELNODE_CAPTURE_REPOSITORIES, value: /etc/accelnode/capture-repositories/rules.json}
+{{- end }}
 {{- if ne (int $g.joinApiServerPort) 6443 }}
 - {name: ACCELNODE_JOIN_API_SERVER_PORT, value: {{ $g.joinApiServerPort | quote }}}
 {{- end }}
@@ -74,14 +77,21 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- end }}
 {{- end }}
 
-{{/* The node groups' placement rules (controller/nodegroups/policy.py), mounted from a ConfigMap. */}}
+{{/* The operator's rule files, each mounted from its ConfigMap: the node groups' placement rules
+(controller/nodegroups/policy.py) and the capture repositories (accelnode/capture/settings.py). */}}
 {{- define "accelnode.controller.volumeMounts" -}}
-{{- if and .Values.controller.tpuNodeGroups.enabled .Values.controller.tpuNodeGroups.placement -}}
+{{- if and .Values.controller.tpuNodeGroups.enabled .Values.controller.tpuNodeGroups.placement }}
 - {name: node-group-placement, mountPath: /etc/accelnode/node-group-placement, readOnly: true}
-{{- end -}}
+{{- end }}
+{{- if .Values.controller.captureRepositories }}
+- {name: capture-repositories, mountPath: /etc/accelnode/capture-repositories, readOnly: true}
+{{- end }}
 {{- end }}
 {{- define "accelnode.controller.volumes" -}}
-{{- if and .Values.controller.tpuNodeGroups.enabled .Values.controller.tpuNodeGroups.placement -}}
+{{- if and .Values.controller.tpuNodeGroups.enabled .Values.controller.tpuNodeGroups.placement }}
 - {name: node-group-placement, configMap: {name: accelnode-node-group-placement}}
-{{- end -}}
+{{- end }}
+{{- if .Values.controller.captureRepositories }}
+- {name: capture-repositories, configMap: {name: accelnode-capture-repositories}}
+{{- end }}
 {{- end }}
