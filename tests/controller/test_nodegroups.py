@@ -580,8 +580,9 @@ def test_a_namespace_admin_cannot_choose_what_runs_on_the_vms(control_plane, nod
         g = wait("NotAllowed", lambda: (lambda o: o if cond(o, "Ready").get("reason") == "NotAllowed" else None)(
             get(admin, tng_path(ns, "v7x-single-host"))))
         assert field + ":" in cond(g, "Ready")["message"], cond(g, "Ready")
-        assert recorder.flush()
-        (event,) = [e for e in group_events(admin, ns, "v7x-single-host") if e["reason"] == "NotAllowed"]
+        # the condition is written before the Event is queued: wait for the Event, not just a flush
+        (event,) = wait("the NotAllowed Event", lambda: recorder.flush() and [
+            e for e in group_events(admin, ns, "v7x-single-host") if e["reason"] == "NotAllowed"])
         assert event["type"] == "Warning" and field + ":" in event["message"]
         time.sleep(0.5)
         assert gce.compute.stats["requests"] == 0  # not a single call: nothing made, nothing read
