@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives import serialization
 
 from accelnode.capture import publish, settings as capture_settings
 from accelnode.capture.reader import CaptureLimits
-from accelnode.kube.client import Client, KubeError, Unreachable, custom_path, is_forbidden, is_not_found
+from accelnode.kube.client import Client, KubeError, Unreachable, custom_path, is_conflict, is_forbidden, is_not_found
 from accelnode.kube.pullsecrets import PullSecretError
 from accelnode.log import kv
 from accelnode.oci import cacheformat as fmt
@@ -49,6 +49,22 @@ MAX_SOURCES = 64  # contributions merged into one image (the latest)
 MAX_DONE = 4096  # caches whose last published inputs are remembered (until the watch shows the write)
 SIGNING_KEY = "key.pem"  # the data key of a signing Secret: an unencrypted PEM EC private key
 OFFERED, PROMOTED, REFUSED, FAILED = "Offered", "Promoted", "Refused", "Failed"
+
+
+class _Moved(Exception):
+    """The cache changed under a promotion in a way that makes it not ours to move any more;
+    ``cache`` is the promotion's copy with the resourceVersion last read."""
+
+    def __init__(self, message: str, cache: dict):
+        super().__init__(message)
+        self.cache = cache
+
+
+def _promotion_inputs(cache: dict) -> tuple:
+    """What a promotion was decided on: the image and the capture settings (annotations)."""
+    notes = (cache.get("metadata") or {}).get("annotations") or {}
+    return ((cache.get("spec") or {}).get("image"),
+            tuple(sorted((k, v) for k, v in notes.items() if k.startswith(capture_settings.PREFIX))))
 
 
 def _now() -> str:
@@ -184,16 +200,14 @@ class CaptureReconciler(Reconciler):
         who = merged.contributors
         record |= {"offered": out.reference, "entries": out.entries, "signed": bool(verified),
                    "pods": sorted({c.pod for c in who})[:256], "nodes": sorted({c.node for c in who})[:256]}
-        if promote:  # held to the version read: a spec.image the user changed meanwhile wins
-            path = custom_path(GROUP, VERSION, "gkmcaches", ns, obj["metadata"]["name"])
+        if promote:
             try:
-                md = self.client.request("PATCH", path, metadata_only=True, body={
-                    "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
-                    "spec": {"image": out.reference}}).get("metadata") or {}
-                obj = {**obj, "metadata": {**obj["metadata"], **{k: md[k] for k in ("resourceVersion",) if k in md}}}
+                obj = self._promote(obj, out.reference)
                 events.record(obj, events.NORMAL, "CapturePromoted", f"spec.image moved to {out.reference} ({why})")
             except KubeError as e:  # e.g. a guard policy: offered instead, never published again for it
                 promote, why = False, f"{why}, but moving spec.image was refused: {quoted(e, 500)}"
+            except _Moved as e:  # the status says so, written to the version read
+                obj, promote, why = e.cache, False, f"{why}, but not moved: {e}"
         message = (f"{out.reference}: {out.entries} new entries from {len(record['pods'])} pod(s) on "
                    f"{len(record['nodes'])} node(s); {why}")
         self._write(obj, {"state": PROMOTED if promote else OFFERED, "message": message, **record})
@@ -201,6 +215,36 @@ class CaptureReconciler(Reconciler):
         log.info("capture published", extra=kv(key=object_key(obj), image=out.reference, promoted=promote,
                                                entries=out.entries, refused=len(refused)))
         return None
+
+    PROMOTE_TRIES = 3
+
+    def _promote(self, obj: dict, image: str) -> dict:
+        """Move ``spec.image`` of the cache read as ``obj`` to ``image``; ``obj`` with the new
+        resourceVersion. Each write is held to the version read; on a conflict the cache is read
+        again and the write retried only if its image and capture settings are still those the
+        publication was made for (a count the cache reconciler wrote, a label, meanwhile): a
+        ``spec.image`` or setting the user changed meanwhile wins (:class:`_Moved`)."""
+        ns, name = obj["metadata"].get("namespace"), obj["metadata"]["name"]
+        path = custom_path(GROUP, VERSION, "gkmcaches", ns, name)
+        for attempt in range(self.PROMOTE_TRIES):
+            try:
+                md = self.client.request("PATCH", path, metadata_only=True, body={
+                    "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                    "spec": {"image": image}}).get("metadata") or {}
+                return {**obj, "metadata": {**obj["metadata"], **{k: md[k] for k in ("resourceVersion",) if k in md}}}
+            except KubeError as e:
+                if not is_conflict(e) or attempt == self.PROMOTE_TRIES - 1:
+                    raise
+            # read again by a list of one (the controller lists and watches caches; it has no get)
+            found = self.client.list(custom_path(GROUP, VERSION, "gkmcaches", ns),
+                                     query={"fieldSelector": f"metadata.name={name}"})["items"]
+            if not found:
+                raise _Moved("the cache was deleted while it was published", obj)
+            now = trim_cache(found[0])
+            obj, was = {**obj, "metadata": {**obj["metadata"], "resourceVersion": now["metadata"]["resourceVersion"]}}, obj
+            if _promotion_inputs(now) != _promotion_inputs(was):
+                raise _Moved("spec.image or the capture settings changed while it was published", obj)
+        raise AssertionError("unreachable")
 
     def _push_options(self, ns: str, secret: str):
         if self.resolver.secrets is None:
@@ -232,7 +276,11 @@ class CaptureReconciler(Reconciler):
             return None
         status["capture"] = capture
         path = custom_path(GROUP, VERSION, "gkmcaches", obj["metadata"]["namespace"], obj["metadata"]["name"])
-        written = patch_status(self.client, path, obj, status)
+        # not held to the version read: status.capture has one writer (this reconciler, on the
+        # leader) and the merge patch touches it alone, so the cache reconciler's writes meanwhile
+        # (counts, a pin) must not lose the record of what was published
+        md = {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}
+        written = patch_status(self.client, path, {**obj, "metadata": md}, status)
         if capture["state"] in (REFUSED, FAILED) and not capture.get("sources"):
             events.record(obj, events.WARNING, "CaptureRefused" if capture["state"] == REFUSED else "CaptureFailed",
                           capture["message"])

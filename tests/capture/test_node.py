@@ -133,8 +133,9 @@ def signing_lent(ns: str) -> tuple[dict, dict]:
 
 
 @contextlib.contextmanager
-def capture_reconcilers(control_plane, registry, rules):
-    """The GKMCache and capture reconcilers in-process as the controller identity, until closed."""
+def capture_reconcilers(control_plane, registry, rules, wrap=None):
+    """The GKMCache and capture reconcilers in-process as the controller identity, until closed;
+    ``wrap(client)`` is the client the capture reconciler writes with (default: the client)."""
     from prometheus_client import CollectorRegistry
 
     from accelnode.kube.pullsecrets import PullSecretReader
@@ -149,7 +150,8 @@ def capture_reconcilers(control_plane, registry, rules):
     resolver = Resolver(registry.options(timeout=30), secrets=PullSecretReader(me, who="the accelnode controller"))
     metrics = Metrics(CollectorRegistry())
     ctls = [Controller(me, r, metrics, workers=2, resync=0.5, backoff=Backoff(0.2, 2.0)).start()
-            for r in (gkmcache_reconciler(me, resolver), CaptureReconciler(me, resolver, rules))]
+            for r in (gkmcache_reconciler(me, resolver),
+                      CaptureReconciler(wrap(me) if wrap else me, resolver, rules))]
     try:
         yield ctls
     finally:
