@@ -1,13 +1,20 @@
 """Modules the node daemons import only because a library does, run at their first use instead.
 
-grpc imports ``asyncio`` (its C core module does, for its asyncio API) and ``grpc.aio`` every time
-it is imported; the node daemons serve and call gRPC with threads and never use either. Left as
-they are, those modules (about 45 of them) stay resident in every daemon: about 2 MB of each one's
-Python heap (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its breakdown by mapping).
+Every module a process imports stays resident in it. Some come with libraries the daemons need
+while the daemons never use them (:data:`DEFERRED`):
 
-:func:`install` (called by ``accelnode.cli`` before a node daemon imports anything of its own)
-makes the import of each name in :data:`DEFERRED` create the module without running it; the
-first attribute the module does not have yet (``asyncio.run``, ``grpc.aio.server``) runs it, once,
+* ``asyncio`` and ``grpc.aio``: grpc imports them for its asyncio API every time it is imported;
+  the node daemons serve and call gRPC with threads (about 45 modules);
+* ``google.protobuf.internal.python_message`` (and ``text_format`` and the rest it imports):
+  protobuf's pure-Python message classes, imported by its descriptor pool and builder even where
+  the upb C extension, as here, makes every message;
+* ``html``: ``http.server`` escapes its error pages with it (the metrics server's 404s only);
+* ``calendar``: imported for dates in mail headers and cookies that the daemons do not parse.
+
+Together about 3 MB of each daemon's Python heap (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
+breakdown by mapping). :func:`install` (called by ``accelnode.cli`` before a node daemon imports
+anything of its own) makes the import of each of them create the module without running it; the
+first attribute the module does not have yet (``asyncio.run``, ``calendar.timegm``) runs it, once,
 under a lock, so a thread that reaches it while another runs it waits and then sees the whole
 module. Attributes the import system sets itself (``__name__``, ``__path__``, submodules imported
 by name) do not trigger it. Nothing is lost: whoever uses one of these modules gets it whole.
@@ -21,7 +28,7 @@ import sys
 import threading
 import types
 
-DEFERRED = frozenset({"asyncio", "grpc.aio"})
+DEFERRED = frozenset({"asyncio", "grpc.aio", "google.protobuf.internal.python_message", "html", "calendar"})
 
 _LOCK = threading.RLock()  # one at a time, and re-entrant: a module's own body may import its submodules
 _RUNNING: set[str] = set()  # modules whose body runs now (their own missing attributes are plain misses)

@@ -40,8 +40,9 @@ def test_a_registry_answer_without_a_charset_reads_as_utf8(registry):
 
 
 
-# what grpc imports for its asyncio API, which the node daemons never use (accelnode/deferred.py)
-ASYNCIO_BODIES = {"asyncio.base_events", "asyncio.tasks", "grpc.aio._channel", "grpc.aio._server"}
+# what the deferred modules of accelnode/deferred.py import when they run
+BODIES = {"asyncio.base_events", "asyncio.tasks", "grpc.aio._channel", "grpc.aio._server", "google.protobuf.text_format",
+          "html.entities"}
 
 SERVE = """
 import grpc
@@ -58,9 +59,9 @@ server.stop(0)
 
 
 @pytest.mark.parametrize("daemon", ["device-plugin", "dra", "csi", "agent"])
-def test_a_node_daemon_serving_grpc_does_not_run_the_asyncio_modules(daemon, tmp_path):
-    """The command line defers them before the daemon's own modules load; a gRPC server and
-    client work without them."""
+def test_a_node_daemon_serving_grpc_does_not_run_what_it_does_not_use(daemon, tmp_path):
+    """The command line defers those modules before the daemon's own modules load; a gRPC server
+    and client work without them, and so do protobuf messages."""
     loaded = _loaded("import sys\n"
                      "from accelnode.cli import main\n"
                      "try:\n"
@@ -68,8 +69,12 @@ def test_a_node_daemon_serving_grpc_does_not_run_the_asyncio_modules(daemon, tmp
                      "except SystemExit:\n"
                      "    pass\n"
                      + SERVE.replace("SOCK", str(tmp_path / "s.sock")) +
-                     "assert type(sys.modules['asyncio']).__name__ == '_Deferred'\n")
-    assert not loaded & ASYNCIO_BODIES
+                     "from accelnode.pb import deviceplugin_pb2 as pb\n"
+                     "m = pb.Device(ID='chip-0', health='Healthy')\n"
+                     "assert pb.Device.FromString(m.SerializeToString()) == m\n"
+                     "from accelnode.deferred import DEFERRED\n"
+                     "assert {type(sys.modules[n]).__name__ for n in DEFERRED if n in sys.modules} == {'_Deferred'}\n")
+    assert not loaded & BODIES
 
 
 def test_other_commands_load_them_as_usual():
@@ -79,12 +84,13 @@ def test_other_commands_load_them_as_usual():
                      "except SystemExit:\n"
                      "    pass\n"
                      "import grpc\n")
-    assert ASYNCIO_BODIES <= loaded
+    assert {"asyncio.base_events", "grpc.aio._channel"} <= loaded
 
 
 def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
-    """asyncio and grpc.aio used after all: asyncio.run, an aio channel, and eight threads
-    reaching asyncio at once all get the whole module (the others wait while one runs it)."""
+    """The deferred modules used after all: asyncio.run, an aio channel, a message as text,
+    calendar, html; eight threads reaching asyncio at once all get the whole module (the others
+    wait while one runs it)."""
     code = ("import sys, threading\n"
             "from accelnode import deferred\n"
             "assert deferred.install()\n"
@@ -102,10 +108,15 @@ def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
             "async def aio():\n"
             f"    async with grpc.aio.insecure_channel('unix://{tmp_path}/none.sock') as ch:\n"
             "        return ch.get_state()\n"
-            "print('state', asyncio.run(aio()))\n")
+            "print('state', asyncio.run(aio()))\n"
+            "from accelnode.pb import deviceplugin_pb2 as pb\n"
+            "print('text', str(pb.Device(ID='chip-0')).strip())\n"
+            "import calendar, html\n"
+            "print('timegm', calendar.timegm((1970, 1, 2, 0, 0, 0)), html.escape('<'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "state ChannelConnectivity.IDLE" in out.stdout
+    assert 'text ID: "chip-0"' in out.stdout and "timegm 86400 &lt;" in out.stdout
 
 
 def test_nothing_is_deferred_once_it_is_imported():
