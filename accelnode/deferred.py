@@ -9,26 +9,32 @@ while the daemons never use them (:data:`DEFERRED`):
   protobuf's pure-Python message classes, imported by its descriptor pool and builder even where
   the upb C extension, as here, makes every message;
 * ``html``: ``http.server`` escapes its error pages with it (the metrics server's 404s only);
-* ``calendar``: imported for dates in mail headers and cookies that the daemons do not parse.
+* ``calendar``: imported for dates in mail headers and cookies that the daemons do not parse;
+* ``urllib3.http2``: its package only (it imports ``importlib.metadata`` to check for the ``h2``
+  package, which the daemons do not use; urllib3 itself imports only ``urllib3.http2.probe``).
 
-Together about 3 MB of each daemon's Python heap (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
+Together about 3.5 MB of each daemon's Python heap (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
 breakdown by mapping). :func:`install` (called by ``accelnode.cli`` before a node daemon imports
 anything of its own) makes the import of each of them create the module without running it; the
 first attribute the module does not have yet (``asyncio.run``, ``calendar.timegm``) runs it, once,
 under a lock, so a thread that reaches it while another runs it waits and then sees the whole
-module. Attributes the import system sets itself (``__name__``, ``__path__``, submodules imported
-by name) do not trigger it. Nothing is lost: whoever uses one of these modules gets it whole.
+module. Attributes the import system sets itself (``__name__``, ``__path__``) do not trigger it,
+nor does a submodule of a deferred package (``from urllib3.http2 import probe`` imports the
+submodule alone). Nothing is lost: whoever uses one of these modules gets it whole.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import threading
 import types
 
-DEFERRED = frozenset({"asyncio", "grpc.aio", "google.protobuf.internal.python_message", "html", "calendar"})
+DEFERRED = frozenset({"asyncio", "grpc.aio", "google.protobuf.internal.python_message", "html", "calendar",
+                       "urllib3.http2"})
 
 _LOCK = threading.RLock()  # one at a time, and re-entrant: a module's own body may import its submodules
 _RUNNING: set[str] = set()  # modules whose body runs now (their own missing attributes are plain misses)
@@ -39,6 +45,9 @@ class _Deferred(types.ModuleType):
 
     def __getattr__(self, attr: str):  # only reached for attributes the module does not have
         name = self.__spec__.name
+        if self.__spec__.submodule_search_locations is not None and type(self) is _Deferred \
+                and name not in _RUNNING and importlib.util.find_spec(f"{name}.{attr}") is not None:
+            return importlib.import_module(f"{name}.{attr}")  # a submodule: imported, the package still not run
         with _LOCK:
             if type(self) is _Deferred and name not in _RUNNING:
                 _RUNNING.add(name)

@@ -42,7 +42,7 @@ def test_a_registry_answer_without_a_charset_reads_as_utf8(registry):
 
 # what the deferred modules of accelnode/deferred.py import when they run
 BODIES = {"asyncio.base_events", "asyncio.tasks", "grpc.aio._channel", "grpc.aio._server", "google.protobuf.text_format",
-          "html.entities"}
+          "html.entities", "importlib.metadata"}
 
 SERVE = """
 import grpc
@@ -69,6 +69,7 @@ def test_a_node_daemon_serving_grpc_does_not_run_what_it_does_not_use(daemon, tm
                      "except SystemExit:\n"
                      "    pass\n"
                      + SERVE.replace("SOCK", str(tmp_path / "s.sock")) +
+                     "import urllib3\n"
                      "from accelnode.pb import deviceplugin_pb2 as pb\n"
                      "m = pb.Device(ID='chip-0', health='Healthy')\n"
                      "assert pb.Device.FromString(m.SerializeToString()) == m\n"
@@ -111,11 +112,14 @@ def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
             "print('state', asyncio.run(aio()))\n"
             "from accelnode.pb import deviceplugin_pb2 as pb\n"
             "print('text', str(pb.Device(ID='chip-0')).strip())\n"
-            "import calendar, html\n"
+            "import calendar, html, urllib3\n"
+            "assert 'importlib.metadata' not in sys.modules and urllib3.http2.probe.acquire_and_get\n"
+            "print('http2', urllib3.http2.inject_into_urllib3.__name__, 'importlib.metadata' in sys.modules)\n"
             "print('timegm', calendar.timegm((1970, 1, 2, 0, 0, 0)), html.escape('<'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "state ChannelConnectivity.IDLE" in out.stdout
+    assert "http2 inject_into_urllib3 True" in out.stdout
     assert 'text ID: "chip-0"' in out.stdout and "timegm 86400 &lt;" in out.stdout
 
 
