@@ -30,6 +30,10 @@ COMPONENTS = {
     "controller": "controller.cli",
 }
 
+# the daemons of every accelerator node: modules grpc imports for its asyncio API, which they do
+# not use, run only if something uses them (accelnode/deferred.py)
+NODE_DAEMONS = frozenset({"device-plugin", "dra", "csi", "agent"})
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -137,6 +141,10 @@ def _own_errors(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in NODE_DAEMONS:
+        from . import deferred
+
+        deferred.install()  # before the component's modules import grpc
     parser = build_parser(argv[0] if argv else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:

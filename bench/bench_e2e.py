@@ -12,7 +12,8 @@ image, ``kubectl apply -k daemonsets/``):
   kubelet's log (run at ``--v=4``) and the agent's (:func:`pod_phases`); they add up to the pod's figure;
 - ``node_daemons_rss_mb``: RSS of the node daemons (device plugin, CSI driver, agent) together as
   pods, idle after the pulls (target: 130 MB RSS, 95 MB PSS); PSS and USS beside it, and each daemon's own
-  (``<daemon>_rss_mb``, ``_pss_mb``, ``_uss_mb``; bench/memory.py says what each figure counts).
+  (``<daemon>_rss_mb``, ``_pss_mb``, ``_uss_mb``; bench/memory.py says what each figure counts) and its
+  thread count (``<daemon>_threads``); stderr has each daemon's breakdown by mapping.
 The cache layer is uncompressed (``--compression none``), so neither side spends the time on gzip.
 Needs root and the tools of ``make tools``.
 """
@@ -209,6 +210,7 @@ def main() -> None:
             time.sleep(5)  # idle after the pulls
             procs = daemons()
             mems = {name: memory.of(p.pid) for name, p in procs.items()}
+            threads = {name: memory.threads(p.pid) for name, p in procs.items()}
             for name, p in procs.items():  # where each daemon's megabytes lie, by mapping
                 print(memory.breakdown(name, p.pid), file=sys.stderr, flush=True)
         emit("loadavg_1min_start", load_start)
@@ -227,6 +229,7 @@ def main() -> None:
         for name in DAEMONS:
             if name in mems:
                 memory.emit_all(emit, name.replace("-", "_") + "_", mems[name])
+                emit(name.replace("-", "_") + "_threads", threads[name], "d")
         memory.emit_all(emit, "node_daemons_", sum(mems.values(), memory.NONE))
     finally:
         with contextlib.redirect_stdout(sys.stderr):

@@ -11,6 +11,7 @@ Not a benchmark group of its own (``bench/run.py`` runs ``bench_*.py`` only).
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 
@@ -59,11 +60,13 @@ KINDS = (
     ("heap", ("[heap]",)),
     ("stack", ("[stack",)),
 )
+THREAD_STACK_KIB = 8192  # glibc's default thread stack (ulimit -s): an anonymous mapping of exactly this size
 
 
 def by_mapping(pid: int) -> dict[str, Memory]:
     """RSS, PSS and USS of ``pid`` now, in MiB, by kind of mapping (:data:`KINDS`): which
-    library, the C heap, or anonymous memory (Python's own arenas and thread stacks live there)."""
+    library, the C heap, the threads' stacks (``stacks``: anonymous mappings of
+    :data:`THREAD_STACK_KIB`), or other anonymous memory (``anon``: Python's own arenas, mostly)."""
     out: dict[str, list[float]] = {}
     kind = "anon"
     with open(f"/proc/{pid}/smaps") as f:
@@ -71,8 +74,10 @@ def by_mapping(pid: int) -> dict[str, Memory]:
             head = line.split(None, 6)
             if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's first line
                 path = head[5].strip() if len(head) > 5 else ""
+                start, end = (int(x, 16) for x in head[0].split("-"))
                 kind = next((k for k, pats in KINDS if any(p in path for p in pats)),
-                            "other file" if path.startswith("/") else "anon")
+                            "other file" if path.startswith("/") else
+                            "stacks" if not path and end - start == THREAD_STACK_KIB << 10 else "anon")
                 continue
             key = head[0].rstrip(":")
             if key in ("Rss", "Pss", "Private_Clean", "Private_Dirty"):
@@ -82,7 +87,13 @@ def by_mapping(pid: int) -> dict[str, Memory]:
     return {k: Memory(*v) for k, v in sorted(out.items(), key=lambda kv: -kv[1][0])}
 
 
+def threads(pid: int) -> int:
+    """How many threads ``pid`` runs now."""
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
 def breakdown(name: str, pid: int) -> str:
-    """One line per kind of mapping of ``pid``, for a benchmark's stderr."""
-    return "\n".join(f"memory {name} {kind:<11} rss={m.rss_mb:6.1f} pss={m.pss_mb:6.1f} uss={m.uss_mb:6.1f}"
-                     for kind, m in by_mapping(pid).items())
+    """One line per kind of mapping of ``pid``, for a benchmark's stderr, and its thread count."""
+    rows = (f"memory {name} {kind:<11} rss={m.rss_mb:6.1f} pss={m.pss_mb:6.1f} uss={m.uss_mb:6.1f}"
+            for kind, m in by_mapping(pid).items())
+    return "\n".join((f"memory {name} threads={threads(pid)}", *rows))

@@ -37,3 +37,95 @@ def test_a_registry_answer_without_a_charset_reads_as_utf8(registry):
             f"r = requests.get('http://{registry.host}/v2/')\n"
             "assert r.apparent_encoding == 'utf-8' and isinstance(r.text, str)\n")
     _loaded(code)
+
+
+
+# what the deferred modules of accelnode/deferred.py import when they run
+BODIES = {"asyncio.base_events", "asyncio.tasks", "grpc.aio._channel", "grpc.aio._server", "google.protobuf.text_format",
+          "html.entities", "importlib.metadata"}
+
+SERVE = """
+import grpc
+from concurrent import futures
+echo = grpc.method_handlers_generic_handler("t.T", {"Echo": grpc.unary_unary_rpc_method_handler(
+    lambda req, ctx: req, request_deserializer=bytes, response_serializer=bytes)})
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[echo])
+server.add_insecure_port("unix://SOCK")
+server.start()
+with grpc.insecure_channel("unix://SOCK") as ch:
+    assert ch.unary_unary("/t.T/Echo")(b"hi", timeout=10) == b"hi"
+server.stop(0)
+"""
+
+
+@pytest.mark.parametrize("daemon", ["device-plugin", "dra", "csi", "agent"])
+def test_a_node_daemon_serving_grpc_does_not_run_what_it_does_not_use(daemon, tmp_path):
+    """The command line defers those modules before the daemon's own modules load; a gRPC server
+    and client work without them, and so do protobuf messages."""
+    loaded = _loaded("import sys\n"
+                     "from accelnode.cli import main\n"
+                     "try:\n"
+                     f"    main([{daemon!r}, '--help'])\n"
+                     "except SystemExit:\n"
+                     "    pass\n"
+                     + SERVE.replace("SOCK", str(tmp_path / "s.sock")) +
+                     "import urllib3\n"
+                     "from accelnode.pb import deviceplugin_pb2 as pb\n"
+                     "m = pb.Device(ID='chip-0', health='Healthy')\n"
+                     "assert pb.Device.FromString(m.SerializeToString()) == m\n"
+                     "from accelnode.deferred import DEFERRED\n"
+                     "assert {type(sys.modules[n]).__name__ for n in DEFERRED if n in sys.modules} == {'_Deferred'}\n")
+    assert not loaded & BODIES
+
+
+def test_other_commands_load_them_as_usual():
+    loaded = _loaded("from accelnode.cli import main\n"
+                     "try:\n"
+                     "    main(['controller', '--help'])\n"
+                     "except SystemExit:\n"
+                     "    pass\n"
+                     "import grpc\n")
+    assert {"asyncio.base_events", "grpc.aio._channel"} <= loaded
+
+
+def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
+    """The deferred modules used after all: asyncio.run, an aio channel, a message as text,
+    calendar, html; eight threads reaching asyncio at once all get the whole module (the others
+    wait while one runs it)."""
+    code = ("import sys, threading\n"
+            "from accelnode import deferred\n"
+            "assert deferred.install()\n"
+            "import asyncio, grpc\n"
+            "assert type(asyncio).__name__ == '_Deferred'\n"
+            "go = threading.Barrier(8)\n"
+            "got = []\n"
+            "def use():\n"
+            "    go.wait()\n"
+            "    got.append(asyncio.run(asyncio.sleep(0, result=7)))\n"
+            "threads = [threading.Thread(target=use) for _ in range(8)]\n"
+            "[t.start() for t in threads]; [t.join() for t in threads]\n"
+            "assert got == [7] * 8, got\n"
+            "assert type(asyncio).__name__ == 'module'\n"
+            "async def aio():\n"
+            f"    async with grpc.aio.insecure_channel('unix://{tmp_path}/none.sock') as ch:\n"
+            "        return ch.get_state()\n"
+            "print('state', asyncio.run(aio()))\n"
+            "from accelnode.pb import deviceplugin_pb2 as pb\n"
+            "print('text', str(pb.Device(ID='chip-0')).strip())\n"
+            "import calendar, html, urllib3\n"
+            "assert 'importlib.metadata' not in sys.modules and urllib3.http2.probe.acquire_and_get\n"
+            "print('http2', urllib3.http2.inject_into_urllib3.__name__, 'importlib.metadata' in sys.modules)\n"
+            "print('timegm', calendar.timegm((1970, 1, 2, 0, 0, 0)), html.escape('<'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "state ChannelConnectivity.IDLE" in out.stdout
+    assert "http2 inject_into_urllib3 True" in out.stdout
+    assert 'text ID: "chip-0"' in out.stdout and "timegm 86400 &lt;" in out.stdout
+
+
+def test_nothing_is_deferred_once_it_is_imported():
+    _loaded("import asyncio\n"
+            "from accelnode import deferred\n"
+            "assert not deferred.install()\n"
+            "import grpc\n"
+            "assert type(grpc.aio).__name__ == 'module'\n")
