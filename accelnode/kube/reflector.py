@@ -290,6 +290,7 @@ class Reflector:
         self.on_change()
 
 
+FLEET_JITTER = 1.0  # watch_jitter of a component that runs on every node (the agent, the CSI node plugin)
 FROM_NOW = ""  # the resourceVersion of a watch that starts at the most recent revision (sent unset)
 
 
