@@ -13,7 +13,9 @@ an agent restart):
 * ``nN_base_apiserver_cpu`` / ``_rss_mb``: the API server's CPU (cores) and RSS over an idle
   window before the agents start (nodes, caches and controller there, no agent watch);
 * ``nN_start_s``, ``nN_start_writes_per_node``, ``nN_start_hollow_cpu_ms_per_node``: until every
-  cache's status counts all N nodes, the agents' writes and CPU meanwhile;
+  cache's status counts all N nodes, the agents' writes and CPU meanwhile; the writes apart for
+  the nodes new to this N (``_per_new_node``: a first start) and those a previous N's fleet
+  wrote (``_per_known_node``: a restart, the objects read back);
 * idle (``BENCH_SCALE_IDLE_S``, default 300 s): ``nN_idle_agent_writes_per_s`` (target 0),
   ``nN_idle_agent_reads_per_s`` by verb and resource (audit log: the API server's own record),
   ``nN_idle_controller_writes_per_s`` (its Lease apart), ``nN_apiserver_cpu`` / ``_rss_mb`` with
@@ -153,6 +155,9 @@ class Fleet:
     def cpu(self) -> float:
         return sum(Proc(p.pid).cpu() for p in self.procs if p.poll() is None)
 
+    def threads(self) -> int:
+        return sum(psutil.Process(p.pid).num_threads() for p in self.procs if p.poll() is None)
+
     def stop(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -286,6 +291,7 @@ def run(tmp: Path) -> None:
         audit = cluster.audit()
         curve: dict[int, dict] = {}
         current = roll_images[0]
+        known = 0  # nodes whose status objects a previous N's fleet created (they are kept)
         for n in NODES:
             emit("load1", os.getloadavg()[0], n=n)
             if fleet is not None:
@@ -310,11 +316,13 @@ def run(tmp: Path) -> None:
                       f"every cache's status to count {n} nodes", timeout=TIMEOUT_S, interval=2.0)
             except RuntimeError as e:
                 print(f"scale: stopped at {n} nodes: {e}", file=sys.stderr, flush=True)
+                stalled(audit, mark, n, apiserver, controller, fleet, start)
                 emit("stopped_at_nodes", n, "d")
                 break
             emit("start_s", time.monotonic() - start, ".1f", n)
             emit("start_hollow_cpu_ms_per_node", fleet.cpu() / n * 1000, ".0f", n)
-            emit("start_writes_per_node", len(by(audit.events(mark), AGENT_USER, WRITES)) / n, ".1f", n)
+            start_writes(by(audit.events(mark), AGENT_USER, WRITES), n, known)
+            known = max(known, n)
             time.sleep(10)  # the last resyncs of the start
             # idle
             mark, c0, cc0, h0, t0 = audit.mark(), apiserver.cpu(), controller.cpu(), fleet.cpu(), time.monotonic()
@@ -338,6 +346,7 @@ def run(tmp: Path) -> None:
             emit("controller_rss_mb", controller.rss_mb(), ".0f", n)
             emit("hollow_rss_mb", fleet.rss_mb(), ".0f", n)
             emit("hollow_cpu", (fleet.cpu() - h0) / window, ".3f", n)
+            emit("hollow_threads", fleet.threads(), "d", n)
             curve[n] = {"controller": controller.rss_mb(), "hollow": fleet.rss_mb(), "apiserver": apiserver.rss_mb()}
             # rolls
             nodes_s, status_s, premature, writes_s, burst, agent_w, ctl_cpu, fanout, agent_cpu = [], [], 0, [], [], [], [], [], []
@@ -352,6 +361,7 @@ def run(tmp: Path) -> None:
                     at_status, early = status.wait(digest, n, start, TIMEOUT_S)
                 except RuntimeError as e:
                     print(f"scale: roll {r} at {n} nodes: {e}", file=sys.stderr, flush=True)
+                    stalled(audit, mark, n, apiserver, controller, fleet, start)
                     break
                 nodes_s.append(at_nodes - start)
                 status_s.append(at_status - start)
@@ -396,6 +406,37 @@ def run(tmp: Path) -> None:
         if fleet is not None:
             fleet.stop()
         cluster.stop()
+
+
+def stalled(audit, mark: int, n: int, apiserver: Proc, controller: Proc, fleet: "Fleet | None", start: float) -> None:
+    """What the machine and the API server did while a phase did not finish: the load, the
+    processes' CPU over it, the agents' and the controller's calls by verb and answer code."""
+    window = time.monotonic() - start
+    emit("stall_load1", os.getloadavg()[0], n=n)
+    emit("stall_s", window, ".0f", n)
+    if fleet is not None:
+        emit("stall_hollow_threads", fleet.threads(), "d", n)
+        emit("stall_hollow_cpu_s", fleet.cpu(), ".0f", n)
+    emit("stall_apiserver_cpu_s", apiserver.cpu(), ".0f", n)
+    calls = Counter((e["user"]["username"].rsplit(":", 1)[-1], e.get("verb"), e["objectRef"].get("resource", ""),
+                     (e.get("responseStatus") or {}).get("code", 0))
+                    for e in audit.events(mark) if e.get("stage") == "ResponseComplete")
+    for (user, verb, res, code), k in calls.most_common(15):
+        print(f"scale: stalled at {n}: {k} {user} {verb} {res} -> {code}", file=sys.stderr, flush=True)
+
+
+def start_writes(writes: list[dict], n: int, known: int) -> None:
+    """The agents' writes during a fleet start, per node: all, and apart for the nodes new to
+    this N (their objects created, then written as the caches are proved: a node's first start)
+    and those a previous N's fleet already wrote (a restart: the objects read back, written
+    only where a state moves). Each object is named after its node (hollow-NNNNN)."""
+    per = Counter(e["objectRef"].get("name", "") for e in writes)
+    old = set(node_names("hollow-", 0, min(known, n)))
+    emit("start_writes_per_node", len(writes) / n, ".1f", n)
+    if n > known:
+        emit("start_writes_per_new_node", sum(k for name, k in per.items() if name not in old) / (n - known), ".1f", n)
+    if known:
+        emit("start_writes_per_known_node", sum(k for name, k in per.items() if name in old) / min(known, n), ".1f", n)
 
 
 def churn(cluster: ScaleCluster, apiserver: Proc, audit, n: int) -> None:
