@@ -5,8 +5,9 @@ its webhooks, as kubemark measures kubelets (docs/scale.md). Needs nothing but .
 
 For each N of ``BENCH_SCALE_NODES`` (default 500,1000,2000,5000; the fleet of the previous N is
 stopped, N Node objects are registered, and N agents start in processes of
-``BENCH_SCALE_PER_PROC`` agents, ``BENCH_SCALE_START_RATE`` a second in each, as a rollout
-does) with ``BENCH_SCALE_CACHES`` (default 50) caches meant for every node (a fifth
+``BENCH_SCALE_PER_PROC`` agents (125), ``BENCH_SCALE_START_RATE`` a second in each (5), as a
+rollout does; ``BENCH_SCALE_SWITCH_S``: their interpreters' switch interval, 0.05 s) with
+``BENCH_SCALE_CACHES`` (default 50) caches meant for every node (a fifth
 ClusterGKMCaches, the rest GKMCaches in 4 namespaces; every node holds them at start, as after
 an agent restart):
 
@@ -72,10 +73,11 @@ BASE_S = float(os.environ.get("BENCH_SCALE_BASE_S", str(min(IDLE_S, 60.0))))
 ROLLS = int(os.environ.get("BENCH_SCALE_ROLLS", "5"))
 CHURN_S = float(os.environ.get("BENCH_SCALE_CHURN_S", "30"))
 CHURN_RATE = 20.0
-PER_PROC = int(os.environ.get("BENCH_SCALE_PER_PROC", "250"))
+PER_PROC = int(os.environ.get("BENCH_SCALE_PER_PROC", "125"))  # agents a hollow process (docs/scale.md)
+SWITCH_S = float(os.environ.get("BENCH_SCALE_SWITCH_S", "0.05"))  # their interpreter's switch interval
 PULL_S = float(os.environ.get("BENCH_SCALE_PULL_S", "2.0"))
 TIMEOUT_S = float(os.environ.get("BENCH_SCALE_TIMEOUT_S", "900"))
-START_RATE = float(os.environ.get("BENCH_SCALE_START_RATE", "10"))  # agents a second, per process
+START_RATE = float(os.environ.get("BENCH_SCALE_START_RATE", "5"))  # agents a second, per process
 NAMESPACES = [f"team-{i}" for i in range(4)]
 CACHES = int(os.environ.get("BENCH_SCALE_CACHES", "50"))  # a fifth ClusterGKMCaches, the rest over 4 namespaces
 CLUSTER_CACHES, NS_CACHES = max(1, CACHES // 5), max(1, (CACHES - max(1, CACHES // 5)) // len(NAMESPACES))
@@ -135,7 +137,7 @@ class Fleet:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.rigs.hollow", "--kubeconfig", str(kubeconfig), "--first", str(first),
                  "--count", str(min(PER_PROC, n - first)), "--pull-seconds", str(PULL_S),
-                 "--start-rate", str(START_RATE),
+                 "--start-rate", str(START_RATE), "--switch-interval", str(SWITCH_S),
                  *[a for image in installed for a in ("--installed", image)]],
                 cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))))
 
