@@ -6,7 +6,8 @@ its webhooks, as kubemark measures kubelets (docs/scale.md). Needs nothing but .
 For each N of ``BENCH_SCALE_NODES`` (default 500,1000,2000,5000; the fleet of the previous N is
 stopped, N Node objects are registered, and N agents start in processes of
 ``BENCH_SCALE_PER_PROC`` agents (125), ``BENCH_SCALE_START_RATE`` a second in each (5), as a
-rollout does; ``BENCH_SCALE_SWITCH_S``: their interpreters' switch interval, 0.05 s) with
+rollout does; ``BENCH_SCALE_SWITCH_S``: their interpreters' switch interval, 0.05 s;
+``BENCH_SCALE_NICE``: their nice value, 10, below the control plane's) with
 ``BENCH_SCALE_CACHES`` (default 50) caches meant for every node (a fifth
 ClusterGKMCaches, the rest GKMCaches in 4 namespaces; every node holds them at start, as after
 an agent restart):
@@ -75,6 +76,9 @@ CHURN_S = float(os.environ.get("BENCH_SCALE_CHURN_S", "30"))
 CHURN_RATE = 20.0
 PER_PROC = int(os.environ.get("BENCH_SCALE_PER_PROC", "125"))  # agents a hollow process (docs/scale.md)
 SWITCH_S = float(os.environ.get("BENCH_SCALE_SWITCH_S", "0.05"))  # their interpreter's switch interval
+# The hollow agents run below the control plane's priority: on a cluster they run on other
+# machines than the API server, etcd and the controller, whose CPU they must not take here.
+NICE = int(os.environ.get("BENCH_SCALE_NICE", "10"))
 PULL_S = float(os.environ.get("BENCH_SCALE_PULL_S", "2.0"))
 TIMEOUT_S = float(os.environ.get("BENCH_SCALE_TIMEOUT_S", "900"))
 START_RATE = float(os.environ.get("BENCH_SCALE_START_RATE", "5"))  # agents a second, per process
@@ -139,7 +143,8 @@ class Fleet:
                  "--count", str(min(PER_PROC, n - first)), "--pull-seconds", str(PULL_S),
                  "--start-rate", str(START_RATE), "--switch-interval", str(SWITCH_S),
                  *[a for image in installed for a in ("--installed", image)]],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))))
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                preexec_fn=lambda: os.nice(NICE)))
 
     def wait_ready(self, timeout: float) -> None:
         end = time.monotonic() + timeout
