@@ -1,9 +1,9 @@
 """A local copy of one collection (or one named object) of the Kubernetes API: list, then watch
 with resume, ``410 Gone`` re-lists (docs/controller.md, "Kubernetes client"; docs/agent-status.md).
 Lists are paged (:meth:`Client.list`); one named object is read by GET and watched from the most
-recent revision (its own resourceVersion may be older than the server keeps); a ``410`` re-lists at once the first time, then after a
-jittered exponential backoff while 410s follow each other (a list served by a lagging cache must
-not become a hot list loop), reset by a watch that works.
+recent revision (its own resourceVersion may be older than the server keeps); a ``410`` re-lists
+at once the first time, then after a jittered exponential backoff while 410s follow each other (a
+list served by a lagging cache must not become a hot list loop), reset by a watch that works.
 
 Invariants: :meth:`Reflector.run` never raises, and every failure, malformed answers included,
 is retried with backoff, never a dead thread; the copy is rebuilt from a whole answer rather

@@ -179,8 +179,8 @@ class LeaderElector:
         spec = self._lease.get("spec") or {}
         new = self._record(transitions=spec.get("leaseTransitions") or 0, acquired=spec.get("acquireTime"))
         try:
-            self._lease = self.client.request("PUT", self._object_path(), body=dict(self._lease, spec=dict(spec, **new)),
-                                              timeout=timeout)
+            body = dict(self._lease, spec=dict(spec, **new))
+            self._lease = self.client.request("PUT", self._object_path(), body=body, timeout=timeout)
         except KubeError as e:
             log.info("optimistic lease renewal refused, reading the lease",
                      extra=kv(lease=f"{self.namespace}/{self.name}", error=str(e)))
