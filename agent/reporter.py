@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from accelnode import volumeattrs
 from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.kube.client import Client, Config, KubeError, Unreachable, custom_path, is_conflict, is_not_found
-from accelnode.kube.reflector import Reflector
+from accelnode.kube.reflector import FLEET_JITTER, Reflector
 from accelnode.log import kv
 
 from . import core
@@ -28,7 +28,7 @@ from .nodestatus import (CLUSTER, FAILED, GROUP, HOSTNAME_LABEL, PULLING, QUEUED
 from .prefetch import Prefetcher
 
 log = logging.getLogger("accelnode.agent.status")
-WATCH_JITTER = 1.0  # each watch lasts 300 to 600 s (accelnode/kube/reflector.py), as client-go's
+WATCH_JITTER = FLEET_JITTER  # each watch lasts 300 to 600 s (accelnode/kube/reflector.py), as client-go's
 
 # A pod's csi.gkm.io inline volume (docs/csi.md): the driver, and the attributes naming its cache
 DRIVER, CACHE_ATTR, NAMESPACE_ATTR, IMAGE_ATTR = (volumeattrs.DRIVER, volumeattrs.CACHE, volumeattrs.NAMESPACE,

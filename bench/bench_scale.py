@@ -5,15 +5,19 @@ its webhooks, as kubemark measures kubelets (docs/scale.md). Needs nothing but .
 
 For each N of ``BENCH_SCALE_NODES`` (default 500,1000,2000,5000; the fleet of the previous N is
 stopped, N Node objects are registered, and N agents start in processes of
-``BENCH_SCALE_PER_PROC`` agents, ``BENCH_SCALE_START_RATE`` a second in each, as a rollout
-does) with ``BENCH_SCALE_CACHES`` (default 50) caches meant for every node (a fifth
+``BENCH_SCALE_PER_PROC`` agents (125), ``BENCH_SCALE_START_RATE`` a second in each (5), as a
+rollout does; ``BENCH_SCALE_SWITCH_S``: their interpreters' switch interval, 0.05 s;
+``BENCH_SCALE_NICE``: their nice value, 10, below the control plane's) with
+``BENCH_SCALE_CACHES`` (default 50) caches meant for every node (a fifth
 ClusterGKMCaches, the rest GKMCaches in 4 namespaces; every node holds them at start, as after
 an agent restart):
 
 * ``nN_base_apiserver_cpu`` / ``_rss_mb``: the API server's CPU (cores) and RSS over an idle
   window before the agents start (nodes, caches and controller there, no agent watch);
 * ``nN_start_s``, ``nN_start_writes_per_node``, ``nN_start_hollow_cpu_ms_per_node``: until every
-  cache's status counts all N nodes, the agents' writes and CPU meanwhile;
+  cache's status counts all N nodes, the agents' writes and CPU meanwhile; the writes apart for
+  the nodes new to this N (``_per_new_node``: a first start) and those a previous N's fleet
+  wrote (``_per_known_node``: a restart, the objects read back);
 * idle (``BENCH_SCALE_IDLE_S``, default 300 s): ``nN_idle_agent_writes_per_s`` (target 0),
   ``nN_idle_agent_reads_per_s`` by verb and resource (audit log: the API server's own record),
   ``nN_idle_controller_writes_per_s`` (its Lease apart), ``nN_apiserver_cpu`` / ``_rss_mb`` with
@@ -70,10 +74,14 @@ BASE_S = float(os.environ.get("BENCH_SCALE_BASE_S", str(min(IDLE_S, 60.0))))
 ROLLS = int(os.environ.get("BENCH_SCALE_ROLLS", "5"))
 CHURN_S = float(os.environ.get("BENCH_SCALE_CHURN_S", "30"))
 CHURN_RATE = 20.0
-PER_PROC = int(os.environ.get("BENCH_SCALE_PER_PROC", "250"))
+PER_PROC = int(os.environ.get("BENCH_SCALE_PER_PROC", "125"))  # agents a hollow process (docs/scale.md)
+SWITCH_S = float(os.environ.get("BENCH_SCALE_SWITCH_S", "0.05"))  # their interpreter's switch interval
+# The hollow agents run below the control plane's priority: on a cluster they run on other
+# machines than the API server, etcd and the controller, whose CPU they must not take here.
+NICE = int(os.environ.get("BENCH_SCALE_NICE", "10"))
 PULL_S = float(os.environ.get("BENCH_SCALE_PULL_S", "2.0"))
 TIMEOUT_S = float(os.environ.get("BENCH_SCALE_TIMEOUT_S", "900"))
-START_RATE = float(os.environ.get("BENCH_SCALE_START_RATE", "10"))  # agents a second, per process
+START_RATE = float(os.environ.get("BENCH_SCALE_START_RATE", "5"))  # agents a second, per process
 NAMESPACES = [f"team-{i}" for i in range(4)]
 CACHES = int(os.environ.get("BENCH_SCALE_CACHES", "50"))  # a fifth ClusterGKMCaches, the rest over 4 namespaces
 CLUSTER_CACHES, NS_CACHES = max(1, CACHES // 5), max(1, (CACHES - max(1, CACHES // 5)) // len(NAMESPACES))
@@ -133,9 +141,10 @@ class Fleet:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.rigs.hollow", "--kubeconfig", str(kubeconfig), "--first", str(first),
                  "--count", str(min(PER_PROC, n - first)), "--pull-seconds", str(PULL_S),
-                 "--start-rate", str(START_RATE),
+                 "--start-rate", str(START_RATE), "--switch-interval", str(SWITCH_S),
                  *[a for image in installed for a in ("--installed", image)]],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))))
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                preexec_fn=lambda: os.nice(NICE)))
 
     def wait_ready(self, timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -152,6 +161,9 @@ class Fleet:
 
     def cpu(self) -> float:
         return sum(Proc(p.pid).cpu() for p in self.procs if p.poll() is None)
+
+    def threads(self) -> int:
+        return sum(psutil.Process(p.pid).num_threads() for p in self.procs if p.poll() is None)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -286,6 +298,7 @@ def run(tmp: Path) -> None:
         audit = cluster.audit()
         curve: dict[int, dict] = {}
         current = roll_images[0]
+        known = 0  # nodes whose status objects a previous N's fleet created (they are kept)
         for n in NODES:
             emit("load1", os.getloadavg()[0], n=n)
             if fleet is not None:
@@ -310,11 +323,13 @@ def run(tmp: Path) -> None:
                       f"every cache's status to count {n} nodes", timeout=TIMEOUT_S, interval=2.0)
             except RuntimeError as e:
                 print(f"scale: stopped at {n} nodes: {e}", file=sys.stderr, flush=True)
+                stalled(audit, mark, n, apiserver, controller, fleet, start)
                 emit("stopped_at_nodes", n, "d")
                 break
             emit("start_s", time.monotonic() - start, ".1f", n)
             emit("start_hollow_cpu_ms_per_node", fleet.cpu() / n * 1000, ".0f", n)
-            emit("start_writes_per_node", len(by(audit.events(mark), AGENT_USER, WRITES)) / n, ".1f", n)
+            start_writes(by(audit.events(mark), AGENT_USER, WRITES), n, known)
+            known = max(known, n)
             time.sleep(10)  # the last resyncs of the start
             # idle
             mark, c0, cc0, h0, t0 = audit.mark(), apiserver.cpu(), controller.cpu(), fleet.cpu(), time.monotonic()
@@ -338,6 +353,7 @@ def run(tmp: Path) -> None:
             emit("controller_rss_mb", controller.rss_mb(), ".0f", n)
             emit("hollow_rss_mb", fleet.rss_mb(), ".0f", n)
             emit("hollow_cpu", (fleet.cpu() - h0) / window, ".3f", n)
+            emit("hollow_threads", fleet.threads(), "d", n)
             curve[n] = {"controller": controller.rss_mb(), "hollow": fleet.rss_mb(), "apiserver": apiserver.rss_mb()}
             # rolls
             nodes_s, status_s, premature, writes_s, burst, agent_w, ctl_cpu, fanout, agent_cpu = [], [], 0, [], [], [], [], [], []
@@ -352,6 +368,7 @@ def run(tmp: Path) -> None:
                     at_status, early = status.wait(digest, n, start, TIMEOUT_S)
                 except RuntimeError as e:
                     print(f"scale: roll {r} at {n} nodes: {e}", file=sys.stderr, flush=True)
+                    stalled(audit, mark, n, apiserver, controller, fleet, start)
                     break
                 nodes_s.append(at_nodes - start)
                 status_s.append(at_status - start)
@@ -396,6 +413,37 @@ def run(tmp: Path) -> None:
         if fleet is not None:
             fleet.stop()
         cluster.stop()
+
+
+def stalled(audit, mark: int, n: int, apiserver: Proc, controller: Proc, fleet: "Fleet | None", start: float) -> None:
+    """What the machine and the API server did while a phase did not finish: the load, the
+    processes' CPU over it, the agents' and the controller's calls by verb and answer code."""
+    window = time.monotonic() - start
+    emit("stall_load1", os.getloadavg()[0], n=n)
+    emit("stall_s", window, ".0f", n)
+    if fleet is not None:
+        emit("stall_hollow_threads", fleet.threads(), "d", n)
+        emit("stall_hollow_cpu_s", fleet.cpu(), ".0f", n)
+    emit("stall_apiserver_cpu_s", apiserver.cpu(), ".0f", n)
+    calls = Counter((e["user"]["username"].rsplit(":", 1)[-1], e.get("verb"), e["objectRef"].get("resource", ""),
+                     (e.get("responseStatus") or {}).get("code", 0))
+                    for e in audit.events(mark) if e.get("stage") == "ResponseComplete")
+    for (user, verb, res, code), k in calls.most_common(15):
+        print(f"scale: stalled at {n}: {k} {user} {verb} {res} -> {code}", file=sys.stderr, flush=True)
+
+
+def start_writes(writes: list[dict], n: int, known: int) -> None:
+    """The agents' writes during a fleet start, per node: all, and apart for the nodes new to
+    this N (their objects created, then written as the caches are proved: a node's first start)
+    and those a previous N's fleet already wrote (a restart: the objects read back, written
+    only where a state moves). Each object is named after its node (hollow-NNNNN)."""
+    per = Counter(e["objectRef"].get("name", "") for e in writes)
+    old = set(node_names("hollow-", 0, min(known, n)))
+    emit("start_writes_per_node", len(writes) / n, ".1f", n)
+    if n > known:
+        emit("start_writes_per_new_node", sum(k for name, k in per.items() if name not in old) / (n - known), ".1f", n)
+    if known:
+        emit("start_writes_per_known_node", sum(k for name, k in per.items() if name in old) / min(known, n), ".1f", n)
 
 
 def churn(cluster: ScaleCluster, apiserver: Proc, audit, n: int) -> None:

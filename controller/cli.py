@@ -54,6 +54,10 @@ def register(sub) -> None:
                    help="concurrent reconciles per reconciler (default: %(default)s)")
     g.add_argument("--resync", type=float, default=300.0, metavar="SECONDS",
                    help="reconcile every watched object again this often, events or not (default: %(default)s)")
+    g.add_argument("--cache-status-fanout", type=float, default=1000.0, metavar="EVENTS",
+                   help="watch events a second one cache's status writes may send to the agents (each write "
+                        "reaches every node's agent): a cache counted on N nodes is written at most every "
+                        "max(1, N / EVENTS) seconds (docs/scale.md; default: %(default)s)")
     g.add_argument("--capture-repositories", metavar="FILE",
                    help="JSON file of the repositories each namespace's capturing GKMCaches may publish to: "
                         '{"<namespace>" or "*": ["registry/prefix/", "registry/exact-repo"]} (docs/capture.md); '
@@ -213,7 +217,7 @@ def capture_rules(path: str | None):
         raise exitcodes.CLIError(f"--capture-repositories {path}: {e}", exitcodes.USAGE) from None
 
 
-def always_running(client, resolver, capture=None) -> list:
+def always_running(client, resolver, capture=None, *, status_fanout: float = 1000.0) -> list:
     """The reconcilers every controller runs; ``--tpu-node-groups`` and the self-managed webhook
     certificate add theirs in :func:`run`. ``resolver`` is the process's
     :class:`controller.caches.pinning.Resolver`, shared with the admission webhooks so that an
@@ -224,7 +228,8 @@ def always_running(client, resolver, capture=None) -> list:
     from controller.tpuenv.scale import statefulset_env_reconciler
 
     return [
-        gkmcache_reconciler(client, resolver), clustergkmcache_reconciler(client, resolver),  # docs/cache-controller.md
+        gkmcache_reconciler(client, resolver, fanout_per_second=status_fanout),  # docs/cache-controller.md
+        clustergkmcache_reconciler(client, resolver, fanout_per_second=status_fanout),
         gkmcache_claims_reconciler(client, resolver),  # PV/PVC per workload namespace (docs/cache-claims.md)
         clustergkmcache_claims_reconciler(client, resolver),
         statefulset_env_reconciler(client, resolver),  # TPU env of StatefulSets scaled through /scale (docs/tpu-env.md)
@@ -264,6 +269,9 @@ def run(args: argparse.Namespace) -> int:
         raise exitcodes.CLIError(str(e), exitcodes.USAGE) from None
     if args.workers < 1 or args.resync <= 0:
         raise exitcodes.CLIError("--workers must be at least 1 and --resync positive", exitcodes.USAGE)
+    if not args.cache_status_fanout > 0:
+        raise exitcodes.CLIError(f"--cache-status-fanout must be a positive number of watch events a second, "
+                                 f"not {args.cache_status_fanout!r}", exitcodes.USAGE)
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise exitcodes.CLIError("--tls-cert-file and --tls-key-file go together", exitcodes.USAGE)
     if args.disable_webhooks and args.tls_cert_file:
@@ -289,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
     # pull secrets its namespace lends the controller (docs/security.md)
     resolver = Resolver(registry_options(args), secrets=PullSecretReader(client, who="the accelnode controller"))
     registry = CollectorRegistry()
-    reconcilers = always_running(client, resolver, capture_rules(args.capture_repositories))
+    reconcilers = always_running(client, resolver, capture_rules(args.capture_repositories),
+                                 status_fanout=args.cache_status_fanout)
     if args.tpu_node_groups:
         from controller.nodegroups import reconciler as nodegroups
         from controller.nodegroups.compute import GCE

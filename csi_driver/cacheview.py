@@ -21,7 +21,7 @@ import threading
 
 from accelnode.health import GRACE_DEFAULT, Health
 from accelnode.kube.client import Client, custom_path
-from accelnode.kube.reflector import Reflector
+from accelnode.kube.reflector import FLEET_JITTER, Reflector
 
 from accelnode.oci.refusal import POLICY_GROUP, POLICY_PLURAL, POLICY_VERSION, VERIFICATION, trim_policy
 
@@ -53,11 +53,14 @@ KINDS = (("GKMCaches", "gkmcaches"), ("ClusterGKMCaches", "clustergkmcaches"),
 class CacheView:
     def __init__(self, client: Client, health: Health | None = None, *, policy_max_age: float = POLICY_MAX_AGE,
                  **reflector_options):
-        """``reflector_options`` go to every reflector (tests: ``watch_seconds``, ``stall_after``);
+        """``reflector_options`` go to every reflector (tests: ``watch_seconds``, ``stall_after``;
+        ``watch_jitter`` is :data:`FLEET_JITTER` unless given: one plugin a node, and a fleet's
+        watches must not end and re-open together, as the agent's do, docs/scale.md);
         ``policy_max_age``: seconds the trust policies' watch may be broken before :meth:`policies`
         refuses to answer (fail closed)."""
         health = health or Health()
         self.policy_max_age = policy_max_age
+        reflector_options = {"watch_jitter": FLEET_JITTER, **reflector_options}
         self.namespaced, self.cluster, self.trust = (
             Reflector(client, path, trim=trimmed, beat=health.heartbeat(f"watch {kind}", GRACE_DEFAULT),
                       **reflector_options)

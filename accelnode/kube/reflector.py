@@ -1,8 +1,9 @@
 """A local copy of one collection (or one named object) of the Kubernetes API: list, then watch
 with resume, ``410 Gone`` re-lists (docs/controller.md, "Kubernetes client"; docs/agent-status.md).
-Lists are paged (:meth:`Client.list`); a ``410`` re-lists at once the first time, then after a
-jittered exponential backoff while 410s follow each other (a list served by a lagging cache must
-not become a hot list loop), reset by a watch that works.
+Lists are paged (:meth:`Client.list`); one named object is read by GET and watched from the most
+recent revision (its own resourceVersion may be older than the server keeps); a ``410`` re-lists
+at once the first time, then after a jittered exponential backoff while 410s follow each other (a
+list served by a lagging cache must not become a hot list loop), reset by a watch that works.
 
 Invariants: :meth:`Reflector.run` never raises, and every failure, malformed answers included,
 is retried with backoff, never a dead thread; the copy is rebuilt from a whole answer rather
@@ -208,7 +209,12 @@ class Reflector:
         fresh = dict(pairs)
         with self._lock:
             old, self._items = self._items, fresh
-        self.resource_version = rv
+        # A list's resourceVersion is the collection's, current; one object's is when it last
+        # changed, which for a quiet object falls behind the server's watch window while others
+        # change: a watch from it ends in 410 Gone at once, and GET, watch, 410 would repeat for
+        # as long as the object stays quiet. So a GET is followed by a watch from the most recent
+        # revision (resourceVersion unset), which first replays the object as it is, then bookmarks.
+        self.resource_version = FROM_NOW if self.name else rv
         self.relists += 1
         self._current_at = time.monotonic()
         self.synced.set()
@@ -225,7 +231,9 @@ class Reflector:
 
     def _watch(self, stop: threading.Event) -> int:
         """Follow one watch until it ends; the number of events it brought."""
-        query = dict(self.query, resourceVersion=self.resource_version)
+        query = dict(self.query)
+        if self.resource_version != FROM_NOW:
+            query["resourceVersion"] = self.resource_version
 
         def opened(resp) -> None:
             self._resp, self.retry_in, self._watching = resp, 0.0, True
@@ -268,18 +276,22 @@ class Reflector:
         with self._lock:
             if kind in ("ADDED", "MODIFIED"):
                 key, kept = self._key(obj), self.trim(obj)
-                if kind == "MODIFIED" and self._items.get(key) == kept:
-                    kept = None  # nothing this copy keeps changed (a trim without the resourceVersion)
+                if self._items.get(key) == kept:  # nothing this copy keeps changed (a trim without the
+                    kept = None  # resourceVersion; the replay that starts a watch from the most recent revision)
                 else:
                     self._items[key] = kept
             elif kind == "DELETED":
                 kept = self._items.pop(self._key(obj), None) or self.trim(obj)
         self.resource_version = rv
-        if kept is None and kind == "MODIFIED":
+        if kept is None and kind in ("ADDED", "MODIFIED"):
             return  # no cue: the agents' cache copies ignore the controller's count writes (docs/scale.md)
         if self.on_event is not None and kept is not None:
             self.on_event(kind, kept)
         self.on_change()
+
+
+FLEET_JITTER = 1.0  # watch_jitter of a component that runs on every node (the agent, the CSI node plugin)
+FROM_NOW = ""  # the resourceVersion of a watch that starts at the most recent revision (sent unset)
 
 
 def _rv(obj: dict) -> str | None:

@@ -5,9 +5,10 @@ One :class:`CacheReconciler` per kind (:func:`gkmcache_reconciler`,
 :func:`clustergkmcache_reconciler`), each watching its cache kind and the matching node kind
 (``GKMCacheNode`` / ``ClusterGKMCacheNode``). A node object's change queues exactly the caches it
 names now or named before (:class:`Mentions`); a reconcile reads only those node objects, from
-the local copies. Status is written when it changed, and at most once a second per cache
-(a key reconciled sooner waits for the rest of the second): many nodes changing at once make one
-write, carrying the aggregate as it is at that moment.
+the local copies. Status is written when it changed, and at most once per
+:func:`controller.caches.status.write_interval` per cache (1 s, longer on more than 1,000 nodes;
+a key reconciled sooner waits for the rest of the interval): many nodes changing at once make
+one write, carrying the aggregate as it is at that moment.
 
 No finalizer: deleting a cache leaves nothing for this reconciler to undo.
 """
@@ -33,7 +34,6 @@ from controller.runtime.writes import ReadYourWrites, patch_if_changed, patch_st
 
 log = logging.getLogger("accelnode.controller")
 
-MIN_WRITE_INTERVAL = 1.0  # seconds between two writes of one cache
 
 
 def now_rfc3339() -> str:
@@ -117,12 +117,13 @@ class CacheReconciler(Reconciler):
     for ClusterGKMCache (keys ``name``, node objects ClusterGKMCacheNode)."""
 
     def __init__(self, client: Client, resolver: Resolver, *, cluster: bool,
-                 min_write_interval: float = MIN_WRITE_INTERVAL, signer: Signer | None = None):
+                 fanout_per_second: float = cs.FANOUT_PER_SECOND, signer: Signer | None = None):
         self.client, self.resolver, self.cluster = client, resolver, cluster
         self.signer = signer or Signer(resolver.options)  # signatures (docs/signatures.md)
         self.plural = "clustergkmcaches" if cluster else "gkmcaches"
         self.name = "clustergkmcache" if cluster else "gkmcache"
-        self.min_write_interval = min_write_interval
+        cs.write_interval(0, fanout_per_second)  # a bad setting fails here, not at the first write
+        self.fanout_per_second = fanout_per_second
         self.caches_path = custom_path(GROUP, VERSION, self.plural)
         self.nodes_path = custom_path(GROUP, VERSION, "clustergkmcachenodes" if cluster else "gkmcachenodes")
         self.policies_path = custom_path(POLICY_GROUP, POLICY_VERSION, POLICY_PLURAL)
@@ -133,6 +134,7 @@ class CacheReconciler(Reconciler):
         self._mentions_lock = threading.Lock()  # a reflector event and a resync may map at once
         self._lock = threading.Lock()
         self._last_write: dict[str, float] = {}  # key -> monotonic time of its last write
+        self._interval: dict[str, float] = {}  # key -> seconds from its last write to the next (its nodes)
         self._written = ReadYourWrites()
 
     # -- node objects -> cache keys --------------------------------------------------------------
@@ -165,10 +167,12 @@ class CacheReconciler(Reconciler):
         if obj is None:  # deleted: nothing to undo
             with self._lock:
                 self._last_write.pop(key, None)
+                self._interval.pop(key, None)
             self._written.forget(key)
             return None
         with self._lock:
-            wait = self._last_write.get(key, float("-inf")) + self.min_write_interval - time.monotonic()
+            wait = self._last_write.get(key, float("-inf")) + self._interval.get(key, cs.MIN_WRITE_INTERVAL) \
+                - time.monotonic()
         if wait > 0:  # coalesce: one write carries what changed meanwhile; no recount of every
             return Result(requeue_after=wait)  # node per event until then (O(nodes), not O(nodes x events))
         try:
@@ -196,7 +200,7 @@ class CacheReconciler(Reconciler):
         retry = Result(requeue=True) if resolved[0] in cs.RETRYABLE or (verified and verified.retry) else None
         if obj.get("status") == status and ((obj.get("metadata") or {}).get("annotations") or {}) == annotations:
             return retry
-        self._write(key, obj, status, annotations, pin)
+        self._write(key, obj, status, annotations, pin, nodes=agg.counts["nodeCnt"])
         return retry
 
     def _current(self, key: str) -> dict | None:
@@ -243,7 +247,7 @@ class CacheReconciler(Reconciler):
                 out[node["metadata"]["name"]] = entries
         return out
 
-    def _write(self, key: str, obj: dict, status: dict, annotations: dict, pin: Pin | None) -> None:
+    def _write(self, key: str, obj: dict, status: dict, annotations: dict, pin: Pin | None, *, nodes: int) -> None:
         """Status first when there is a pin (the authority leads, its mirror follows);
         annotations first when the pin goes (a leftover annotation must never outlive it)."""
         ns, name = split_key(key)
@@ -267,6 +271,7 @@ class CacheReconciler(Reconciler):
             if current is not obj:  # a refused write (409) is no write: it does not delay the next
                 with self._lock:
                     self._last_write[key] = time.monotonic()
+                    self._interval[key] = cs.write_interval(nodes, self.fanout_per_second)
                 self._written.remember(key, obj, current)
         events.transitions(obj, status, progress=(cs.DOWNLOADING, cs.PENDING), quiet=(cs.READY,))
         log.info("cache status written", extra=kv(reconciler=self.name, key=key,
@@ -274,11 +279,13 @@ class CacheReconciler(Reconciler):
                                                   digest=status.get("resolvedDigest")))
 
 
-def gkmcache_reconciler(client: Client, resolver: Resolver) -> CacheReconciler:
+def gkmcache_reconciler(client: Client, resolver: Resolver, *,
+                        fanout_per_second: float = cs.FANOUT_PER_SECOND) -> CacheReconciler:
     """The GKMCache reconciler (register it with the process's shared :class:`Resolver`)."""
-    return CacheReconciler(client, resolver, cluster=False)
+    return CacheReconciler(client, resolver, cluster=False, fanout_per_second=fanout_per_second)
 
 
-def clustergkmcache_reconciler(client: Client, resolver: Resolver) -> CacheReconciler:
+def clustergkmcache_reconciler(client: Client, resolver: Resolver, *,
+                               fanout_per_second: float = cs.FANOUT_PER_SECOND) -> CacheReconciler:
     """The ClusterGKMCache reconciler (same resolver as :func:`gkmcache_reconciler`)."""
-    return CacheReconciler(client, resolver, cluster=True)
+    return CacheReconciler(client, resolver, cluster=True, fanout_per_second=fanout_per_second)

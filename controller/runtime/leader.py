@@ -1,8 +1,9 @@
 """Leader election on a ``coordination.k8s.io/v1`` Lease, with client-go's semantics
 (docs/controller.md, "Leader election").
 
-Invariants: every write carries the resourceVersion read just before, so two candidates never
-both win; clocks are never compared across machines (a lease expires after
+Invariants: every write carries the resourceVersion last read or written (the leader renews
+with a PUT of the Lease it last wrote, without a read; a conflict makes it read first), so two
+candidates never both win; clocks are never compared across machines (a lease expires after
 ``leaseDurationSeconds`` of *local* monotonic time without a change of record); the renew
 deadline is shorter than the lease, so a leader that cannot renew knows it before anyone may
 take over, and :meth:`LeaderElector.run` returns False for the caller to stop at once. On
@@ -140,6 +141,8 @@ class LeaderElector:
 
     def _try_once(self, timeout: float) -> bool:
         now = time.monotonic()
+        if self.leading.is_set() and self._lease is not None and self._renew(timeout):
+            return True
         try:
             lease = self.client.request("GET", self._object_path(), timeout=timeout)
         except KubeError as e:
@@ -166,6 +169,24 @@ class LeaderElector:
         updated = dict(lease, spec=dict(spec, **new))
         self._lease = self.client.request("PUT", self._object_path(), body=updated, timeout=timeout)
         self._observe(new, time.monotonic())
+        return True
+
+    def _renew(self, timeout: float) -> bool:
+        """The leader's renewal without a read: a PUT of the Lease as this candidate last wrote it
+        (its resourceVersion), as client-go's optimistic update does; True when it was written.
+        Any answer but success (a conflict: someone wrote the Lease since; a Lease deleted) falls
+        back to reading it first; a server not reached is the caller's failure."""
+        spec = self._lease.get("spec") or {}
+        new = self._record(transitions=spec.get("leaseTransitions") or 0, acquired=spec.get("acquireTime"))
+        try:
+            body = dict(self._lease, spec=dict(spec, **new))
+            self._lease = self.client.request("PUT", self._object_path(), body=body, timeout=timeout)
+        except KubeError as e:
+            log.info("optimistic lease renewal refused, reading the lease",
+                     extra=kv(lease=f"{self.namespace}/{self.name}", error=str(e)))
+            return False
+        self.last_contact = time.monotonic()
+        self._observe(new, self.last_contact)
         return True
 
     def _record(self, *, transitions: int, acquired: str | None) -> dict:

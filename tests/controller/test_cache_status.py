@@ -266,3 +266,13 @@ def test_node_objects_are_stored_trimmed():
                                             "lastUpdated": NOW, "compatibleGPUs": [0]}}}}}
     assert trim_node(obj) == {"metadata": {"name": "n1", "namespace": "ns", "resourceVersion": "5"},
                               "status": {"caches": {"c": {D1: {"state": "Running", "pods": pods("a")}}}}}
+
+
+def test_the_status_write_interval_grows_with_the_nodes_counted():
+    """max(1 s, nodes / fan-out): a cache's writes send at most about fan-out watch events a
+    second to the agents, whatever the fleet's size; bad fan-outs are refused."""
+    assert [cs.write_interval(n) for n in (0, 20, 1000, 2000, 5000)] == [1.0, 1.0, 1.0, 2.0, 5.0]
+    assert cs.write_interval(40, 10.0) == 4.0 and cs.write_interval(5000, 5000.0) == 1.0
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="fan-out"):
+            cs.write_interval(10, bad)

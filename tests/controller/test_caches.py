@@ -129,11 +129,13 @@ def controller_client(control_plane) -> Client:
     return Client(Config.from_kubeconfig(control_plane.kubeconfig("controller")), user_agent="accelnode-controller")
 
 
-def run_reconcilers(me: Client, resolver: Resolver):
+def run_reconcilers(me: Client, resolver: Resolver, **options):
     """Both cache reconcilers running in-process as ``me`` until the generator is closed; short
-    resync and backoff so steady state is exercised often and a healed registry is noticed soon."""
+    resync and backoff so steady state is exercised often and a healed registry is noticed soon.
+    ``options`` go to both reconcilers (``fanout_per_second``)."""
     metrics = Metrics(CollectorRegistry())
-    ctls = [Controller(me, make(me, resolver), metrics, workers=2, resync=0.5, backoff=Backoff(0.2, 2.0)).start()
+    ctls = [Controller(me, make(me, resolver, **options), metrics, workers=2, resync=0.5,
+                       backoff=Backoff(0.2, 2.0)).start()
             for make in (gkmcache_reconciler, clustergkmcache_reconciler)]
     yield ctls
     for c in ctls:
@@ -346,6 +348,36 @@ def test_many_node_changes_make_few_writes(world, reconcilers, cache_images, kub
     made = world.status_writes("kernels", ns) - writes
     # at most one write per second of the churn, plus one (150 node changes)
     assert 1 <= made <= math.floor(elapsed) + 1, (made, elapsed)
+
+
+def test_a_cache_on_more_nodes_is_written_less_often(world, control_plane, caches_rbac, registry, cache_images,
+                                                     kube_namespace):
+    """The write interval is max(1 s, nodes / fan-out): with a fan-out of 10 watch events a
+    second, a cache counted on 40 nodes is written at most every 4 s (each write reaches every
+    agent), and the last write still carries the final counts."""
+    ns = kube_namespace
+    image, d1 = cache_images["v1"]
+    gen = run_reconcilers(controller_client(control_plane), Resolver(registry.options(timeout=10)),
+                          fanout_per_second=10.0)
+    next(gen)
+    try:
+        world.cache("kernels", image, ns)
+        assert eventually(lambda: status(world.get("kernels", ns) or {}).get("resolvedDigest") == d1)
+        nodes = [f"node-{i:02d}-{uid()}" for i in range(40)]
+        for n in nodes:
+            world.node(n, {"kernels": {d1: {"state": "Downloading"}}}, ns)
+        assert eventually(lambda: status(world.get("kernels", ns))["counts"]["nodeCnt"] == 40, timeout=30)
+        started, writes = time.monotonic(), world.status_writes("kernels", ns)
+        for n in nodes:
+            world.node(n, {"kernels": {d1: {"state": "Extracted"}}}, ns)
+        assert eventually(lambda: status(world.get("kernels", ns))["counts"]["nodeNotInUseCnt"] == 40, timeout=30)
+        elapsed = time.monotonic() - started
+        made = world.status_writes("kernels", ns) - writes
+        # 40 node changes over `elapsed` seconds: one write per 4 s of it, plus the one that
+        # may come due at once (the last was written before the churn began)
+        assert 1 <= made <= math.floor(elapsed / 4.0) + 1, (made, elapsed)
+    finally:
+        gen.close()
 
 
 def test_a_roll_moves_the_pin(world, reconcilers, cache_images, kube_namespace):

@@ -84,3 +84,41 @@ def test_a_standby_that_cannot_read_the_lease_is_not_ready(controller_rbac, cont
     status, text = http_get(c.metrics_port, "/readyz")
     assert "cannot read Lease accelnode-system/someone-elses" in text and "403" in text, text
     assert http_get(c.metrics_port, "/healthz")[0] == 200
+
+
+def test_the_leader_renews_without_reading_the_lease_and_reads_it_after_a_conflict(fresh_lease, admin, control_plane):
+    """Each renewal is one PUT of the Lease the leader last wrote (its resourceVersion), no GET
+    (client-go's optimistic update); when someone else wrote the Lease meanwhile the PUT conflicts,
+    and the leader reads the Lease and renews from it, still leading."""
+    import threading
+
+    from accelnode.kube.client import Config
+    from controller.runtime.leader import LeaderElector, Timing
+    from tests.controller.conftest import LEASE, NAMESPACE
+
+    asked: list[str] = []
+
+    class Counting(Client):
+        def _open(self, method, path, *args, **kwargs):
+            asked.append(method)
+            return super()._open(method, path, *args, **kwargs)
+
+    e = LeaderElector(Counting(Config.from_kubeconfig(control_plane.kubeconfig("controller"))), NAMESPACE, LEASE,
+                      "optimist", Timing(lease_duration=6, renew_deadline=4, retry_period=0.3))
+    stop = threading.Event()
+    t = threading.Thread(target=e.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        assert eventually(e.leading.is_set), "never led"
+        start = len(asked)
+        assert eventually(lambda: asked[start:].count("PUT") >= 4)
+        assert "GET" not in asked[start:], asked[start:]
+        admin.request("PATCH", LEASE_PATH, body={"metadata": {"labels": {"touched": "yes"}}})
+        mark = len(asked)
+        assert eventually(lambda: asked[mark:].count("PUT") >= 3)
+        assert asked[mark:].count("GET") == 1 and e.leading.is_set(), asked[mark:]
+        assert holder(admin) == "optimist"
+    finally:
+        stop.set()
+        t.join(10)
+    assert e.release()

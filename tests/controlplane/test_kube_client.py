@@ -210,14 +210,17 @@ def test_watches_of_a_fleet_end_at_spread_times(control_plane, kube_namespace):
 
 @pytest.fixture(scope="module")
 def snapshotless_plane(tmp_path_factory):
-    """A control plane of its own whose watch cache keeps no list snapshots: a continue token is
-    then read from etcd, which forgets what it compacted."""
+    """A control plane of its own whose watch cache keeps no list snapshots (a continue token is
+    then read from etcd, which forgets what it compacted) and no Nodes (a watch of Nodes is then
+    served by etcd, whose window ends where it compacted: a quiet object's revision falls out of
+    it at once, where a watch cache's window takes minutes of other objects' churn)."""
     from tests.rigs.devcluster import ControlPlane
 
     for name in ("etcd", "kube-apiserver", "kube-controller-manager"):
         require((TOOLS_BIN / name).exists(), f"{name} in {TOOLS_BIN} (tools/mk/k8s.mk)")
     cp = ControlPlane(tmp_path_factory.mktemp("snapshotless"), TOOLS_BIN,
-                      apiserver_args=("--feature-gates=ListFromCacheSnapshot=false",))
+                      apiserver_args=("--feature-gates=ListFromCacheSnapshot=false",
+                                                     "--watch-cache-sizes=nodes#0"))
     cp.start()
     try:
         yield cp
@@ -255,6 +258,39 @@ def test_an_expired_continue_token_restarts_the_list_in_one_request(snapshotless
     # started over: a whole, newer list (the write made after the first page is in it)
     assert names(doc["items"]) == [f"cm-{i:02d}" for i in range(12)] + ["zz-late"]
     assert "continue" not in doc["metadata"]
+
+
+def test_a_quiet_objects_watch_outlives_the_churn_of_others_without_reading_it_again(snapshotless_plane):
+    """A reflector of one named object (GET, then watch) on an object that has not changed while
+    others of its kind did, past the server's window (here: etcd compacted past it): one GET, then
+    a watch that works and follows the object, not GET, watch, 410 Gone, GET ... for as long as the
+    object stays quiet (every agent's own Node re-read every 15-30 s, docs/scale.md)."""
+    from tests.rigs.hollow import node_object
+
+    cp = snapshotless_plane
+    admin = Client(config(cp))
+    quiet, busy = (f"n-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    for name in (quiet, busy):
+        admin.request("POST", "/api/v1/nodes", body=node_object(name))
+    for i in range(20):
+        last = admin.request("PATCH", f"/api/v1/nodes/{busy}", body={"metadata": {"labels": {"i": str(i)}}})
+    compact_etcd(cp, int(last["metadata"]["resourceVersion"]))
+    c = Recording(config(cp))
+    changes = []
+    r = Reflector(c, "/api/v1/nodes", name=quiet, watch_seconds=30, on_change=lambda: changes.append(1),
+                  expired_backoff=Backoff(0.1, 0.2))
+    halt = run_reflector(r)
+    try:
+        assert eventually(lambda: r.out_of_sync_for() == 0.0), "the watch never opened"
+        admin.request("PATCH", f"/api/v1/nodes/{quiet}", body={"metadata": {"labels": {"seen": "yes"}}})
+        assert eventually(lambda: (r.get(None, quiet) or {})["metadata"]["labels"].get("seen") == "yes"), \
+            "the watch did not follow the object"
+        gets = [p for m, p, q in c.asked if "watch" not in q]
+        assert gets == [f"/api/v1/nodes/{quiet}"] and r.relists == 1 and r.expired == 0, (gets, r.expired)
+        assert "resourceVersion" not in [q for _, _, q in c.asked if "watch" in q][0]  # from the most recent
+        assert len(changes) == 2  # the GET, the label (the watch's replay of the object is no change)
+    finally:
+        assert halt(), "the reflector did not stop"
 
 
 # -- 429 Too Many Requests -------------------------------------------------------------------------

@@ -33,12 +33,21 @@ def view(control_plane, csi_rbac):
     """A cache view in-process on the real API server, with short watches; yields (view, port)."""
     health = Health()
     v = CacheView(Client(Config.from_kubeconfig(str(control_plane.kubeconfig("csi")))), health,
-                  watch_seconds=WATCH_S, stall_after=STALL_S).start()
+                  watch_seconds=WATCH_S, stall_after=STALL_S, watch_jitter=0.0).start()
     http = MetricsServer("127.0.0.1:0", CollectorRegistry(), v.ready, health).start()
     eventually(lambda: http_get(http.port, "/readyz") == (200, "ok\n"), "cache view synced")
     yield v, http.port
     v.stop()
     http.stop()
+
+
+def test_the_plugins_watches_end_at_spread_times_as_the_agents_do(control_plane):
+    """One plugin a node: its watches last watch_seconds x 1 to 2, drawn per watch (the Reflector
+    behaviour is tested in tests/controlplane/test_kube_client.py), so a fleet's re-opens spread."""
+    from accelnode.kube.reflector import FLEET_JITTER
+
+    v = CacheView(Client(Config.from_kubeconfig(str(control_plane.kubeconfig("csi")))))
+    assert FLEET_JITTER == 1.0 and [r.watch_jitter for r in v._all] == [FLEET_JITTER] * 3
 
 
 def test_a_quiet_watch_stays_alive_across_its_timeouts(view):

@@ -198,7 +198,10 @@ class ScaleCluster:
 
     def __init__(self, workdir: Path, *, resync: float = 300.0, workers: int | None = None):
         self.workdir, self.resync, self.workers = Path(workdir), resync, workers
-        self.cp = devcluster.ControlPlane(self.workdir / "cp", TOOLS_BIN, audit_reads_of=(AGENT_USER, CONTROLLER_USER))
+        # the audit log is read by byte offset (Audit): never rotated (kube-apiserver's default
+        # rotates at 100 MB, which the agents' audited reads pass at 1,000 nodes)
+        self.cp = devcluster.ControlPlane(self.workdir / "cp", TOOLS_BIN, audit_reads_of=(AGENT_USER, CONTROLLER_USER),
+                                          apiserver_args=("--audit-log-maxsize=1000000",))
         self.registry: RunningRegistry | None = None
         self.controller: subprocess.Popen | None = None
         self.admin: Client | None = None
@@ -352,6 +355,8 @@ class Audit:
             return f.tell()
 
     def events(self, start: int = 0, end: int | None = None) -> list[dict]:
+        if self.path.stat().st_size < start:  # a mark from before a rotation would read nothing, silently
+            raise RuntimeError(f"{self.path} was rotated: its marks no longer hold")
         with open(self.path, "rb") as f:
             f.seek(start)
             data = f.read() if end is None else f.read(end - start)
@@ -432,6 +437,14 @@ def node_names(prefix: str, first: int, count: int) -> list[str]:
     return [f"{prefix}{i:05d}" for i in range(first, first + count)]
 
 
+# A real agent runs its ~7 threads alone on its node; here hundreds of agents' threads share one
+# interpreter lock. Every thread waiting for it wakes each switch interval (CPython: 5 ms) to ask
+# for it: with hundreds waiting at once (a roll wakes every agent) the process spends its time in
+# those wake-ups (half the CPU in the kernel, load in the hundreds, docs/scale.md). A longer
+# interval is the rig's cost lowered, not the agent's: an agent's threads mostly wait on sockets.
+SWITCH_INTERVAL = 0.05
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.rigs.hollow", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kubeconfig", required=True, type=Path, help="the agents' identity (one for all)")
@@ -443,9 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-rate", type=float, default=0.0, help="agents started a second (0: all at once)")
     ap.add_argument("--installed", action="append", default=[], metavar="IMAGE",
                     help="digest-pinned image every node holds at start (repeatable)")
+    ap.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL, metavar="SECONDS",
+                    help="the interpreter's thread switch interval (sys.setswitchinterval; default %(default)s)")
     args = ap.parse_args(argv)
     setup("warning", "json", sys.stderr)
     threading.stack_size(256 << 10)  # thousands of threads: 256 KiB stacks (the default is 8 MiB)
+    sys.setswitchinterval(args.switch_interval)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

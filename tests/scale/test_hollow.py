@@ -2,7 +2,7 @@
 in this process, each its own node, against a real kube-apiserver + etcd with the real
 controller and its webhooks (docs/scale.md). A cache rolled to every node shows every node in
 the cache's status; every list the agent and the controller send is paginated; an idle fleet
-(several status resyncs long) writes nothing."""
+(several status resyncs long) writes nothing and reads nothing again."""
 
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ def test_roll_reaches_every_node_paged_and_idle_quiet(cluster):
         idle = cluster.audit().events(mark)
         assert accelnode_writes(idle) == []
         assert by(idle, AGENT_USER, {"list"}) == [] and by(idle, CONTROLLER_USER, {"list"}) == []
+        # nor reads anything again: its own Node's watch does not start over (docs/scale.md, 6.)
+        assert [e["requestURI"] for e in by(idle, AGENT_USER, {"get"})] == []
 
         events = cluster.audit().events(start)
         assert len(by(events, AGENT_USER, {"list"})) >= N  # the rig's agents did list (read-back, reflectors)
