@@ -12,6 +12,10 @@ while the daemons never use them (:data:`DEFERRED`):
 * ``calendar``: imported for dates in mail headers and cookies that the daemons do not parse;
 * ``urllib3.http2``: its package only (it imports ``importlib.metadata`` to check for the ``h2``
   package, which the daemons do not use; urllib3 itself imports only ``urllib3.http2.probe``).
+* ``prometheus_client``: its package only, which imports its HTTP servers, push gateway client and
+  default collectors (``prometheus_client.exposition``: wsgiref, urllib.request, gzip, platform ...);
+  the daemons take the metric classes from ``prometheus_client.metrics`` and ``.registry`` and write
+  the text format themselves (accelnode/metricstext.py).
 
 Together about 3.5 MB of each daemon's Python heap (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
 breakdown by mapping). :func:`install` (called by ``accelnode.cli`` before a node daemon imports
@@ -34,7 +38,7 @@ import threading
 import types
 
 DEFERRED = frozenset({"asyncio", "grpc.aio", "google.protobuf.internal.python_message", "html", "calendar",
-                       "urllib3.http2"})
+                       "urllib3.http2", "prometheus_client"})
 
 _LOCK = threading.RLock()  # one at a time, and re-entrant: a module's own body may import its submodules
 _RUNNING: set[str] = set()  # modules whose body runs now (their own missing attributes are plain misses)
