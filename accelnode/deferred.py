@@ -16,6 +16,8 @@ while the daemons never use them (:data:`DEFERRED`):
   default collectors (``prometheus_client.exposition``: wsgiref, urllib.request, gzip, platform ...);
   the daemons take the metric classes from ``prometheus_client.metrics`` and ``.registry`` and write
   the text format themselves (accelnode/metricstext.py).
+* ``idna``: IDNA 2008 host names (its tables are most of it); requests imports it for the host names
+  outside ASCII, which it encodes with it at the request (``idna.encode``), the only use.
 
 Together about 3.5 MB of each daemon's Python heap (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
 breakdown by mapping). :func:`install` (called by ``accelnode.cli`` before a node daemon imports
@@ -38,7 +40,7 @@ import threading
 import types
 
 DEFERRED = frozenset({"asyncio", "grpc.aio", "google.protobuf.internal.python_message", "html", "calendar",
-                       "urllib3.http2", "prometheus_client"})
+                       "urllib3.http2", "prometheus_client", "idna"})
 
 _LOCK = threading.RLock()  # one at a time, and re-entrant: a module's own body may import its submodules
 _RUNNING: set[str] = set()  # modules whose body runs now (their own missing attributes are plain misses)

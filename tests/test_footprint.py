@@ -42,7 +42,7 @@ def test_a_registry_answer_without_a_charset_reads_as_utf8(registry):
 
 # what the deferred modules of accelnode/deferred.py import when they run
 BODIES = {"asyncio.base_events", "asyncio.tasks", "grpc.aio._channel", "grpc.aio._server", "google.protobuf.text_format",
-          "html.entities", "importlib.metadata"}
+          "html.entities", "importlib.metadata", "idna.core", "idna.idnadata"}
 
 SERVE = """
 import grpc
@@ -109,7 +109,7 @@ def test_a_node_daemon_serves_its_metrics_without_prometheus_clients_package(dae
                      "assert r.status == 200 and 'accelnode_footprint_probe_total 1.0' in body, body\n"
                      "assert r.getheader('Content-Type') == 'text/plain; version=0.0.4; charset=utf-8'\n"
                      "assert type(sys.modules['prometheus_client']).__name__ == '_Deferred'\n")
-    assert not loaded & {"prometheus_client.exposition", "prometheus_client.platform_collector", "wsgiref"}
+    assert not loaded & (BODIES | {"prometheus_client.exposition", "prometheus_client.platform_collector", "wsgiref"})
 
 
 def test_other_commands_load_them_as_usual():
@@ -124,8 +124,9 @@ def test_other_commands_load_them_as_usual():
 
 def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
     """The deferred modules used after all: asyncio.run, an aio channel, a message as text,
-    calendar, html, prometheus_client's package after one of its submodules; eight threads reaching asyncio at once all get the whole module (the others
-    wait while one runs it)."""
+    calendar, html, prometheus_client's package after one of its submodules, a host name outside
+    ASCII through requests (idna); eight threads reaching asyncio at once all get the whole module
+    (the others wait while one runs it)."""
     code = ("import sys, threading\n"
             "from accelnode import deferred\n"
             "assert deferred.install()\n"
@@ -151,13 +152,16 @@ def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
             "print('http2', urllib3.http2.inject_into_urllib3.__name__, 'importlib.metadata' in sys.modules)\n"
             "print('timegm', calendar.timegm((1970, 1, 2, 0, 0, 0)), html.escape('<'))\n"
             "import prometheus_client.registry, prometheus_client\n"
-            "print('prometheus', prometheus_client.generate_latest(prometheus_client.registry.CollectorRegistry()))\n")
+            "print('prometheus', prometheus_client.generate_latest(prometheus_client.registry.CollectorRegistry()))\n"
+            "import requests\n"
+            "print('idna', requests.models.PreparedRequest._get_idna_encoded_host('b\u00fccher.example'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "state ChannelConnectivity.IDLE" in out.stdout
     assert "http2 inject_into_urllib3 True" in out.stdout
     assert 'text ID: "chip-0"' in out.stdout and "timegm 86400 &lt;" in out.stdout
     assert "prometheus b''" in out.stdout
+    assert "idna xn--bcher-kva.example" in out.stdout
 
 
 def test_nothing_is_deferred_once_it_is_imported():
