@@ -42,7 +42,7 @@ def test_a_registry_answer_without_a_charset_reads_as_utf8(registry):
 
 # what the deferred modules of accelnode/deferred.py import when they run
 BODIES = {"asyncio.base_events", "asyncio.tasks", "grpc.aio._channel", "grpc.aio._server", "google.protobuf.text_format",
-          "html.entities", "importlib.metadata", "idna.core", "idna.idnadata"}
+          "html.entities", "importlib.metadata", "idna.core", "idna.idnadata", "_bz2", "_lzma"}
 
 SERVE = """
 import grpc
@@ -125,7 +125,7 @@ def test_other_commands_load_them_as_usual():
 def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
     """The deferred modules used after all: asyncio.run, an aio channel, a message as text,
     calendar, html, prometheus_client's package after one of its submodules, a host name outside
-    ASCII through requests (idna); eight threads reaching asyncio at once all get the whole module
+    ASCII through requests (idna), bz2 and lzma; eight threads reaching asyncio at once all get the whole module
     (the others wait while one runs it)."""
     code = ("import sys, threading\n"
             "from accelnode import deferred\n"
@@ -154,7 +154,9 @@ def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
             "import prometheus_client.registry, prometheus_client\n"
             "print('prometheus', prometheus_client.generate_latest(prometheus_client.registry.CollectorRegistry()))\n"
             "import requests\n"
-            "print('idna', requests.models.PreparedRequest._get_idna_encoded_host('b\u00fccher.example'))\n")
+            "print('idna', requests.models.PreparedRequest._get_idna_encoded_host('b\u00fccher.example'))\n"
+            "import bz2, lzma, shutil, zipfile\n"
+            "print('packed', bz2.decompress(bz2.compress(b'x')), lzma.decompress(lzma.compress(b'y')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "state ChannelConnectivity.IDLE" in out.stdout
@@ -162,6 +164,7 @@ def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
     assert 'text ID: "chip-0"' in out.stdout and "timegm 86400 &lt;" in out.stdout
     assert "prometheus b''" in out.stdout
     assert "idna xn--bcher-kva.example" in out.stdout
+    assert "packed b'x' b'y'" in out.stdout
 
 
 def test_nothing_is_deferred_once_it_is_imported():
