@@ -22,7 +22,7 @@ while the daemons never use them (:data:`DEFERRED`):
   them to know whether they can (de)compress archives; the daemons' layers are gzip, zstd or plain
   tar (``tarfile`` mode ``r|`` imports neither).
 
-Together about 3.5 MB of each daemon's Python heap (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
+Together about 4 to 5.5 MB of each daemon's memory (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
 breakdown by mapping). :func:`install` (called by ``accelnode.cli`` before a node daemon imports
 anything of its own) makes the import of each of them create the module without running it; the
 first attribute the module does not have yet (``asyncio.run``, ``calendar.timegm``) runs it, once,

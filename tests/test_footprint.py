@@ -58,17 +58,21 @@ server.stop(0)
 """
 
 
+def _as(daemon: str) -> str:
+    """Code that starts a process as the node daemon's command line does, up to its own modules."""
+    return ("import sys\n"
+            "from accelnode.cli import main\n"
+            "try:\n"
+            f"    main([{daemon!r}, '--help'])\n"
+            "except SystemExit:\n"
+            "    pass\n")
+
+
 @pytest.mark.parametrize("daemon", ["device-plugin", "dra", "csi", "agent"])
 def test_a_node_daemon_serving_grpc_does_not_run_what_it_does_not_use(daemon, tmp_path):
     """The command line defers those modules before the daemon's own modules load; a gRPC server
     and client work without them, and so do protobuf messages."""
-    loaded = _loaded("import sys\n"
-                     "from accelnode.cli import main\n"
-                     "try:\n"
-                     f"    main([{daemon!r}, '--help'])\n"
-                     "except SystemExit:\n"
-                     "    pass\n"
-                     + SERVE.replace("SOCK", str(tmp_path / "s.sock")) +
+    loaded = _loaded(_as(daemon) + SERVE.replace("SOCK", str(tmp_path / "s.sock")) +
                      "import urllib3\n"
                      "from accelnode.pb import deviceplugin_pb2 as pb\n"
                      "m = pb.Device(ID='chip-0', health='Healthy')\n"
@@ -91,13 +95,7 @@ METRICS = {"device-plugin": "from device_plugin.metrics import Metrics\nreg = Me
 def test_a_node_daemon_serves_its_metrics_without_prometheus_clients_package(daemon):
     """prometheus_client's package (its exposition module: HTTP servers, gzip, wsgiref, platform)
     stays deferred while the daemon builds its metrics and answers a scrape with our writer."""
-    loaded = _loaded("import sys\n"
-                     "from accelnode.cli import main\n"
-                     "try:\n"
-                     f"    main([{daemon!r}, '--help'])\n"
-                     "except SystemExit:\n"
-                     "    pass\n"
-                     + METRICS[daemon] +
+    loaded = _loaded(_as(daemon) + METRICS[daemon] +
                      "from prometheus_client.metrics import Counter\n"
                      "Counter('accelnode_footprint_probe', 'probe', registry=reg).inc()\n"
                      "import http.client\n"
