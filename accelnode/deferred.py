@@ -12,8 +12,17 @@ while the daemons never use them (:data:`DEFERRED`):
 * ``calendar``: imported for dates in mail headers and cookies that the daemons do not parse;
 * ``urllib3.http2``: its package only (it imports ``importlib.metadata`` to check for the ``h2``
   package, which the daemons do not use; urllib3 itself imports only ``urllib3.http2.probe``).
+* ``prometheus_client``: its package only, which imports its HTTP servers, push gateway client and
+  default collectors (``prometheus_client.exposition``: wsgiref, urllib.request, gzip, platform ...);
+  the daemons take the metric classes from ``prometheus_client.metrics`` and ``.registry`` and write
+  the text format themselves (accelnode/metricstext.py).
+* ``idna``: IDNA 2008 host names (its tables are most of it); requests imports it for the host names
+  outside ASCII, which it encodes with it at the request (``idna.encode``), the only use.
+* ``bz2`` and ``lzma`` (with their C extensions and libbz2/liblzma): ``shutil`` and ``zipfile`` import
+  them to know whether they can (de)compress archives; the daemons' layers are gzip, zstd or plain
+  tar (``tarfile`` mode ``r|`` imports neither).
 
-Together about 3.5 MB of each daemon's Python heap (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
+Together about 4 to 5.5 MB of each daemon's memory (bench/bench_e2e.py, ``<daemon>_rss_mb`` and its
 breakdown by mapping). :func:`install` (called by ``accelnode.cli`` before a node daemon imports
 anything of its own) makes the import of each of them create the module without running it; the
 first attribute the module does not have yet (``asyncio.run``, ``calendar.timegm``) runs it, once,
@@ -26,7 +35,6 @@ submodule alone). Nothing is lost: whoever uses one of these modules gets it who
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
@@ -34,7 +42,7 @@ import threading
 import types
 
 DEFERRED = frozenset({"asyncio", "grpc.aio", "google.protobuf.internal.python_message", "html", "calendar",
-                       "urllib3.http2"})
+                       "urllib3.http2", "prometheus_client", "idna", "bz2", "lzma"})
 
 _LOCK = threading.RLock()  # one at a time, and re-entrant: a module's own body may import its submodules
 _RUNNING: set[str] = set()  # modules whose body runs now (their own missing attributes are plain misses)
@@ -62,7 +70,7 @@ class _Deferred(types.ModuleType):
             raise AttributeError(f"module {name!r} has no attribute {attr!r}") from None
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:  # not importlib.abc's: that imports importlib.resources, tempfile, shutil, bz2, lzma
     def __init__(self, wrapped):
         self.wrapped = wrapped
 
@@ -79,7 +87,7 @@ class _Loader(importlib.abc.Loader):
 _PYTHON = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:  # the import system needs find_spec only
     def __init__(self, names):
         self.names = frozenset(names)
 

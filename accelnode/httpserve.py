@@ -14,8 +14,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.registry import CollectorRegistry  # not the package: accelnode/metricstext.py says why
 
+from . import metricstext
 from .health import Health
 from .log import kv
 
@@ -44,7 +45,7 @@ class MetricsServer:
             def do_GET(self):  # noqa: N802 (http.server naming)
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    body, ctype, code = generate_latest(outer.registry), CONTENT_TYPE_LATEST, 200
+                    body, ctype, code = metricstext.render(outer.registry), metricstext.CONTENT_TYPE, 200
                 elif path == "/healthz":
                     ok, reason = outer.health.liveness()
                     body = (b"ok\n" if ok else f"not alive: {reason}\n".encode())

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import Counter, Gauge, Histogram  # not the package: accelnode/metricstext.py
+from prometheus_client.registry import CollectorRegistry
 
 from accelnode.hw.accelerators import Accelerator
 from accelnode.log import kv

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     import threading
     from pathlib import Path
 
-    from prometheus_client import CollectorRegistry
+    from prometheus_client.registry import CollectorRegistry
 
     from accelnode import grpcutil
     from accelnode.health import GRACE_DEFAULT, Health

@@ -7,8 +7,9 @@ import functools
 import time
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import Counter, Gauge, Histogram  # not the package: accelnode/metricstext.py
+from prometheus_client.metrics_core import GaugeMetricFamily
+from prometheus_client.registry import CollectorRegistry
 
 
 class Metrics:

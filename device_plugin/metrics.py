@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics import Counter, Gauge  # not the package: accelnode/metricstext.py
+from prometheus_client.registry import CollectorRegistry
 
 from .health import HEALTHY, UNHEALTHY
 

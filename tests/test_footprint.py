@@ -42,7 +42,7 @@ def test_a_registry_answer_without_a_charset_reads_as_utf8(registry):
 
 # what the deferred modules of accelnode/deferred.py import when they run
 BODIES = {"asyncio.base_events", "asyncio.tasks", "grpc.aio._channel", "grpc.aio._server", "google.protobuf.text_format",
-          "html.entities", "importlib.metadata"}
+          "html.entities", "importlib.metadata", "idna.core", "idna.idnadata", "_bz2", "_lzma"}
 
 SERVE = """
 import grpc
@@ -58,17 +58,21 @@ server.stop(0)
 """
 
 
+def _as(daemon: str) -> str:
+    """Code that starts a process as the node daemon's command line does, up to its own modules."""
+    return ("import sys\n"
+            "from accelnode.cli import main\n"
+            "try:\n"
+            f"    main([{daemon!r}, '--help'])\n"
+            "except SystemExit:\n"
+            "    pass\n")
+
+
 @pytest.mark.parametrize("daemon", ["device-plugin", "dra", "csi", "agent"])
 def test_a_node_daemon_serving_grpc_does_not_run_what_it_does_not_use(daemon, tmp_path):
     """The command line defers those modules before the daemon's own modules load; a gRPC server
     and client work without them, and so do protobuf messages."""
-    loaded = _loaded("import sys\n"
-                     "from accelnode.cli import main\n"
-                     "try:\n"
-                     f"    main([{daemon!r}, '--help'])\n"
-                     "except SystemExit:\n"
-                     "    pass\n"
-                     + SERVE.replace("SOCK", str(tmp_path / "s.sock")) +
+    loaded = _loaded(_as(daemon) + SERVE.replace("SOCK", str(tmp_path / "s.sock")) +
                      "import urllib3\n"
                      "from accelnode.pb import deviceplugin_pb2 as pb\n"
                      "m = pb.Device(ID='chip-0', health='Healthy')\n"
@@ -76,6 +80,34 @@ def test_a_node_daemon_serving_grpc_does_not_run_what_it_does_not_use(daemon, tm
                      "from accelnode.deferred import DEFERRED\n"
                      "assert {type(sys.modules[n]).__name__ for n in DEFERRED if n in sys.modules} == {'_Deferred'}\n")
     assert not loaded & BODIES
+
+
+# what each node daemon builds its metrics from (the modules its run function imports)
+METRICS = {"device-plugin": "from device_plugin.metrics import Metrics\nreg = Metrics().registry\n",
+           "dra": "from prometheus_client.registry import CollectorRegistry\nreg = CollectorRegistry()\n",
+           "csi": "from prometheus_client.registry import CollectorRegistry\nfrom csi_driver.metrics import Metrics\n"
+                  "reg = Metrics(CollectorRegistry()).registry\n",
+           "agent": "from prometheus_client.registry import CollectorRegistry\nfrom agent import core\n"
+                    "reg = CollectorRegistry(); core.Metrics(reg)\n"}
+
+
+@pytest.mark.parametrize("daemon", sorted(METRICS))
+def test_a_node_daemon_serves_its_metrics_without_prometheus_clients_package(daemon):
+    """prometheus_client's package (its exposition module: HTTP servers, gzip, wsgiref, platform)
+    stays deferred while the daemon builds its metrics and answers a scrape with our writer."""
+    loaded = _loaded(_as(daemon) + METRICS[daemon] +
+                     "from prometheus_client.metrics import Counter\n"
+                     "Counter('accelnode_footprint_probe', 'probe', registry=reg).inc()\n"
+                     "import http.client\n"
+                     "from accelnode.httpserve import MetricsServer\n"
+                     "srv = MetricsServer('127.0.0.1:0', reg, lambda: (True, '')).start()\n"
+                     "c = http.client.HTTPConnection('127.0.0.1', srv.port, timeout=10)\n"
+                     "c.request('GET', '/metrics'); r = c.getresponse(); body = r.read().decode()\n"
+                     "srv.stop()\n"
+                     "assert r.status == 200 and 'accelnode_footprint_probe_total 1.0' in body, body\n"
+                     "assert r.getheader('Content-Type') == 'text/plain; version=0.0.4; charset=utf-8'\n"
+                     "assert type(sys.modules['prometheus_client']).__name__ == '_Deferred'\n")
+    assert not loaded & (BODIES | {"prometheus_client.exposition", "prometheus_client.platform_collector", "wsgiref"})
 
 
 def test_other_commands_load_them_as_usual():
@@ -90,8 +122,9 @@ def test_other_commands_load_them_as_usual():
 
 def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
     """The deferred modules used after all: asyncio.run, an aio channel, a message as text,
-    calendar, html; eight threads reaching asyncio at once all get the whole module (the others
-    wait while one runs it)."""
+    calendar, html, prometheus_client's package after one of its submodules, a host name outside
+    ASCII through requests (idna), bz2 and lzma; eight threads reaching asyncio at once all get the whole module
+    (the others wait while one runs it)."""
     code = ("import sys, threading\n"
             "from accelnode import deferred\n"
             "assert deferred.install()\n"
@@ -115,12 +148,21 @@ def test_a_deferred_module_runs_whole_at_its_first_use(tmp_path):
             "import calendar, html, urllib3\n"
             "assert 'importlib.metadata' not in sys.modules and urllib3.http2.probe.acquire_and_get\n"
             "print('http2', urllib3.http2.inject_into_urllib3.__name__, 'importlib.metadata' in sys.modules)\n"
-            "print('timegm', calendar.timegm((1970, 1, 2, 0, 0, 0)), html.escape('<'))\n")
+            "print('timegm', calendar.timegm((1970, 1, 2, 0, 0, 0)), html.escape('<'))\n"
+            "import prometheus_client.registry, prometheus_client\n"
+            "print('prometheus', prometheus_client.generate_latest(prometheus_client.registry.CollectorRegistry()))\n"
+            "import requests\n"
+            "print('idna', requests.models.PreparedRequest._get_idna_encoded_host('b\u00fccher.example'))\n"
+            "import bz2, lzma, shutil, zipfile\n"
+            "print('packed', bz2.decompress(bz2.compress(b'x')), lzma.decompress(lzma.compress(b'y')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "state ChannelConnectivity.IDLE" in out.stdout
     assert "http2 inject_into_urllib3 True" in out.stdout
     assert 'text ID: "chip-0"' in out.stdout and "timegm 86400 &lt;" in out.stdout
+    assert "prometheus b''" in out.stdout
+    assert "idna xn--bcher-kva.example" in out.stdout
+    assert "packed b'x' b'y'" in out.stdout
 
 
 def test_nothing_is_deferred_once_it_is_imported():

@@ -87,7 +87,7 @@ def run(args) -> int:
     from accelnode.health import Health
     from accelnode.httpserve import MetricsServer, parse_address
     from accelnode.kube.client import Client, Config
-    from prometheus_client import CollectorRegistry
+    from prometheus_client.registry import CollectorRegistry
 
     from ..nodefacts import NodeFacts
     from ..topology import NodeConfig
