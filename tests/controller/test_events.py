@@ -131,7 +131,9 @@ def test_the_controller_records_a_caches_transitions(kubectl, kube_namespace, ev
     def describe() -> str:
         return kubectl("admin", "describe", "gkmcache", "kernels", "-n", kube_namespace).stdout
 
-    out = eventually(lambda: "RegistryUnavailable" in (d := describe()) and d, "the Warning event", timeout=60)
+    # the condition is written before its Event is sent: wait for the Event itself
+    out = eventually(lambda: "RegistryUnavailable" in (d := describe()).split("Events:")[-1] and d,
+                     "the Warning event", timeout=60)
     assert "Warning" in out and "127.0.0.1:9" in out, out
     image = registry.push(make_cache(tmp_path / "src", {"xla/a.bin": b"\x01" * 100}), "events/k", tag="v1",
                           kind="jax", targets=[{"backend": "tpu", "arch": "v5e"}])
