@@ -137,9 +137,11 @@ def run_reconcilers(me: Client, resolver: Resolver, **options):
     ctls = [Controller(me, make(me, resolver, **options), metrics, workers=2, resync=0.5,
                        backoff=Backoff(0.2, 2.0)).start()
             for make in (gkmcache_reconciler, clustergkmcache_reconciler)]
-    yield ctls
-    for c in ctls:
-        c.stop(10)
+    try:
+        yield ctls
+    finally:  # also when closed (gen.close()): reconcilers left running would judge other tests' caches
+        for c in ctls:
+            c.stop(10)
 
 
 @pytest.fixture
