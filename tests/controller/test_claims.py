@@ -380,7 +380,8 @@ def test_a_terminating_workload_namespace_gets_no_claim(cluster, kube_namespace)
     ns = cluster.namespace()
     name = f"shared-{uid()}"
     cluster.cache(name, workload_namespaces=[ns, kube_namespace])
-    assert eventually(lambda: reason_in(cluster.get(name), ns) == "Bound", timeout=WAIT)
+    assert eventually(lambda: reason_in(cluster.get(name), ns) == "Bound"
+                      and reason_in(cluster.get(name), kube_namespace) == "Bound", timeout=WAIT)
     # held by a finalizer of the test's, so the namespace is observably Terminating
     cluster.core.create_namespaced_config_map(ns, body={"metadata": {"name": "held", "finalizers": [HOLD]}})
     cluster.core.delete_namespace(ns)
