@@ -30,8 +30,9 @@ COMPONENTS = {
     "controller": "controller.cli",
 }
 
-# the daemons of every accelerator node: modules grpc imports for its asyncio API, which they do
-# not use, run only if something uses them (accelnode/deferred.py)
+# the daemons of every accelerator node: modules their libraries import but they do not use
+# (grpc's asyncio API, prometheus_client's exposition, ...) run only if something uses them
+# (accelnode/deferred.py DEFERRED)
 NODE_DAEMONS = frozenset({"device-plugin", "dra", "csi", "agent"})
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -217,7 +217,7 @@ def capture_rules(path: str | None):
         raise exitcodes.CLIError(f"--capture-repositories {path}: {e}", exitcodes.USAGE) from None
 
 
-def always_running(client, resolver, capture=None, *, status_fanout: float = 1000.0) -> list:
+def always_running(client, resolver, capture=None, *, status_fanout: float | None = None) -> list:
     """The reconcilers every controller runs; ``--tpu-node-groups`` and the self-managed webhook
     certificate add theirs in :func:`run`. ``resolver`` is the process's
     :class:`controller.caches.pinning.Resolver`, shared with the admission webhooks so that an
@@ -225,8 +225,10 @@ def always_running(client, resolver, capture=None, *, status_fanout: float = 100
     from controller.caches.capture import CaptureReconciler
     from controller.caches.claims import clustergkmcache_claims_reconciler, gkmcache_claims_reconciler
     from controller.caches.reconciler import clustergkmcache_reconciler, gkmcache_reconciler
+    from controller.caches.status import FANOUT_PER_SECOND
     from controller.tpuenv.scale import statefulset_env_reconciler
 
+    status_fanout = FANOUT_PER_SECOND if status_fanout is None else status_fanout
     return [
         gkmcache_reconciler(client, resolver, fanout_per_second=status_fanout),  # docs/cache-controller.md
         clustergkmcache_reconciler(client, resolver, fanout_per_second=status_fanout),

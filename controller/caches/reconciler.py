@@ -133,8 +133,7 @@ class CacheReconciler(Reconciler):
         self.mentions = Mentions()
         self._mentions_lock = threading.Lock()  # a reflector event and a resync may map at once
         self._lock = threading.Lock()
-        self._last_write: dict[str, float] = {}  # key -> monotonic time of its last write
-        self._interval: dict[str, float] = {}  # key -> seconds from its last write to the next (its nodes)
+        self._next_write: dict[str, float] = {}  # key -> monotonic time its next write may come (last + interval)
         self._written = ReadYourWrites()
 
     # -- node objects -> cache keys --------------------------------------------------------------
@@ -166,13 +165,11 @@ class CacheReconciler(Reconciler):
         obj = self._current(key)
         if obj is None:  # deleted: nothing to undo
             with self._lock:
-                self._last_write.pop(key, None)
-                self._interval.pop(key, None)
+                self._next_write.pop(key, None)
             self._written.forget(key)
             return None
         with self._lock:
-            wait = self._last_write.get(key, float("-inf")) + self._interval.get(key, cs.MIN_WRITE_INTERVAL) \
-                - time.monotonic()
+            wait = self._next_write.get(key, float("-inf")) - time.monotonic()
         if wait > 0:  # coalesce: one write carries what changed meanwhile; no recount of every
             return Result(requeue_after=wait)  # node per event until then (O(nodes), not O(nodes x events))
         try:
@@ -270,8 +267,7 @@ class CacheReconciler(Reconciler):
         finally:
             if current is not obj:  # a refused write (409) is no write: it does not delay the next
                 with self._lock:
-                    self._last_write[key] = time.monotonic()
-                    self._interval[key] = cs.write_interval(nodes, self.fanout_per_second)
+                    self._next_write[key] = time.monotonic() + cs.write_interval(nodes, self.fanout_per_second)
                 self._written.remember(key, obj, current)
         events.transitions(obj, status, progress=(cs.DOWNLOADING, cs.PENDING), quiet=(cs.READY,))
         log.info("cache status written", extra=kv(reconciler=self.name, key=key,
