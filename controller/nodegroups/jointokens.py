@@ -24,7 +24,7 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Callable, Collection, Mapping
 
 from accelnode.kube.bootstraptoken import ENDPOINT_RE, METADATA_KEYS, TOKEN_RE, ca_cert_hash
 from accelnode.kube.client import Client, KubeError, is_conflict, is_not_found
@@ -51,6 +51,10 @@ class JoinInfo:
     token: str = field(repr=False)  # "<id>.<secret>": never logged
     ca_hash: str  # "sha256:<hex>"
     control_plane: str  # host[:port]
+    # when the API server made the token's Secret (seconds since the epoch, its clock; 0: not
+    # known): a certificate request made with this token cannot be older (ids are reused)
+    created: float = field(default=0.0, compare=False)
+    expires: float = field(default=0.0, compare=False)  # seconds since the epoch; 0: not known
 
     @property
     def token_id(self) -> str:
@@ -72,6 +76,15 @@ def rfc3339(t: float) -> str:
 def parse_rfc3339(s: str) -> float:
     """Seconds since the epoch; ValueError when ``s`` is not an RFC 3339 time."""
     return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
+def created_at(obj: dict) -> float:
+    """An object's metadata.creationTimestamp in seconds since the epoch; 0.0 when it has none
+    or it does not parse (older than anything)."""
+    try:
+        return parse_rfc3339((obj.get("metadata") or {}).get("creationTimestamp") or "")
+    except ValueError:
+        return 0.0
 
 
 def group_label_value(group: str) -> str:
@@ -99,6 +112,7 @@ class _Token:
     name: str
     token: str
     expires: float
+    created: float = 0.0  # the Secret's creationTimestamp
 
 
 class JoinTokens:
@@ -154,31 +168,45 @@ class JoinTokens:
                 usable.append(tok)
         if usable:
             best = max(usable, key=lambda t: t.expires)
-            return JoinInfo(best.token, self.ca_hash, control_plane)
+            return JoinInfo(best.token, self.ca_hash, control_plane, best.created, best.expires)
         return self._new(group, control_plane, alive, list(recorded) + list(taken), reserve, now)
 
     def issue(self, group: str, control_plane: str, recorded: list[str], taken: Collection[str],
-              reserve: Callable[[list[str]], None]) -> JoinInfo:
+              reserve: Callable[[list[str]], None], requested: Mapping[str, float] | None = None) -> JoinInfo:
         """A new token for one VM of ``group`` (never one already handed out: a token joins one
-        VM and is revoked once it has), its id added to ``recorded`` through ``reserve``."""
+        VM and is revoked once it has), its id added to ``recorded`` through ``reserve``.
+        ``requested``: id -> when the newest certificate request made with a token of that id
+        was made (the ids are reused, and such requests outlive their tokens by an hour or
+        more); ids no request names are drawn first."""
         check_control_plane(control_plane)
-        return self._new(group, control_plane, list(recorded), list(recorded) + list(taken), reserve, self.clock())
+        return self._new(group, control_plane, list(recorded), list(recorded) + list(taken), reserve, self.clock(),
+                         requested)
 
     def get(self, group: str, tid: str, control_plane: str) -> JoinInfo | None:
-        """The group's token ``tid`` when it still has comfortable time left, else None."""
+        """The group's token ``tid`` when its Secret is there, whatever time it has left
+        (:meth:`fresh` says whether to offer it); else None."""
         tok = self._read(tid, group)
-        if tok is None or tok.expires - self.clock() < self.min_left_s:
+        if tok is None:
             return None
-        return JoinInfo(tok.token, self.ca_hash, check_control_plane(control_plane))
+        return JoinInfo(tok.token, self.ca_hash, check_control_plane(control_plane), tok.created, tok.expires)
+
+    def fresh(self, info: JoinInfo) -> bool:
+        """Whether the token has comfortable time left to be offered to a VM."""
+        return info.expires - self.clock() >= self.min_left_s
 
     def _new(self, group: str, control_plane: str, alive: list[str], used: list[str],
-             reserve: Callable[[list[str]], None], now: float) -> JoinInfo:
+             reserve: Callable[[list[str]], None], now: float,
+             requested: Mapping[str, float] | None = None) -> JoinInfo:
+        requested = requested or {}
         free = [t for t in POOL if t not in used]
-        for tid in random.sample(free, min(5, len(free))):
+        unnamed = [t for t in free if t not in requested]
+        # an id some request names last: the oldest such request first (docs/tpu-node-groups.md, "Join")
+        named = sorted((t for t in free if t in requested), key=lambda t: requested[t])
+        for tid in (random.sample(unnamed, len(unnamed)) + named)[:5]:
             reserve(alive + [tid])  # an id that turns out taken is dropped by the next reservation
-            token = self._create(group, tid, now)
-            if token is not None:
-                return JoinInfo(token, self.ca_hash, control_plane)
+            tok = self._create(group, tid, now)
+            if tok is not None:
+                return JoinInfo(tok.token, self.ca_hash, control_plane, tok.created, tok.expires)
         reserve(alive)
         raise RuntimeError(f"no free join token id: the {len(POOL)} ids accelnode may use are taken "
                            "(by other groups' live tokens or Secrets not ours)")
@@ -234,9 +262,9 @@ class JoinTokens:
         if not TOKEN_RE.match(token) or not token.startswith(tid + "."):
             log.warning("join token secret is malformed; ignored", extra=kv(secret=meta.get("name"), group=group))
             return None
-        return _Token(meta["name"], token, expires)
+        return _Token(meta["name"], token, expires, created_at(s))
 
-    def _create(self, group: str, tid: str, now: float) -> str | None:
+    def _create(self, group: str, tid: str, now: float) -> _Token | None:
         """A new token with id ``tid``; None when its Secret exists already (and is not a
         usable one of this group's, made before a crash)."""
         tsecret = new_token().split(".")[1]
@@ -254,14 +282,14 @@ class JoinTokens:
                 "auth-extra-groups": NODE_GROUP}.items()},
         }
         try:
-            self.kube.request("POST", self._path, body=body)
+            made = self.kube.request("POST", self._path, body=body)
         except KubeError as e:
             if not is_conflict(e):
                 raise
             tok = self._read(tid, group)
-            return tok.token if tok is not None and tok.expires - now >= self.min_left_s else None
+            return tok if tok is not None and tok.expires - now >= self.min_left_s else None
         log.info("join token created", extra=kv(group=group, bootstrap_id=tid, expiration=expiration))
-        return f"{tid}.{tsecret}"
+        return _Token(body["metadata"]["name"], f"{tid}.{tsecret}", parse_rfc3339(expiration), created_at(made))
 
     def _delete(self, name: str, group: str, why: str) -> None:
         try:

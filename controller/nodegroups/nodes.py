@@ -217,13 +217,17 @@ class Nodes:
             return None, ""
         tokens, ledger = self._join_tokens(), self._ledger(box)
         tid = self._held.get(path) or (items.get(METADATA_KEYS[0]) or "").split(".", 1)[0]
-        if tid and self._used(tid):  # spent: revoked, and the VM gets no other (its kubelet has a certificate)
+        info = tokens.get(key, tid, control_plane) if tid in ledger else None
+        # spent: revoked, and the VM gets no other (its kubelet has a certificate). Ids are reused,
+        # so a live token counts only requests made since its Secret was (not its id's last holder's)
+        if tid and self._used(tid, info.created if info is not None else None):
             self._held[path] = tid
             if tid in ledger:
                 log.info("join token used: revoked", extra=kv(group=key, instance=inst, bootstrap_id=tid))
                 self._revoke(key, box, [tid])
             return None, f"{inst} has used its join token; waiting for its Node"
-        info = tokens.get(key, tid, control_plane) if tid in ledger else None
+        if info is not None and not tokens.fresh(info):
+            info = None  # too little time left to offer: a new one (the old one is revoked once no VM holds it)
         if info is None:
             ns = box[0]["metadata"]["namespace"]
             others = [o for o in self.cache.list(TNG) if object_key(o) != key]
@@ -234,7 +238,8 @@ class Nodes:
                 return self.settings.poll, (f"{inst} waits for a join token: namespace {ns} holds {in_ns} of its "
                                             f"{cap} (the operator's maxJoinTokens)")
             taken = {t for o in others for t in (o.get("status") or {}).get("joinTokens") or []}
-            info = tokens.issue(key, control_plane, ledger, taken, lambda ids: self._reserve(key, box, ids))
+            info = tokens.issue(key, control_plane, ledger, taken, lambda ids: self._reserve(key, box, ids),
+                                requested=self._requested())
             log.info("join token issued", extra=kv(group=key, instance=inst, bootstrap_id=info.token_id))
         self._held[path] = info.token_id
         self._withdrawn.discard(path)
@@ -244,10 +249,25 @@ class Nodes:
             log.info("join metadata offered", extra=kv(group=key, instance=inst, bootstrap_id=info.token_id))
         return None, ""
 
-    def _used(self, tid: str) -> bool:
-        """Whether a certificate was issued to a request made with token ``tid``."""
+    def _used(self, tid: str, since: float | None = None) -> bool:
+        """Whether a certificate was issued to a request made with token id ``tid`` (``since``:
+        made at or after that time, the token's Secret's creationTimestamp: the same id's
+        earlier tokens' requests stay for an hour or more after they are revoked)."""
+        from controller.nodegroups.jointokens import created_at
+
         return any(csr_token_id(c) == tid and (c.get("status") or {}).get("certificate")
-                   for c in self.cache.list(CSRS))
+                   and (since is None or created_at(c) >= since) for c in self.cache.list(CSRS))
+
+    def _requested(self) -> dict[str, float]:
+        """Token id -> when the newest certificate request made with a token of that id was made."""
+        from controller.nodegroups.jointokens import created_at
+
+        out: dict[str, float] = {}
+        for c in self.cache.list(CSRS):
+            tid = csr_token_id(c)
+            if tid:
+                out[tid] = max(out.get(tid, 0.0), created_at(c))
+        return out
 
     def _withdraw_join(self, key: str, box: list, project: str, zone: str, inst: str) -> None:
         """The VM's Node exists: its token is spent. Revoke it and remove the join metadata."""

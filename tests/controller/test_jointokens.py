@@ -142,7 +142,9 @@ def test_issue_makes_a_token_per_vm_and_get_reads_only_the_groups_live_ones(cont
     assert a.token_id != b.token_id and sorted(ledger.ids) == sorted([a.token_id, b.token_id])
     assert jt.get(group, a.token_id, "10.0.0.2") == a
     assert jt.get(group + "-other", a.token_id, "10.0.0.2") is None  # not that group's
-    assert JoinTokens(me, ca_pem=ca, clock=lambda: time.time() + 3300).get(group, a.token_id, "10.0.0.2") is None
+    late = JoinTokens(me, ca_pem=ca, clock=lambda: time.time() + 3300)  # 5 of its 60 minutes left: not offered
+    assert late.get(group, a.token_id, "10.0.0.2") == a and not late.fresh(a) and jt.fresh(a)
+    assert a.created and abs(a.created - time.time()) < 120  # the Secret's creationTimestamp (the server's clock)
     jt.revoke(group, [a.token_id])
     assert jt.get(group, a.token_id, "10.0.0.2") is None and jt.get(group, b.token_id, "10.0.0.2") == b
     ledger.revoke()
@@ -311,3 +313,22 @@ def test_an_expired_token_is_refused_and_cleaned_up_by_the_cluster(control_plane
     while tokens(made_long_ago, admin, group) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert tokens(made_long_ago, admin, group) == {}
+
+
+def test_an_id_some_certificate_request_names_is_drawn_last(control_plane, me, admin, group, monkeypatch):
+    """Ids come from a fixed pool and are reused; requests made with an id's earlier token stay
+    for an hour or more. ``issue`` draws the ids no request names first, then the one whose
+    newest request is oldest."""
+    from controller.nodegroups import jointokens
+
+    monkeypatch.setattr(jointokens, "POOL", POOL[-3:])
+    named, old_named, unnamed = POOL[-3:]
+    jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
+    ledger = Ledger(jt, group)
+    requested = {named: time.time(), old_named: time.time() - 600}
+    try:
+        got = [jt.issue(group, "10.0.0.2", ledger.ids, set(), ledger.reserve, requested=requested).token_id
+               for _ in range(3)]
+    finally:
+        ledger.revoke()
+    assert got == [unnamed, old_named, named]

@@ -712,6 +712,49 @@ def test_orphan_and_the_join_token_cap_are_the_operators(control_plane, nodegrou
     assert get(admin, f"/api/v1/nodes/{first['name']}") is None
 
 
+def test_a_reused_token_id_is_not_spent_by_its_earlier_tokens_certificate(control_plane, nodegroup_rbac, gce, admin,
+                                                                         kube_namespace, monkeypatch):
+    """Join token ids come from a pool of 64 and are reused; a certificate request made with an
+    id's earlier token stays (Kubernetes deletes issued ones after an hour). A new token with that
+    id is not spent by it: its VM keeps it, and the namespace's cap of one still holds. (Before:
+    the new token read as used as soon as the controller looked, was revoked, and its VM got no
+    other: with one id no VM was ever offered a join; with 64, the next VM was offered one while
+    the first kept a dead token in its metadata: two VMs offered under a cap of one, a CI failure.)"""
+    from controller.nodegroups import jointokens
+
+    ns = kube_namespace
+    monkeypatch.setattr(jointokens, "POOL", jointokens.POOL[-1:])  # one id: it must be reused
+    earlier = jointokens.JoinTokens(admin, ca_pem=control_plane.ca_file.read_bytes())
+    token = earlier.ensure(f"{ns}/earlier", f"127.0.0.1:{control_plane.port}").token
+    csr = kubelet_csr(control_plane, token, f"earlier-{ns}")
+    csr_path = "/apis/certificates.k8s.io/v1/certificatesigningrequests/" + csr["metadata"]["name"]
+    try:
+        wait("the earlier token's certificate", lambda: (get(admin, csr_path) or {}).get("status", {}).get("certificate"))
+        earlier.revoke(f"{ns}/earlier")
+        time.sleep(1.0)  # a second later (creationTimestamps are whole seconds)
+        rules = {"*": RULES["*"], ns: {**RULES["*"], "maxJoinTokens": 1}}
+        with Running(control_plane, gce.endpoint, placement=rules):
+            make_group(admin, ns)
+
+            def offered():
+                return [i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)
+                        and i["name"].startswith("v6e-multi-host-mig-")]
+            (inst,) = wait("one VM offered", lambda: offered() or None)
+            assert metadata(inst)["kubeadm-join-token"].startswith(jointokens.POOL[0] + ".")
+            wait("waiting on the cap", lambda: "maxJoinTokens" in cond(get(admin, tng_path(ns, "v6e-multi-host")),
+                                                                       "Ready").get("message", ""))
+            time.sleep(2.0)
+            g = get(admin, tng_path(ns, "v6e-multi-host"))
+            assert [i["name"] for i in offered()] == [inst["name"]]
+            assert g["status"]["joinTokens"] == [jointokens.POOL[0]], g["status"]
+            assert "has used its join token" not in cond(g, "Ready")["message"]
+            assert not token_refused(control_plane, metadata(inst)["kubeadm-join-token"])
+            admin.request("DELETE", tng_path(ns, "v6e-multi-host"))
+            wait("group gone", lambda: get(admin, tng_path(ns, "v6e-multi-host")) is None, timeout=90)
+    finally:
+        admin.request("DELETE", csr_path)
+
+
 def kubelet_csr(control_plane, token: str, node: str) -> dict:
     """What a kubelet's TLS bootstrap does with the join token: a client-certificate request for
     ``system:node:<node>``, made as the token's bootstrap user (kubeadm's auto-approval signs it)."""
