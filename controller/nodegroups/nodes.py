@@ -226,8 +226,12 @@ class Nodes:
                 log.info("join token used: revoked", extra=kv(group=key, instance=inst, bootstrap_id=tid))
                 self._revoke(key, box, [tid])
             return None, f"{inst} has used its join token; waiting for its Node"
-        if info is not None and not tokens.fresh(info):
-            info = None  # too little time left to offer: a new one (the old one is revoked once no VM holds it)
+        if tid in ledger and (info is None or not tokens.fresh(info)):
+            # its unused token is gone or near its end: revoked before a new one is counted against
+            # maxJoinTokens (kept, it would hold the VM's place under the cap for good)
+            log.info("join token stale: revoked", extra=kv(group=key, instance=inst, bootstrap_id=tid))
+            self._revoke(key, box, [tid])
+            ledger, info = self._ledger(box), None
         if info is None:
             ns = box[0]["metadata"]["namespace"]
             others = [o for o in self.cache.list(TNG) if object_key(o) != key]

@@ -755,6 +755,34 @@ def test_a_reused_token_id_is_not_spent_by_its_earlier_tokens_certificate(contro
         admin.request("DELETE", csr_path)
 
 
+def test_a_waiting_vms_stale_token_gives_way_to_a_new_one_under_the_cap(control_plane, nodegroup_rbac, gce, admin,
+                                                                         kube_namespace):
+    """A VM that waited until its unused token has less than 10 minutes left gets a new one, and
+    the old one is revoked first: under a cap of one the stale token must not hold the VM's place
+    (before: the new one was refused by the cap the old one filled, and the VM waited for good)."""
+    ns = kube_namespace
+    rules = {"*": RULES["*"], ns: {**RULES["*"], "maxJoinTokens": 1}}
+    with Running(control_plane, gce.endpoint, placement=rules) as running:
+        make_group(admin, ns, SINGLE)
+        (inst,) = wait("the VM offered a join", lambda: [
+            i for i in gce.compute.instances(PROJECT) if "kubeadm-join-token" in metadata(i)
+            and i["name"].startswith("v7x-single-host-mig-")] or None)
+        first = metadata(inst)["kubeadm-join-token"]
+        (nodes,) = [c.reconciler.nodes for c in running.manager.controllers if hasattr(c.reconciler, "nodes")]
+        nodes._join_tokens().clock = lambda: time.time() + 3300  # 5 of its 60 minutes left
+        def offered() -> str | None:
+            now = next(i for i in gce.compute.instances(PROJECT) if i["name"] == inst["name"])
+            token = metadata(now).get("kubeadm-join-token")
+            return token if token and token != first else None
+        new = wait("a new token offered", offered)
+        wait("the stale token refused", lambda: token_refused(control_plane, first))
+        g = get(admin, tng_path(ns, "v7x-single-host"))
+        assert g["status"]["joinTokens"] == [new.split(".")[0]], g["status"]
+        assert not token_refused(control_plane, new)
+        admin.request("DELETE", tng_path(ns, "v7x-single-host"))
+        wait("group gone", lambda: get(admin, tng_path(ns, "v7x-single-host")) is None, timeout=90)
+
+
 def kubelet_csr(control_plane, token: str, node: str) -> dict:
     """What a kubelet's TLS bootstrap does with the join token: a client-certificate request for
     ``system:node:<node>``, made as the token's bootstrap user (kubeadm's auto-approval signs it)."""
