@@ -61,6 +61,17 @@ def tokens(me: JoinTokens, admin: Client, group: str) -> dict:
     return {s["metadata"]["name"]: s for s in out["items"]}
 
 
+def unused_ids(admin: Client, n: int) -> tuple[str, ...]:
+    """``n`` pool ids that no Secret and no certificate request names now (earlier tests' tokens
+    may still be there, e.g. one left for the token cleaner): for tests that narrow the pool."""
+    named = {((c.get("spec") or {}).get("username") or "").removeprefix("system:bootstrap:")
+             for c in admin.request("GET", "/apis/certificates.k8s.io/v1/certificatesigningrequests")["items"]}
+    have = {s["metadata"]["name"] for s in admin.request("GET", SECRETS)["items"]}
+    ids = tuple(t for t in POOL if t not in named and f"bootstrap-token-{t}" not in have)[-n:]
+    assert len(ids) == n, f"fewer than {n} pool ids unused by earlier tests"
+    return ids
+
+
 def whoami(control_plane, token: str) -> dict:
     c = Client(Config(control_plane.url, str(control_plane.ca_file), token=token))
     review = c.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
@@ -321,8 +332,9 @@ def test_an_id_some_certificate_request_names_is_drawn_last(control_plane, me, a
     newest request is oldest."""
     from controller.nodegroups import jointokens
 
-    monkeypatch.setattr(jointokens, "POOL", POOL[-3:])
-    named, old_named, unnamed = POOL[-3:]
+    ids = unused_ids(admin, 3)
+    monkeypatch.setattr(jointokens, "POOL", ids)
+    named, old_named, unnamed = ids
     jt = JoinTokens(me, ca_pem=control_plane.ca_file.read_bytes())
     ledger = Ledger(jt, group)
     requested = {named: time.time(), old_named: time.time() - 600}

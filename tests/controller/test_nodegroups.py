@@ -721,9 +721,10 @@ def test_a_reused_token_id_is_not_spent_by_its_earlier_tokens_certificate(contro
     other: with one id no VM was ever offered a join; with 64, the next VM was offered one while
     the first kept a dead token in its metadata: two VMs offered under a cap of one, a CI failure.)"""
     from controller.nodegroups import jointokens
+    from tests.controller.test_jointokens import unused_ids
 
     ns = kube_namespace
-    monkeypatch.setattr(jointokens, "POOL", jointokens.POOL[-1:])  # one id: it must be reused
+    monkeypatch.setattr(jointokens, "POOL", unused_ids(admin, 1))  # one id: it must be reused
     earlier = jointokens.JoinTokens(admin, ca_pem=control_plane.ca_file.read_bytes())
     token = earlier.ensure(f"{ns}/earlier", f"127.0.0.1:{control_plane.port}").token
     csr = kubelet_csr(control_plane, token, f"earlier-{ns}")
