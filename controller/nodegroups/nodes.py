@@ -28,6 +28,7 @@ from accelnode.log import kv
 
 from controller.nodegroups.common import LABEL_GROUP, NODES, TAINT, TNG, Settings, short
 from controller.nodegroups.compute import GCE, GCEError
+from controller.nodegroups.jointokens import JoinTokens, created_at
 from controller.runtime.reconciler import object_key
 from controller.runtime.writes import update_if_changed, update_status
 
@@ -77,7 +78,7 @@ class Nodes:
 
     def __init__(self, owner, client: Client, gce: GCE, settings: Settings, tokens=None):
         self.owner, self.client, self.gce, self.settings = owner, client, gce, settings
-        self._tokens = tokens  # controller.nodegroups.jointokens.JoinTokens, made on first use
+        self._tokens: JoinTokens | None = tokens  # made on first use
         self._withdrawn: set[str] = set()  # instance paths whose join metadata is known gone
         self._pending_meta: dict[str, str] = {}  # instance path -> setMetadata operation
         self._held: dict[str, str] = {}  # instance path -> the token id offered to it
@@ -162,8 +163,6 @@ class Nodes:
 
     def _join_tokens(self):
         if self._tokens is None:
-            from controller.nodegroups.jointokens import JoinTokens
-
             cm = self.client.request("GET", "/api/v1/namespaces/kube-system/configmaps/kube-root-ca.crt")
             self._tokens = JoinTokens(self.client, ca_pem=cm["data"]["ca.crt"].encode())
         return self._tokens
@@ -257,15 +256,11 @@ class Nodes:
         """Whether a certificate was issued to a request made with token id ``tid`` (``since``:
         made at or after that time, the token's Secret's creationTimestamp: the same id's
         earlier tokens' requests stay for an hour or more after they are revoked)."""
-        from controller.nodegroups.jointokens import created_at
-
         return any(csr_token_id(c) == tid and (c.get("status") or {}).get("certificate")
                    and (since is None or created_at(c) >= since) for c in self.cache.list(CSRS))
 
     def _requested(self) -> dict[str, float]:
         """Token id -> when the newest certificate request made with a token of that id was made."""
-        from controller.nodegroups.jointokens import created_at
-
         out: dict[str, float] = {}
         for c in self.cache.list(CSRS):
             tid = csr_token_id(c)

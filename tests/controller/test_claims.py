@@ -156,20 +156,12 @@ class Cluster:
         """Successful writes by the controller identity to these objects, (namespace or None,
         name) each (audit log). Objects of the same name in other namespaces, which the
         cluster-wide reconcilers may write meanwhile (other tests' leftovers), do not count."""
-        n = 0
-        for line in self.cp.audit_log.read_text().splitlines():
-            ev = json.loads(line)
-            ref = ev.get("objectRef") or {}
-            if (ev.get("stage") == "ResponseComplete" and ev["user"]["username"] == CONTROLLER_USER
-                    and (ref.get("namespace"), ref.get("name")) in objects
-                    and (ev.get("responseStatus") or {}).get("code", 0) < 400):
-                n += 1
-        return n
+        return sum(1 for w in self.writers("", *objects) if w[0] == CONTROLLER_USER)
 
     def writers(self, since: str, *objects: tuple[str | None, str]) -> list[tuple]:
         """Every successful write to these objects received at or after ``since`` (RFC 3339, the
-        audit log's clock), by any user: (user, verb, resource, subresource, namespace, name), to
-        name who moved a resourceVersion when steady state is asserted."""
+        audit log's clock; "" for all), by any user: (user, verb, resource, subresource,
+        namespace, name), to name who moved a resourceVersion when steady state is asserted."""
         out = []
         for line in self.cp.audit_log.read_text().splitlines():
             ev = json.loads(line)
